@@ -1,0 +1,90 @@
+"""Serving latency over the WebSocket protocol, with 1, 2 and 4 concurrent clients. One JSON object.
+
+    python -m bench.serve            # shipped voices, 12 utterances per client
+    python -m bench.serve --quick    # 4 utterances per client
+    python -m bench.serve --tiny     # the tiny random-weight engine (no shipped voices needed)
+
+The real server runs in this process on a free loopback port; each client is a `websockets` connection that
+speaks utterances one after another. Per utterance: `ttfa_ms` is the time from sending the text to receiving the
+first binary frame, on the client; `rtf` is the time from sending the text to receiving `done`, divided by the
+audio's duration. Both reported as p50 and p99 over every utterance of every client, after one warm-up
+utterance per client.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+
+from bench.common import percentiles
+from server import ServerThread
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog near the river.",
+    "Please call me back when you have a moment this afternoon.",
+    "Our train leaves the station at half past seven tomorrow morning.",
+    "She found an old map hidden behind the kitchen cupboard door.",
+]
+SAMPLE_RATE = 24_000
+
+
+async def speak(ws, text: str) -> tuple[float, float]:
+    """One utterance: (ms from text sent to first audio frame, wall time / audio time)."""
+    await ws.send(json.dumps({"type": "start", "format": "pcm_s16le"}))
+    ready = json.loads(await ws.recv())
+    if ready.get("type") != "ready":
+        raise RuntimeError(f"start refused: {ready}")
+    sent = time.perf_counter()
+    await ws.send(json.dumps({"type": "text", "text": text}))
+    await ws.send(json.dumps({"type": "end"}))
+    first, samples = None, 0
+    while isinstance(message := await ws.recv(), bytes):
+        first = first or time.perf_counter()
+        samples += len(message) // 2
+    done = json.loads(message)
+    if done.get("type") != "done" or first is None:
+        raise RuntimeError(f"utterance failed: {done}")
+    return (first - sent) * 1000, (time.perf_counter() - sent) / (samples / SAMPLE_RATE)
+
+
+async def client(url: str, index: int, rounds: int) -> list[tuple[float, float]]:
+    import websockets
+    async with websockets.connect(url) as ws:
+        await speak(ws, SENTENCES[index % len(SENTENCES)])  # warm-up
+        return [await speak(ws, SENTENCES[(index + r) % len(SENTENCES)]) for r in range(rounds)]
+
+
+async def load(url: str, clients: int, rounds: int) -> dict:
+    results = await asyncio.gather(*(client(url, i, rounds) for i in range(clients)))
+    ttfa = [t for per_client in results for t, _ in per_client]
+    rtf = [r for per_client in results for _, r in per_client]
+    return {"utterances": len(ttfa),
+            "ttfa_ms_p50": percentiles(ttfa)["p50"], "ttfa_ms_p99": percentiles(ttfa)["p99"],
+            "rtf_p50": percentiles(rtf)["p50"], "rtf_p99": percentiles(rtf)["p99"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="4 utterances per client instead of 12")
+    parser.add_argument("--tiny", action="store_true", help="the tiny random-weight engine, not the shipped voices")
+    args = parser.parse_args()
+    if args.tiny:
+        from streaming.engine import Engine
+        engine = Engine.tiny_random(max_streams=4)
+    else:
+        from tts.api import get_engine
+        engine = get_engine()
+    rounds = 4 if args.quick else 12
+    report = {"engine": "tiny_random" if args.tiny else "shipped", "cpu_cores": os.cpu_count(),
+              "utterances_per_client": rounds, "concurrency": {}}
+    with ServerThread(engine) as server:
+        for clients in (1, 2, 4):
+            report["concurrency"][str(clients)] = asyncio.run(load(server.ws_url, clients, rounds))
+    report["ttfa_ms_p50_1_client"] = report["concurrency"]["1"]["ttfa_ms_p50"]
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,432 @@
+"""The serving engine: many streams share one batch of slots and advance together, one AR step per
+frame tick, with text arriving incrementally and audio decoded chunk by chunk.
+
+One background thread owns the model, the caches and the codec state. Callers talk to it through
+`Stream` objects (thread-safe): push text, flush, end, cancel, read audio chunks.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from streaming.decode import StepCaches, decode_step
+from streaming.sampling import sample
+from streaming.textstream import TextStream
+from tts.codec import Codec
+from tts.model import TTSModel
+from tts.text import MAX_TEXT_CHARS, TextError
+
+ENCODE_CHUNK = 48  # units encoded per text-encoder call
+CHUNK_SCHEDULE = (2, 4, 8)  # frames per codec decode: small first chunks for a fast first sound, then 160 ms
+NEVER = 1 << 40
+
+
+class EngineError(RuntimeError):
+    code = "engine_error"
+
+
+class ServerFull(EngineError):
+    code = "server_full"
+
+
+class UnknownVoice(EngineError, ValueError):
+    code = "unknown_voice"
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.7
+    top_k: int = 40
+
+
+class Stream:
+    """One utterance being spoken. Audio chunks are float32 mono at the codec's sample rate."""
+
+    def __init__(self, engine: "Engine", voice: str, speed: float, max_chars: int):
+        self.engine, self.voice, self.speed = engine, voice, speed
+        self.text = TextStream(max_chars)
+        self._audio: queue.Queue = queue.Queue()
+        self.queued_samples = 0
+        self.cancelled = self.finished = False
+        self.opened_at = time.perf_counter()
+        self.first_text_at: float | None = None
+        self.first_audio_at: float | None = None
+        self.last_audio_at: float | None = None
+        self.samples = 0
+        self.error: Exception | None = None
+
+    def push_text(self, text: str) -> None:
+        self.text.push(text)
+        if self.first_text_at is None and text.strip():
+            self.first_text_at = time.perf_counter()
+        self.engine.wake()
+
+    def flush(self) -> None:
+        self.text.flush()
+        self.engine.wake()
+
+    def end(self) -> None:
+        self.text.end()
+        self.engine.wake()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        while not self._audio.empty():
+            try:
+                self._audio.get_nowait()
+            except queue.Empty:
+                break
+        self._audio.put(None)
+        self.engine.wake()
+
+    def read(self, timeout: float | None = None) -> np.ndarray | None:
+        """Next audio chunk, or None once the utterance is finished. Raises TimeoutError."""
+        try:
+            chunk = self._audio.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError("no audio yet") from None
+        if chunk is None:
+            self._audio.put(None)  # stay finished for later reads
+            if self.error is not None:
+                raise self.error
+            return None
+        self.queued_samples -= len(chunk)
+        self.engine.wake()
+        return chunk
+
+    def _deliver(self, chunk: np.ndarray) -> None:
+        now = time.perf_counter()
+        self.first_audio_at = self.first_audio_at or now
+        self.last_audio_at = now
+        self.samples += len(chunk)
+        self.queued_samples += len(chunk)
+        self._audio.put(chunk)
+
+    def _finish(self, error: Exception | None = None) -> None:
+        self.error = error
+        self.finished = True
+        self._audio.put(None)
+
+    @property
+    def stats(self) -> dict:
+        sr = self.engine.sample_rate
+        start = self.first_text_at or self.opened_at
+        audio_s = self.samples / sr
+        ttfa = None if self.first_audio_at is None else (self.first_audio_at - start) * 1000
+        busy = None if self.last_audio_at is None else self.last_audio_at - start
+        return {"audio_seconds": round(audio_s, 3), "ttfa_ms": None if ttfa is None else round(ttfa, 1),
+                "rtf": None if not busy or not audio_s else round(busy / audio_s, 3),
+                "frames": self.samples // self.engine.codec.cfg.hop}
+
+
+@dataclass
+class Slot:
+    """Host-side bookkeeping of one batch slot. Unit indices are absolute within the utterance."""
+    stream: Stream
+    voice_id: int
+    units: list[int] = field(default_factory=list)
+    durations: list[int] = field(default_factory=list)  # frames of every encoded unit
+    frame_unit: list[int] = field(default_factory=list)  # aligned unit of every frame so far known
+    text_kv: list = field(default_factory=list)  # per encoded-but-unwritten unit: per layer (k, v)
+    written: int = 0
+    closed_upto: int = -1  # units up to here were closed by a flush: speak them without more lookahead
+    step: int = 0
+    pending: int = 0  # finished frames not yet decoded
+    chunks: int = 0
+
+    @property
+    def encoded(self) -> int:
+        return len(self.durations)
+
+
+class Engine:
+    def __init__(self, model: TTSModel, codec: Codec, voices: dict[str, dict], max_streams: int = 8,
+                 device: str = "cpu", sampling: SamplingConfig | None = None, max_chars: int = MAX_TEXT_CHARS,
+                 max_queued_seconds: float = 4.0, seed: int = 0):
+        self.model, self.codec, self.device = model.eval(), codec.eval(), device
+        self.cfg, self.voices = model.cfg, voices
+        self.default_voice = next((n for n, v in voices.items() if v.get("default")), next(iter(voices)))
+        self.sample_rate = codec.cfg.sample_rate
+        self.max_streams, self.max_chars, self.max_queued = max_streams, max_chars, max_queued_seconds
+        self.sampling = sampling or SamplingConfig()
+        self.generator = torch.Generator(device).manual_seed(seed)
+        self.caches = StepCaches.empty(self.cfg, max_streams, device)
+        self.codec_state = codec.decoder.init_state(max_streams, device)
+        self.slots: list[Slot | None] = [None] * max_streams
+        books = self.cfg.codebooks
+        self.tokens = torch.full((max_streams, books), self.cfg.codebook_size, dtype=torch.long, device=device)
+        self.history = torch.zeros(max_streams, books, books, dtype=torch.long, device=device)  # last K steps
+        self.frames = torch.zeros(max_streams, books, max(CHUNK_SCHEDULE), dtype=torch.long, device=device)
+        self._prefix: dict[int, list] = {}
+        self._new: list[int] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self.step_ms: deque[float] = deque(maxlen=200_000)  # AR step + sampling, per tick
+        self.codec_ms: deque[tuple[float, int]] = deque(maxlen=200_000)  # (ms, frames) per codec call
+        self.sync_timing = False  # benchmarks on a GPU set this to time the step exactly
+        self._decode_step = self._fast_step()
+        self._thread = threading.Thread(target=self._run, name="tts-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API -------------------------------------------------------------------------
+    def open(self, voice: str | None = None, speed: float = 1.0) -> Stream:
+        voice = voice or self.default_voice
+        if voice not in self.voices:
+            raise UnknownVoice(f"unknown voice {voice!r}; choose one of {sorted(self.voices)}")
+        if not isinstance(speed, (int, float)) or not 0.25 <= speed <= 4.0:
+            raise ValueError(f"speed must be a number from 0.25 to 4.0, not {speed!r}")
+        stream = Stream(self, voice, float(speed), self.max_chars)
+        with self._lock:
+            free = [i for i, s in enumerate(self.slots) if s is None]
+            if not free:
+                raise ServerFull(f"all {self.max_streams} streams are busy; try again shortly")
+            self.slots[free[0]] = Slot(stream, self.voices[voice]["index"])
+            self._new.append(free[0])
+        self.wake()
+        return stream
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    @property
+    def active_streams(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    def _fast_step(self):
+        """The best available step: a CUDA graph on a GPU, else the eager step (kill switch: TTS_NO_GRAPH)."""
+        import kernels
+        if str(self.device).startswith("cuda") and kernels.enabled("graph"):
+            from kernels.cuda_graph import GraphedStep
+            return GraphedStep(self.model, self.caches, self.max_streams, self.device)
+        return decode_step
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            self._wake.wait(timeout=0.05)
+            self._wake.clear()
+            try:
+                while self._tick():
+                    pass
+            except Exception as err:  # a bug must not leave callers hanging: fail the streams, keep serving
+                traceback.print_exc()
+                for index, slot in enumerate(self.slots):
+                    if slot is not None:
+                        slot.stream._finish(EngineError(f"internal error: {err}"))
+                        self.slots[index] = None
+
+    def _tick(self) -> bool:
+        """Advance every ready stream by one frame. Returns whether any work was done."""
+        with self._lock:
+            new, self._new = self._new, []
+        for index in new:
+            self._start(index)
+        ready = []
+        for index, slot in enumerate(self.slots):
+            if slot is None:
+                continue
+            if slot.stream.cancelled:
+                self.slots[index] = None
+                continue
+            self._advance_text(slot)
+            if self._can_step(slot):
+                ready.append(index)
+            elif self._is_done(slot):
+                self._decode([index])
+                spoke = slot.stream.text.spoken_any
+                slot.stream._finish(None if spoke else TextError("text has nothing speakable in it"))
+                self.slots[index] = None
+        if not ready:
+            return False
+        self._step(ready)
+        due = [i for i in ready if self.slots[i].pending >= self._chunk_size(self.slots[i])]
+        if due:
+            self._decode(due)
+        return True
+
+    def _start(self, index: int) -> None:
+        slot = self.slots[index]
+        if slot.voice_id not in self._prefix:  # prefix caching: a voice's prefix is computed once
+            self._prefix[slot.voice_id] = self.model.voice_prefix(torch.tensor([slot.voice_id], device=self.device))
+        self.caches.start(index, self._prefix[slot.voice_id])
+        mask = torch.zeros(self.max_streams, dtype=torch.bool, device=self.device)
+        mask[index] = True
+        self.codec_state.reset(mask)
+        self.tokens[index] = self.cfg.codebook_size
+        self.history[index] = 0
+
+    def _advance_text(self, slot: Slot) -> None:
+        """Phonemise newly arrived text and encode units as far as the text encoder's lookahead allows,
+        but only about one encode chunk beyond what the next frames need (memory stays bounded)."""
+        units, closed = slot.stream.text.take()
+        slot.units += units
+        if closed:
+            slot.closed_upto = len(slot.units)
+        complete = slot.stream.text.ended or slot.closed_upto == len(slot.units)
+        current = slot.frame_unit[slot.step] if slot.step < len(slot.frame_unit) else slot.encoded
+        while slot.encoded < len(slot.units) and slot.encoded <= current + self.cfg.ahead + ENCODE_CHUNK:
+            start = slot.encoded
+            stop = min(start + ENCODE_CHUNK, len(slot.units) if complete else len(slot.units) - self.cfg.text_lookahead)
+            if stop <= start:
+                return
+            self._encode(slot, start, stop)
+
+    def _encode(self, slot: Slot, start: int, stop: int) -> None:
+        look = self.cfg.text_lookahead
+        lo, hi = max(0, start - look), min(len(slot.units), stop + look)
+        units = torch.tensor([slot.units[lo:hi]], device=self.device)
+        voice = torch.tensor([slot.voice_id], device=self.device)
+        states, log_dur = self.model.text(units, voice)
+        states, log_dur = states[:, start - lo:stop - lo], log_dur[0, start - lo:stop - lo]
+        durations = torch.round(torch.expm1(log_dur.float()).clamp(min=0) / slot.stream.speed).long().tolist()
+        if start == 0 and sum(durations) == 0:
+            durations[0] = 1
+        first = len(slot.frame_unit)
+        starts = torch.tensor([first + sum(durations[:i]) for i in range(len(durations))], device=self.device)
+        kv = self.model.text_keys_values(states, starts[None])
+        for i, duration in enumerate(durations):
+            slot.frame_unit += [start + i] * duration
+            slot.text_kv.append([(k[:, :, i:i + 1], v[:, :, i:i + 1]) for k, v in kv])
+        slot.durations += durations
+
+    def _total_steps(self, slot: Slot) -> int:
+        """Steps of the utterance once all its text is known (frames + codebooks - 1), else NEVER."""
+        if slot.stream.text.ended and slot.encoded == len(slot.units):
+            return len(slot.frame_unit) + self.cfg.codebooks - 1 if slot.frame_unit else 0
+        return NEVER
+
+    def _can_step(self, slot: Slot) -> bool:
+        if slot.stream.queued_samples > self.max_queued * self.sample_rate:
+            return False  # backpressure: the reader is behind
+        total = self._total_steps(slot)
+        if total != NEVER:
+            return slot.step < total
+        if slot.step >= len(slot.frame_unit):
+            return False
+        closed = slot.encoded == slot.closed_upto == len(slot.units)
+        return closed or slot.frame_unit[slot.step] + self.cfg.ahead < slot.encoded
+
+    def _is_done(self, slot: Slot) -> bool:
+        return slot.stream.text.ended and slot.step >= self._total_steps(slot)
+
+    def _write_text(self, ready: list[int]) -> None:
+        """Put every unit within the window ahead of each stream's current unit into its text ring."""
+        per_slot = []
+        for index in ready:
+            slot = self.slots[index]
+            unit = slot.frame_unit[min(slot.step, len(slot.frame_unit) - 1)]
+            upto = min(unit + self.cfg.ahead + 1, slot.encoded)
+            per_slot.append((index, slot, list(range(slot.written, upto))))
+        while any(todo for _, _, todo in per_slot):
+            positions = torch.full((self.max_streams, 1), -1, dtype=torch.long)
+            layers = [[torch.zeros(self.max_streams, self.cfg.heads, 1, self.cfg.head_dim, device=self.device),
+                       torch.zeros(self.max_streams, self.cfg.heads, 1, self.cfg.head_dim, device=self.device)]
+                      for _ in range(self.cfg.layers)]
+            for index, slot, todo in per_slot:
+                if not todo:
+                    continue
+                unit = todo.pop(0)
+                positions[index, 0] = unit
+                for layer, (k, v) in zip(layers, slot.text_kv.pop(0)):
+                    layer[0][index], layer[1][index] = k[0], v[0]
+                slot.written += 1
+            self.caches.write_text([tuple(kv) for kv in layers], positions.to(self.device))
+
+    def _step(self, ready: list[int]) -> None:
+        self._write_text(ready)
+        active = torch.zeros(self.max_streams, dtype=torch.bool)
+        frame = torch.zeros(self.max_streams, dtype=torch.long)
+        unit = torch.zeros(self.max_streams, dtype=torch.long)
+        total = torch.full((self.max_streams,), NEVER, dtype=torch.long)
+        for index in ready:
+            slot = self.slots[index]
+            active[index], frame[index] = True, slot.step
+            unit[index] = slot.frame_unit[min(slot.step, len(slot.frame_unit) - 1)]
+            steps = self._total_steps(slot)
+            total[index] = steps - self.cfg.codebooks + 1 if steps != NEVER else NEVER
+        active, frame, unit, total = (t.to(self.device) for t in (active, frame, unit, total))
+        started = time.perf_counter()
+        logits = self._decode_step(self.model, self.caches, self.tokens, frame, unit, active)
+        tokens = sample(logits, self.sampling.temperature, self.sampling.top_k, self.generator)
+        if self.sync_timing:
+            torch.cuda.synchronize()
+        self.step_ms.append((time.perf_counter() - started) * 1000)
+        books = torch.arange(self.cfg.codebooks, device=self.device)
+        frame_of_token = frame[:, None] - books  # codebook k of this step belongs to frame step - k
+        valid = (frame_of_token >= 0) & (frame_of_token < total[:, None])
+        tokens = torch.where(valid, tokens, self.cfg.codebook_size)
+        self.tokens = torch.where(active[:, None], tokens, self.tokens)
+        column = (frame % self.cfg.codebooks)[:, None, None].expand(-1, self.cfg.codebooks, 1)
+        old = self.history.gather(2, column)
+        self.history.scatter_(2, column, torch.where(active[:, None, None], tokens[:, :, None], old))
+        self._collect_frames(ready, frame)
+
+    def _collect_frames(self, ready: list[int], frame: torch.Tensor) -> None:
+        """A frame is complete once its last codebook is out: frame f at step f + K - 1.
+        Example, K=3: at step 5 frame 3 is complete, its codebooks k come from steps 3, 4, 5."""
+        books = self.cfg.codebooks
+        for index in ready:
+            slot = self.slots[index]
+            done_frame = slot.step - (books - 1)
+            slot.step += 1
+            if done_frame < 0 or done_frame >= len(slot.frame_unit):
+                continue
+            steps = (done_frame + torch.arange(books, device=self.device)) % books
+            self.frames[index, :, slot.pending] = self.history[index, torch.arange(books, device=self.device), steps]
+            slot.pending += 1
+
+    def _chunk_size(self, slot: Slot) -> int:
+        return CHUNK_SCHEDULE[min(slot.chunks, len(CHUNK_SCHEDULE) - 1)]
+
+    def _decode(self, indices: list[int]) -> None:
+        """Decode the pending frames of the given slots through the streaming codec decoder."""
+        groups: dict[int, list[int]] = {}
+        for index in indices:
+            if self.slots[index].pending:
+                groups.setdefault(self.slots[index].pending, []).append(index)
+        for count, members in groups.items():
+            started = time.perf_counter()
+            select = torch.tensor(members, device=self.device)
+            state = self.codec_state
+            sub = type(state)([b[select] for b in state.buffers],
+                              None if state.lstm is None else tuple(p[:, select] for p in state.lstm))
+            latents = self.codec.quantizer.decode(self.frames[select, :, :count])
+            audio = self.codec.decoder.step(latents, sub)[:, 0].float().cpu().numpy()
+            for b, buffer in enumerate(state.buffers):
+                buffer[select] = sub.buffers[b]
+            if state.lstm is not None:
+                for part, new in zip(state.lstm, sub.lstm):
+                    part[:, select] = new
+            self.codec_ms.append(((time.perf_counter() - started) * 1000, count * len(members)))
+            for row, index in enumerate(members):
+                slot = self.slots[index]
+                slot.pending, slot.chunks = 0, slot.chunks + 1
+                if not slot.stream.cancelled:
+                    slot.stream._deliver(audio[row])
+
+
+def tiny_random_engine(max_streams: int = 4, **kwargs) -> Engine:
+    """An engine on a tiny random-weight model and codec: real scheduling, streaming and audio shapes,
+    noise for sound. For fast tests of everything around the model."""
+    from tts.codec import CODEC_PRESETS
+    from tts.model import MODEL_PRESETS
+    torch.manual_seed(0)
+    codec = Codec(CODEC_PRESETS["tiny"])
+    codec.quantizer.codebooks.normal_()
+    model = TTSModel(MODEL_PRESETS["tiny"])
+    torch.nn.init.constant_(model.text.duration[-1].bias, 1.4)  # about 3 frames a unit, like speech
+    names = ["joe", "slt", "rms", "kal", "awb"]
+    voices = {n: {"name": n, "index": i, "description": "tiny random test voice", "teacher": "none",
+                  "sample_rate": codec.cfg.sample_rate, "default": i == 0} for i, n in enumerate(names)}
+    return Engine(model, codec, voices, max_streams=max_streams, **kwargs)
+
+
+Engine.tiny_random = staticmethod(tiny_random_engine)

@@ -1,0 +1,15 @@
+"""Token sampling on the device, without host syncs: top-k + temperature via the Gumbel-max trick."""
+from __future__ import annotations
+
+import torch
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator | None = None):
+    """logits (B, K, N) -> tokens (B, K). temperature 0 means greedy."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    values, indices = logits.float().topk(min(top_k, logits.shape[-1]), dim=-1)  # (B, K, top_k)
+    uniform = torch.rand(values.shape, device=values.device, generator=generator).clamp_(1e-9, 1 - 1e-9)
+    gumbel = -torch.log(-torch.log(uniform))
+    choice = (values / temperature + gumbel).argmax(-1, keepdim=True)
+    return indices.gather(-1, choice).squeeze(-1)

@@ -1,0 +1,117 @@
+"""The serving engine on a tiny random model: scheduling, slots, incremental text, limits."""
+import threading
+
+import numpy as np
+import pytest
+
+from streaming.engine import Engine, SamplingConfig, ServerFull, UnknownVoice
+from tts.api import synthesize, synthesize_stream
+from tts.text import TextError
+
+GREEDY = SamplingConfig(temperature=0.0)
+TEXT = "Hello there. How are you today? The ring never grows."
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.tiny_random(max_streams=3, sampling=GREEDY)
+
+
+def test_speaks_whole_frames_and_stops(engine):
+    audio = synthesize(TEXT, engine=engine)
+    assert audio.dtype == np.float32 and len(audio) > 0
+    assert len(audio) % engine.codec.cfg.hop == 0
+    assert np.isfinite(audio).all()
+
+
+def test_first_chunk_is_small_and_comes_before_the_rest(engine):
+    chunks = list(synthesize_stream(TEXT, engine=engine))
+    assert len(chunks) > 3
+    assert len(chunks[0]) == 2 * engine.codec.cfg.hop
+
+
+def test_incremental_text_equals_whole_text(engine):
+    whole = synthesize(TEXT, engine=engine)
+    pieces = ["Hello there. ", "How are you", " today? ", "The ring never grows."]
+    assert np.array_equal(synthesize(iter(pieces), engine=engine), whole)
+
+
+def test_other_streams_do_not_change_a_stream(engine):
+    alone = synthesize(TEXT, voice="slt", engine=engine)
+    results = {}
+
+    def run(name, text, voice):
+        results[name] = synthesize(text, voice=voice, engine=engine)
+
+    threads = [threading.Thread(target=run, args=("a", TEXT, "slt")),
+               threading.Thread(target=run, args=("b", "Something else entirely, said by another voice.", "joe"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert np.array_equal(results["a"], alone)
+
+
+def test_voice_and_speed_change_the_audio(engine):
+    slow = synthesize("Speed test sentence.", speed=0.5, engine=engine)
+    fast = synthesize("Speed test sentence.", speed=2.0, engine=engine)
+    assert len(slow) > 1.5 * len(fast)
+
+
+def test_errors_are_typed(engine):
+    with pytest.raises(UnknownVoice):
+        engine.open("nobody")
+    with pytest.raises(ValueError):
+        engine.open(speed=9)
+    with pytest.raises(TextError):
+        synthesize("", engine=engine)
+    with pytest.raises(TextError):
+        synthesize("?!.,", engine=engine)
+    with pytest.raises(TextError):
+        synthesize("a" * (engine.max_chars + 1), engine=engine)
+
+
+def test_server_full_then_free_again(engine):
+    streams = [engine.open() for _ in range(engine.max_streams)]
+    with pytest.raises(ServerFull):
+        engine.open()
+    for s in streams:
+        s.cancel()
+    for s in streams:
+        assert s.read(timeout=5) is None
+    deadline = threading.Event()
+    for _ in range(100):
+        if engine.active_streams == 0:
+            break
+        deadline.wait(0.05)
+    engine.open().cancel()
+
+
+def test_cancel_stops_at_once(engine):
+    stream = engine.open()
+    stream.push_text(TEXT * 5)
+    stream.end()
+    assert stream.read(timeout=30) is not None
+    stream.cancel()
+    assert stream.read(timeout=5) is None
+
+
+def test_backpressure_bounds_queued_audio():
+    engine = Engine.tiny_random(max_streams=1, sampling=GREEDY, max_queued_seconds=0.5)
+    stream = engine.open()
+    stream.push_text(TEXT * 8)
+    stream.end()
+    first = stream.read(timeout=30)
+    threading.Event().wait(1.0)  # a reader that stalls
+    limit = 0.5 * engine.sample_rate + 8 * engine.codec.cfg.hop
+    assert stream.queued_samples <= limit
+    total = len(first)
+    while (chunk := stream.read(timeout=30)) is not None:
+        total += len(chunk)
+    assert total > 2 * limit  # it resumed after the reader caught up
+
+
+def test_cache_memory_is_fixed(engine):
+    before = engine.caches.nbytes
+    synthesize(TEXT * 3, engine=engine)
+    assert engine.caches.nbytes == before

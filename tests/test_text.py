@@ -1,0 +1,70 @@
+"""Text front end: normalisation, phonemes, incremental text, typed errors."""
+import pytest
+
+from streaming.textstream import TextStream
+from tts.text import SYMBOLS, TextError, normalize, phonemize, text_to_sentences
+
+
+@pytest.mark.parametrize("raw, spoken", [
+    ("Dr. Smith paid $3.50.", "doctor Smith paid three dollars and fifty cents."),
+    ("On 3/4/2021 at 10:30", "On march fourth, twenty twenty-one at ten thirty"),
+    ("In 1851 the 2nd ship", "In eighteen fifty-one the second ship"),
+    ("It costs £1", "It costs one pound"),
+    ("45.5% of 1,200", "forty-five point five percent of one thousand, two hundred"),
+    ("Mr. & Mrs. Brown", "mister and missus Brown"),
+])
+def test_normalize(raw, spoken):
+    assert normalize(raw) == spoken
+
+
+def test_phonemize_wraps_sentences():
+    sentences = phonemize("Hi there. Go!")
+    assert len(sentences) == 2
+    assert all(s[0] == "^" and s[-1] == "$" for s in sentences)
+    assert all(u in SYMBOLS for s in sentences for u in s)
+
+
+def test_unknown_words_still_get_phonemes():
+    (sentence,) = phonemize("Zyxqu blorf.")
+    assert len(sentence) > 6
+
+
+@pytest.mark.parametrize("bad", ["", "   ", "?!...", "a" * 20_001])
+def test_unspeakable_text_raises(bad):
+    with pytest.raises(TextError):
+        text_to_sentences(bad)
+
+
+def _spell(ids):
+    return "".join(SYMBOLS[i] for i in ids)
+
+
+def test_text_stream_speaks_complete_sentences_first():
+    stream = TextStream()
+    stream.push("Hello the")
+    assert stream.take() == ([], False)
+    stream.push("re. How are")
+    units, closed = stream.take()
+    assert _spell(units).startswith("^") and _spell(units).endswith(".$") and not closed
+    stream.push(" you")
+    stream.end()
+    units, closed = stream.take()
+    assert _spell(units).startswith("^") and _spell(units).endswith("$") and closed
+    assert stream.ended
+
+
+def test_text_stream_speaks_long_runs_without_punctuation():
+    stream = TextStream()
+    stream.push(" ".join(["word"] * 20))
+    first, _ = stream.take()
+    assert first and _spell(first)[0] == "^" and _spell(first)[-1] != "$"
+    stream.flush()
+    rest, closed = stream.take()
+    assert _spell(rest)[0] == " " and _spell(rest)[-1] == "$" and closed
+
+
+def test_text_stream_limit():
+    stream = TextStream(max_chars=10)
+    stream.push("short")
+    with pytest.raises(TextError):
+        stream.push("this is too long")

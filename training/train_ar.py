@@ -1,0 +1,180 @@
+"""Train the AR codec-frame model (GPU).
+
+    python -m training.train_ar --corpus corpus --codec runs/codec/codec.safetensors --minutes 10 --out runs/ar
+
+Encodes the corpus with the trained codec (cached in ``<out>/tokens.pt``), then trains with teacher
+forcing, the same selective masks the engine serves with, dropout and token noise, keeping the
+checkpoint with the best held-out loss.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from training.data import is_heldout, load_audio, read_manifests
+from tts.alignment import teacher_forcing_batch
+from tts.codec import load_codec
+from tts.model import MODEL_PRESETS, TTSModel
+from tts.text import SYMBOL_ID
+
+VOICES = ["joe", "slt", "rms", "kal", "awb"]
+
+
+@torch.inference_mode()
+def encode_corpus(corpus: Path, codec_path: Path, device: str, workers: int) -> list[dict]:
+    rows = [r for r in read_manifests(corpus) if r["voice"] in VOICES]
+    codec = load_codec(codec_path, device)
+    waves = load_audio(corpus, rows, workers)
+    for row, wave in zip(rows, waves):
+        codes = codec.encode(torch.from_numpy(wave).to(device)[None])[0]
+        row["codes"] = codes[:, :row["n_frames"]].to(torch.int16).cpu()
+        row["unit_ids"] = torch.tensor([SYMBOL_ID[u] for u in row["units"]])
+        row["durations"] = torch.tensor(row["frames"])
+        row["voice_id"] = VOICES.index(row["voice"])
+    return rows
+
+
+def batches(rows: list[dict], frames_per_batch: int, shuffle: bool):
+    """Length-bucketed batches holding about ``frames_per_batch`` frames each."""
+    order = sorted(range(len(rows)), key=lambda i: rows[i]["n_frames"] + (random.random() * 40 if shuffle else 0))
+    chunks, current, longest = [], [], 0
+    for i in order:
+        longest = max(longest, rows[i]["n_frames"])
+        if current and longest * (len(current) + 1) > frames_per_batch:
+            chunks.append(current)
+            current, longest = [], rows[i]["n_frames"]
+        current.append(i)
+    if current:
+        chunks.append(current)
+    if shuffle:
+        random.shuffle(chunks)
+    return chunks
+
+
+def losses(model: TTSModel, rows: list[dict], idx: list[int], device: str, noise: float):
+    cfg = model.cfg
+    items = [(rows[i]["unit_ids"], rows[i]["durations"], rows[i]["codes"]) for i in idx]
+    units, starts, text_phoneme, inputs, targets, frame_pos, step_phoneme = (
+        t.to(device) for t in teacher_forcing_batch(items, cfg.codebook_size))
+    voice = torch.tensor([rows[i]["voice_id"] for i in idx], device=device)
+    if noise > 0:
+        flip = (torch.rand(inputs.shape, device=device) < noise) & (inputs < cfg.codebook_size)
+        inputs = torch.where(flip, torch.randint_like(inputs, cfg.codebook_size), inputs)
+    states, log_dur = model.text(units, voice)
+    logits = model(inputs, frame_pos, step_phoneme, model.voice_prefix(voice),
+                   model.text_keys_values(states, starts), text_phoneme)
+    token_loss = F.cross_entropy(logits.float().flatten(0, 2), targets.flatten(), ignore_index=-100)
+    durations = torch.nn.utils.rnn.pad_sequence([rows[i]["durations"] for i in idx], batch_first=True).to(device)
+    real = text_phoneme >= 0
+    dur_loss = F.mse_loss(log_dur.float()[real], torch.log1p(durations.float())[real])
+    return token_loss, dur_loss
+
+
+def evaluate(model, train, heldout_batches, heldout, token_loss, dur_loss, step, start, lr, best, log, hours,
+             out, autocast, device) -> float:
+    """Held-out losses beside the last training losses; keeps the checkpoint with the best held-out loss."""
+    model.eval()
+    with torch.no_grad(), autocast:
+        held = [losses(model, heldout, b, device, 0.0) for b in heldout_batches]
+    held_token = sum(h[0].item() for h in held) / len(held)
+    held_dur = sum(h[1].item() for h in held) / len(held)
+    entry = {"step": step, "min": round((time.time() - start) / 60, 2), "lr": round(lr, 6),
+             "train_token": round(token_loss.item(), 4), "train_dur": round(dur_loss.item(), 4),
+             "heldout_token": round(held_token, 4), "heldout_dur": round(held_dur, 4)}
+    log.append(entry)
+    print(json.dumps(entry), flush=True)
+    if held_token + held_dur < best:
+        best = held_token + held_dur
+        export(model, out, {"steps": step, "heldout": json.dumps(entry),
+                                                  "train_hours": json.dumps(hours)})
+    return best
+
+
+def export(model: TTSModel, folder: Path, meta: dict, shard_bytes: int = 15_000_000) -> None:
+    """fp16 safetensors in shards ``model-00.safetensors``, ... of at most ``shard_bytes`` each."""
+    metadata = {"config": json.dumps(model.cfg.__dict__), "voices": json.dumps(VOICES),
+                **{k: str(v) for k, v in meta.items()}}
+    shards, size = [{}], 0
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().half().contiguous().cpu()
+        if size and size + tensor.numel() * 2 > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += tensor.numel() * 2
+    for old in folder.glob("model-*.safetensors"):
+        old.unlink()
+    for i, shard in enumerate(shards):
+        save_file(shard, str(folder / f"model-{i:02d}.safetensors"), metadata=metadata)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--corpus", type=Path, default=Path("corpus"))
+    parser.add_argument("--codec", type=Path, required=True, help="folder holding the codec files")
+    parser.add_argument("--out", type=Path, default=Path("runs/ar"))
+    parser.add_argument("--preset", default="base")
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--frames-per-batch", type=int, default=24_000)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--noise", type=float, default=0.05)
+    parser.add_argument("--workers", type=int, default=8)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    random.seed(0)
+    args.out.mkdir(parents=True, exist_ok=True)
+    token_file = args.out / "tokens.pt"
+    if token_file.exists():
+        rows = torch.load(token_file)
+    else:
+        rows = encode_corpus(args.corpus, args.codec, device, args.workers)
+        torch.save(rows, token_file)
+    train = [r for r in rows if not is_heldout(r["id"])]
+    heldout = [r for r in rows if is_heldout(r["id"])]
+    hours = {v: round(sum(r["duration"] for r in train if r["voice"] == v) / 3600, 2) for v in VOICES}
+    print(json.dumps({"train_utterances": len(train), "heldout_utterances": len(heldout), "train_hours": hours}),
+          flush=True)
+    cfg = MODEL_PRESETS[args.preset]
+    model = TTSModel(cfg).to(device)
+    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters", flush=True)
+    opt = torch.optim.AdamW(model.parameters(), args.lr, betas=(0.9, 0.95), weight_decay=0.05)
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
+    budget, start, step, best, log = args.minutes * 60, time.time(), 0, float("inf"), []
+    heldout_batches = batches(heldout, args.frames_per_batch, shuffle=False)
+    while time.time() - start < budget:
+        for idx in batches(train, args.frames_per_batch, shuffle=True):
+            elapsed = (time.time() - start) / budget
+            if elapsed >= 1:
+                break
+            lr = args.lr * min(1.0, (step + 1) / 300) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * elapsed)))
+            for group in opt.param_groups:
+                group["lr"] = lr
+            model.train()
+            with autocast:
+                token_loss, dur_loss = losses(model, train, idx, device, args.noise)
+            opt.zero_grad(set_to_none=True)
+            (token_loss + dur_loss).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            if step % 250 == 0:
+                best = evaluate(model, train, heldout_batches, heldout, token_loss, dur_loss, step, start, lr,
+                                best, log, hours, args.out, autocast, device)
+    if not log or log[-1]["step"] != step:
+        best = evaluate(model, train, heldout_batches, heldout, token_loss, dur_loss, step, start, lr,
+                        best, log, hours, args.out, autocast, device)
+    (args.out / "ar_log.json").write_text(json.dumps(log))
+    print("done", step, "best", best, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Train the codec on the teacher corpus (GPU).
+
+    python -m training.train_codec --corpus corpus --minutes 9 --out runs/codec
+
+Multi-scale log-mel L1 alone for the first ``--gan-after`` fraction of the time, then with a
+multi-scale STFT discriminator (hinge) and feature matching. Writes fp16 safetensors checkpoints.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from training.data import is_heldout, load_audio, read_manifests
+from training.losses import MultiScaleMel, MultiScaleSTFTDiscriminator, discriminator_loss, generator_losses
+from training.quantizer import EMAQuantizerTrainer
+from tts.codec import CODEC_PRESETS, Codec, save_codec
+
+
+def crops(audio: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """Random ``length``-sample windows from the concatenated corpus, each inside one utterance."""
+    pick = torch.randint(len(starts), (batch,), device=audio.device)
+    room = (ends[pick] - starts[pick] - length).clamp(min=1)
+    offset = starts[pick] + (torch.rand(batch, device=audio.device) * room).long()
+    index = offset[:, None] + torch.arange(length, device=audio.device)
+    return audio[index.clamp(max=len(audio) - 1)].float()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--corpus", type=Path, default=Path("corpus"))
+    parser.add_argument("--out", type=Path, default=Path("runs/codec"))
+    parser.add_argument("--preset", default="base")
+    parser.add_argument("--minutes", type=float, default=9.0)
+    parser.add_argument("--gan-after", type=float, default=0.45)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=0.96)
+    parser.add_argument("--workers", type=int, default=8)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    random.seed(0)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = [r for r in read_manifests(args.corpus) if not is_heldout(r["id"])]
+    waves = load_audio(args.corpus, rows, args.workers)
+    lengths = torch.tensor([len(w) for w in waves])
+    ends = lengths.cumsum(0).to(device)
+    starts = ends - lengths.to(device)
+    audio = torch.from_numpy(np.concatenate(waves)).to(device, torch.float16)
+    print(f"{len(rows)} utterances, {len(audio) / 24000 / 3600:.2f} h", flush=True)
+
+    cfg = CODEC_PRESETS[args.preset]
+    codec = Codec(cfg).to(device)
+    vq = EMAQuantizerTrainer(codec.quantizer)
+    mel = MultiScaleMel(cfg.sample_rate).to(device)
+    disc = MultiScaleSTFTDiscriminator().to(device)
+    params = list(codec.encoder.parameters()) + list(codec.decoder.parameters())
+    opt_g = torch.optim.AdamW(params, 3e-4, betas=(0.5, 0.9))
+    opt_d = torch.optim.AdamW(disc.parameters(), 3e-4, betas=(0.5, 0.9))
+    length = int(args.seconds * cfg.sample_rate) // cfg.hop * cfg.hop
+    budget, start, step, log = args.minutes * 60, time.time(), 0, []
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
+    while time.time() - start < budget:
+        gan = time.time() - start > args.gan_after * budget
+        real = crops(audio, starts, ends, args.batch, length)
+        n_q = cfg.codebooks if random.random() < 0.5 else random.randint(1, cfg.codebooks)
+        with autocast:
+            z = codec.encoder(real[:, None])
+        zq, commit = vq(z, n_q)
+        with autocast:
+            fake = codec.decoder(zq.to(z.dtype))[:, 0].float()
+        loss_mel = mel(fake, real)
+        loss = 15 * loss_mel + commit
+        if gan:
+            with autocast:
+                fake_out, real_out = disc(fake), disc(real)
+            adversarial, matching = generator_losses(fake_out, real_out)
+            loss = loss + adversarial + 2 * matching
+        opt_g.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 10.0)
+        opt_g.step()
+        if gan:
+            with autocast:
+                d_loss = discriminator_loss(disc(fake.detach()), disc(real))
+            opt_d.zero_grad(set_to_none=True)
+            d_loss.backward()
+            opt_d.step()
+        step += 1
+        if step % 200 == 0:
+            entry = {"step": step, "min": round((time.time() - start) / 60, 2), "mel": round(loss_mel.item(), 4),
+                     "commit": round(commit.item(), 4), "gan": gan}
+            log.append(entry)
+            print(json.dumps(entry), flush=True)
+        if step % 2000 == 0:
+            save_codec(codec, args.out, {"steps": str(step)})
+    save_codec(codec, args.out, {"steps": str(step), "minutes": str(args.minutes)})
+    (args.out / "codec_log.json").write_text(json.dumps(log))
+    print("done", step, flush=True)
+
+
+if __name__ == "__main__":
+    main()

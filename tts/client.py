@@ -1,0 +1,212 @@
+"""A Python client for the tts server's WebSocket protocol (docs/protocol.md).
+
+    async with connect("ws://127.0.0.1:8000") as client:
+        async for chunk in client.speak("Hello there.", voice="joe"):
+            ...                       # float32 mono chunks at 24 kHz, as they are generated
+        client.done                   # {"type": "done", "audio_seconds": ..., "ttfa_ms": ..., "rtf": ...}
+
+`text` may also be an iterable or async iterable of pieces (an LLM's tokens): each piece is sent as it
+comes. `synthesize_via_server` is the blocking form, and `say_via_server` (used by
+`tts say "..." --server ws://host:port`) writes a sound file atomically or plays through a sound device.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+import soundfile as sf
+import websockets
+
+SAMPLE_RATE = 24_000
+FILE_FORMATS = {"wav": ("WAV", "PCM_16"), "flac": ("FLAC", "PCM_16"), "ogg": ("OGG", "VORBIS")}
+TextSource = str | Iterable[str] | AsyncIterable[str]
+
+
+class ClientError(RuntimeError):
+    """The client could not do what was asked (no server there, no sound device, ...)."""
+
+
+class ServerError(ClientError):
+    """The server answered {"type": "error", "code": ..., "message": ...}."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+
+def stream_url(url: str) -> str:
+    """ws://host:port or http://host:port[/v1/stream] -> the WebSocket endpoint's URL."""
+    parts = urlsplit(url)
+    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
+    if scheme not in ("ws", "wss") or not parts.netloc:
+        raise ClientError(f"not a server URL: {url!r} (expected ws://HOST:PORT)")
+    path = parts.path if parts.path not in ("", "/") else "/v1/stream"
+    return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+
+
+async def _pieces(text: TextSource) -> AsyncIterator[str]:
+    if isinstance(text, str):
+        yield text
+    elif isinstance(text, AsyncIterable):
+        async for piece in text:
+            yield piece
+    else:
+        for piece in text:
+            yield piece
+
+
+class StreamClient:
+    """One connection to /v1/stream; utterances are spoken one after another on it."""
+
+    def __init__(self, ws):
+        self.ws = ws
+        self.ready: dict | None = None
+        self.done: dict | None = None
+        self._lock = asyncio.Lock()  # one utterance at a time on a connection
+
+    async def _next_event(self) -> dict | bytes:
+        message = await self.ws.recv()
+        if isinstance(message, bytes):
+            return message
+        event = json.loads(message)
+        if event.get("type") == "error":
+            raise ServerError(event.get("code", "unknown"), event.get("message", ""))
+        return event
+
+    async def _start(self, voice: str | None, speed: float, fmt: str) -> None:
+        await self.ws.send(json.dumps({"type": "start", "voice": voice, "format": fmt, "speed": speed}))
+        event = await self._next_event()
+        if not isinstance(event, dict) or event.get("type") != "ready":
+            raise ClientError(f"expected ready, got {event!r:.200}")
+        self.ready, self.done = event, None
+
+    async def _send_text(self, text: TextSource) -> None:
+        async for piece in _pieces(text):
+            await self.ws.send(json.dumps({"type": "text", "text": piece}))
+        await self.ws.send(json.dumps({"type": "end"}))
+
+    async def stream(self, text: TextSource, voice: str | None = None, speed: float = 1.0,
+                     fmt: str = "pcm_s16le") -> AsyncIterator[bytes]:
+        """The utterance's binary frames in `fmt`, as they arrive. Leaving the loop early cancels the utterance:
+        at once inside `contextlib.aclosing(...)`, else when the generator is dropped (the next utterance on
+        this connection waits for that)."""
+        async with self._lock:
+            await self._start(voice, speed, fmt)
+            sender = asyncio.create_task(self._send_text(text))
+            try:
+                while True:
+                    event = await self._next_event()
+                    if isinstance(event, bytes):
+                        yield event
+                    elif event.get("type") == "done":
+                        self.done = event
+                        break
+                await sender
+            finally:
+                if not sender.done():
+                    sender.cancel()
+                    await asyncio.gather(sender, return_exceptions=True)
+                if self.done is None:
+                    await self._cancel()
+
+    async def _cancel(self) -> None:
+        """Cancel the utterance and skip what is still in flight, up to its done."""
+        with contextlib.suppress(OSError, websockets.ConnectionClosed, TimeoutError):
+            await self.ws.send(json.dumps({"type": "cancel"}))
+            async with asyncio.timeout(10):
+                while True:
+                    message = await self.ws.recv()
+                    if isinstance(message, str) and (event := json.loads(message)).get("type") == "done":
+                        self.done = event
+                        return
+
+    async def speak(self, text: TextSource, voice: str | None = None, speed: float = 1.0) -> AsyncIterator[np.ndarray]:
+        """float32 mono chunks at 24 kHz, as they are generated."""
+        async with contextlib.aclosing(self.stream(text, voice, speed, fmt="f32le")) as frames:
+            async for frame in frames:
+                yield np.frombuffer(frame, dtype="<f4")
+
+    async def close(self) -> None:
+        await self.ws.close()
+
+
+@contextlib.asynccontextmanager
+async def connect(url: str, **kwargs) -> AsyncIterator[StreamClient]:
+    """An open StreamClient; `kwargs` go to `websockets.connect`."""
+    target = stream_url(url)
+    try:
+        ws = await websockets.connect(target, **kwargs)
+    except (OSError, websockets.InvalidHandshake, websockets.InvalidURI) as err:
+        raise ClientError(f"cannot reach the tts server at {target}: {err}") from None
+    try:
+        yield StreamClient(ws)
+    finally:
+        await ws.close()
+
+
+async def synthesize_async(url: str, text: TextSource, voice: str | None = None, speed: float = 1.0) -> np.ndarray:
+    async with connect(url) as client:
+        chunks = [chunk async for chunk in client.speak(text, voice, speed)]
+    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+
+
+def synthesize_via_server(url: str, text: TextSource, voice: str | None = None, speed: float = 1.0) -> np.ndarray:
+    """The whole utterance from a running server, as one float32 array (blocking)."""
+    return asyncio.run(synthesize_async(url, text, voice, speed))
+
+
+async def _to_file(client: StreamClient, text, voice, speed, out: Path, fmt: str) -> None:
+    """Write chunks to a temporary file beside `out` as they arrive, then rename it into place."""
+    container, subtype = FILE_FORMATS[fmt]
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
+    os.close(fd)
+    try:
+        with sf.SoundFile(tmp, "w", SAMPLE_RATE, 1, subtype, format=container) as sink:
+            async for chunk in client.speak(text, voice, speed):
+                sink.write(chunk)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _output_stream():
+    try:
+        import sounddevice
+        sounddevice.check_output_settings(samplerate=SAMPLE_RATE, channels=1, dtype="float32")
+    except (ImportError, OSError, ValueError) as err:
+        raise ClientError(f"no sound device to play through ({err}); write a file instead: "
+                          "tts say TEXT --server URL -o out.wav") from None
+    return sounddevice.OutputStream(samplerate=SAMPLE_RATE, channels=1, dtype="float32")
+
+
+async def _to_device(client: StreamClient, text, voice, speed) -> None:
+    with _output_stream() as device:
+        async for chunk in client.speak(text, voice, speed):
+            await asyncio.to_thread(device.write, chunk[:, None])
+
+
+def say_via_server(url: str, text: TextSource, voice: str | None = None, out: str | os.PathLike | None = None,
+                   speed: float = 1.0, fmt: str = "wav") -> dict:
+    """Speak `text` through a running server into the file `out` (24 kHz mono, `fmt` wav, flac or ogg;
+    written atomically), or through a sound device when `out` is None. Returns the server's done event.
+    Raises ServerError for what the server refused and ClientError for everything else."""
+    if fmt not in FILE_FORMATS:
+        raise ClientError(f"unsupported file format {fmt!r}; choose one of {sorted(FILE_FORMATS)}")
+
+    async def run() -> dict:
+        async with connect(url) as client:
+            if out is None:
+                await _to_device(client, text, voice, speed)
+            else:
+                await _to_file(client, text, voice, speed, Path(out), fmt)
+            return client.done
+
+    return asyncio.run(run())
