@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-HARVARD = ROOT.parent / "shared" / "eval" / "harvard-sentences.txt"
+HARVARD = Path(os.environ.get("TTS_HARVARD", ROOT.parent / "shared" / "eval" / "harvard-sentences.txt"))
 
 
 def percentiles(values_ms: list[float]) -> dict:

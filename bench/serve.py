@@ -8,7 +8,8 @@ The real server runs in this process on a free loopback port; each client is a `
 speaks utterances one after another. Per utterance: `ttfa_ms` is the time from sending the text to receiving the
 first binary frame, on the client; `rtf` is the time from sending the text to receiving `done`, divided by the
 audio's duration. Both reported as p50 and p99 over every utterance of every client, after one warm-up
-utterance per client.
+utterance per client. `server_overhead_ms_p50` is the client's TTFA minus the engine's own (text pushed to
+chunk decoded): what the socket, the audio pump and the client add.
 """
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ SENTENCES = [
 SAMPLE_RATE = 24_000
 
 
-async def speak(ws, text: str) -> tuple[float, float]:
-    """One utterance: (ms from text sent to first audio frame, wall time / audio time)."""
+async def speak(ws, text: str) -> tuple[float, float, float]:
+    """One utterance: (ms from text sent to first audio frame, wall time / audio time, the engine's own
+    time to first audio in ms)."""
     await ws.send(json.dumps({"type": "start", "format": "pcm_s16le"}))
     ready = json.loads(await ws.recv())
     if ready.get("type") != "ready":
@@ -46,10 +48,10 @@ async def speak(ws, text: str) -> tuple[float, float]:
     done = json.loads(message)
     if done.get("type") != "done" or first is None:
         raise RuntimeError(f"utterance failed: {done}")
-    return (first - sent) * 1000, (time.perf_counter() - sent) / (samples / SAMPLE_RATE)
+    return (first - sent) * 1000, (time.perf_counter() - sent) / (samples / SAMPLE_RATE), done["engine_ttfa_ms"]
 
 
-async def client(url: str, index: int, rounds: int) -> list[tuple[float, float]]:
+async def client(url: str, index: int, rounds: int) -> list[tuple[float, float, float]]:
     import websockets
     async with websockets.connect(url) as ws:
         await speak(ws, SENTENCES[index % len(SENTENCES)])  # warm-up
@@ -58,11 +60,11 @@ async def client(url: str, index: int, rounds: int) -> list[tuple[float, float]]
 
 async def load(url: str, clients: int, rounds: int) -> dict:
     results = await asyncio.gather(*(client(url, i, rounds) for i in range(clients)))
-    ttfa = [t for per_client in results for t, _ in per_client]
-    rtf = [r for per_client in results for _, r in per_client]
-    return {"utterances": len(ttfa),
-            "ttfa_ms_p50": percentiles(ttfa)["p50"], "ttfa_ms_p99": percentiles(ttfa)["p99"],
-            "rtf_p50": percentiles(rtf)["p50"], "rtf_p99": percentiles(rtf)["p99"]}
+    runs = [run for per_client in results for run in per_client]
+    ttfa, rtf = percentiles([t for t, _, _ in runs]), percentiles([r for _, r, _ in runs])
+    overhead = percentiles([t - engine for t, _, engine in runs])  # socket, pump and client, beyond the engine
+    return {"utterances": len(runs), "ttfa_ms_p50": ttfa["p50"], "ttfa_ms_p99": ttfa["p99"],
+            "rtf_p50": rtf["p50"], "rtf_p99": rtf["p99"], "server_overhead_ms_p50": overhead["p50"]}
 
 
 def main() -> None:

@@ -19,11 +19,14 @@ class StepCaches:
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, device=None, dtype=torch.float32) -> "StepCaches":
-        def ring(capacity):
-            return RingKVCache.empty(batch, cfg.heads, capacity, cfg.head_dim, device, dtype)
+        def rings(capacity):  # every layer's ring holds the same positions: share one tensor
+            first = RingKVCache.empty(batch, cfg.heads, capacity, cfg.head_dim, device, dtype)
+            rest = [RingKVCache(torch.zeros_like(first.keys), torch.zeros_like(first.values), first.positions)
+                    for _ in range(cfg.layers - 1)]
+            return [first, *rest]
         sink = torch.zeros(batch, cfg.heads, cfg.sinks, cfg.head_dim, device=device, dtype=dtype)
-        return cls([(sink.clone(), sink.clone()) for _ in range(cfg.layers)],
-                   [ring(cfg.text_slots) for _ in range(cfg.layers)], [ring(cfg.window) for _ in range(cfg.layers)])
+        return cls([(sink.clone(), sink.clone()) for _ in range(cfg.layers)], rings(cfg.text_slots),
+                   rings(cfg.window))
 
     def start(self, slot: int, prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Give ``slot`` a fresh stream with the voice prefix ``prefix`` (per layer (1, H, S, D) keys/values)."""
@@ -42,7 +45,8 @@ class StepCaches:
     @property
     def nbytes(self) -> int:
         sinks = sum(k.numel() * k.element_size() * 2 for k, _ in self.sinks)
-        return sinks + sum(r.nbytes for r in self.text + self.audio)
+        rings = sum(r.keys.nbytes + r.values.nbytes for r in self.text + self.audio)
+        return sinks + rings + self.text[0].positions.nbytes + self.audio[0].positions.nbytes
 
 
 def decode_step(model: TTSModel, caches: StepCaches, tokens: torch.Tensor, frame: torch.Tensor,

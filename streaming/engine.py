@@ -131,9 +131,11 @@ class Slot:
     """Host-side bookkeeping of one batch slot. Unit indices are absolute within the utterance."""
     stream: Stream
     voice_id: int
-    units: list[int] = field(default_factory=list)
-    durations: list[int] = field(default_factory=list)  # frames of every encoded unit
-    frame_unit: list[int] = field(default_factory=list)  # aligned unit of every frame so far known
+    units: list[int] = field(default_factory=list)  # unit ids from absolute index unit_base on
+    unit_base: int = 0
+    encoded: int = 0  # units whose states, durations and text keys exist
+    frame_unit: list[int] = field(default_factory=list)  # aligned unit of each frame from frame_base on
+    frame_base: int = 0
     text_kv: list = field(default_factory=list)  # per encoded-but-unwritten unit: per layer (k, v)
     written: int = 0
     closed_upto: int = -1  # units up to here were closed by a flush: speak them without more lookahead
@@ -142,8 +144,28 @@ class Slot:
     chunks: int = 0
 
     @property
-    def encoded(self) -> int:
-        return len(self.durations)
+    def unit_count(self) -> int:
+        return self.unit_base + len(self.units)
+
+    @property
+    def frames_known(self) -> int:
+        return self.frame_base + len(self.frame_unit)
+
+    def unit_at(self, frame: int) -> int:
+        """Aligned unit of ``frame``; past the last known frame, the last unit (the delay-pattern tail)."""
+        return self.frame_unit[min(frame, self.frames_known - 1) - self.frame_base]
+
+    def trim(self, lookahead: int) -> None:
+        """Forget frames and units no step can touch again, so host memory stays flat on long speech.
+        Example: step 5000, frame_base 0 -> frames 0..4998 are dropped and frame_base becomes 4999."""
+        old_frames = self.step - 1 - self.frame_base
+        if old_frames > 1024:
+            del self.frame_unit[:old_frames]
+            self.frame_base += old_frames
+        old_units = self.encoded - lookahead - 1 - self.unit_base
+        if old_units > 1024:
+            del self.units[:old_units]
+            self.unit_base += old_units
 
 
 class Engine:
@@ -237,6 +259,7 @@ class Engine:
                 self.slots[index] = None
                 continue
             self._advance_text(slot)
+            slot.trim(self.cfg.text_lookahead)
             if self._can_step(slot):
                 ready.append(index)
             elif self._is_done(slot):
@@ -269,38 +292,38 @@ class Engine:
         units, closed = slot.stream.text.take()
         slot.units += units
         if closed:
-            slot.closed_upto = len(slot.units)
-        complete = slot.stream.text.ended or slot.closed_upto == len(slot.units)
-        current = slot.frame_unit[slot.step] if slot.step < len(slot.frame_unit) else slot.encoded
-        while slot.encoded < len(slot.units) and slot.encoded <= current + self.cfg.ahead + ENCODE_CHUNK:
+            slot.closed_upto = slot.unit_count
+        complete = slot.stream.text.ended or slot.closed_upto == slot.unit_count
+        current = slot.unit_at(slot.step) if slot.step < slot.frames_known else slot.encoded
+        while slot.encoded < slot.unit_count and slot.encoded <= current + self.cfg.ahead + ENCODE_CHUNK:
             start = slot.encoded
-            stop = min(start + ENCODE_CHUNK, len(slot.units) if complete else len(slot.units) - self.cfg.text_lookahead)
+            stop = min(start + ENCODE_CHUNK, slot.unit_count if complete else slot.unit_count - self.cfg.text_lookahead)
             if stop <= start:
                 return
             self._encode(slot, start, stop)
 
     def _encode(self, slot: Slot, start: int, stop: int) -> None:
         look = self.cfg.text_lookahead
-        lo, hi = max(0, start - look), min(len(slot.units), stop + look)
-        units = torch.tensor([slot.units[lo:hi]], device=self.device)
+        lo, hi = max(0, start - look), min(slot.unit_count, stop + look)
+        units = torch.tensor([slot.units[lo - slot.unit_base:hi - slot.unit_base]], device=self.device)
         voice = torch.tensor([slot.voice_id], device=self.device)
         states, log_dur = self.model.text(units, voice)
         states, log_dur = states[:, start - lo:stop - lo], log_dur[0, start - lo:stop - lo]
         durations = torch.round(torch.expm1(log_dur.float()).clamp(min=0) / slot.stream.speed).long().tolist()
         if start == 0 and sum(durations) == 0:
             durations[0] = 1
-        first = len(slot.frame_unit)
+        first = slot.frames_known
         starts = torch.tensor([first + sum(durations[:i]) for i in range(len(durations))], device=self.device)
         kv = self.model.text_keys_values(states, starts[None])
         for i, duration in enumerate(durations):
             slot.frame_unit += [start + i] * duration
             slot.text_kv.append([(k[:, :, i:i + 1], v[:, :, i:i + 1]) for k, v in kv])
-        slot.durations += durations
+        slot.encoded = stop
 
     def _total_steps(self, slot: Slot) -> int:
         """Steps of the utterance once all its text is known (frames + codebooks - 1), else NEVER."""
-        if slot.stream.text.ended and slot.encoded == len(slot.units):
-            return len(slot.frame_unit) + self.cfg.codebooks - 1 if slot.frame_unit else 0
+        if slot.stream.text.ended and slot.encoded == slot.unit_count:
+            return slot.frames_known + self.cfg.codebooks - 1 if slot.frames_known else 0
         return NEVER
 
     def _can_step(self, slot: Slot) -> bool:
@@ -309,10 +332,10 @@ class Engine:
         total = self._total_steps(slot)
         if total != NEVER:
             return slot.step < total
-        if slot.step >= len(slot.frame_unit):
+        if slot.step >= slot.frames_known:
             return False
-        closed = slot.encoded == slot.closed_upto == len(slot.units)
-        return closed or slot.frame_unit[slot.step] + self.cfg.ahead < slot.encoded
+        closed = slot.encoded == slot.closed_upto == slot.unit_count
+        return closed or slot.unit_at(slot.step) + self.cfg.ahead < slot.encoded
 
     def _is_done(self, slot: Slot) -> bool:
         return slot.stream.text.ended and slot.step >= self._total_steps(slot)
@@ -322,7 +345,7 @@ class Engine:
         per_slot = []
         for index in ready:
             slot = self.slots[index]
-            unit = slot.frame_unit[min(slot.step, len(slot.frame_unit) - 1)]
+            unit = slot.unit_at(slot.step)
             upto = min(unit + self.cfg.ahead + 1, slot.encoded)
             per_slot.append((index, slot, list(range(slot.written, upto))))
         while any(todo for _, _, todo in per_slot):
@@ -349,7 +372,7 @@ class Engine:
         for index in ready:
             slot = self.slots[index]
             active[index], frame[index] = True, slot.step
-            unit[index] = slot.frame_unit[min(slot.step, len(slot.frame_unit) - 1)]
+            unit[index] = slot.unit_at(slot.step)
             steps = self._total_steps(slot)
             total[index] = steps - self.cfg.codebooks + 1 if steps != NEVER else NEVER
         active, frame, unit, total = (t.to(self.device) for t in (active, frame, unit, total))
@@ -377,7 +400,7 @@ class Engine:
             slot = self.slots[index]
             done_frame = slot.step - (books - 1)
             slot.step += 1
-            if done_frame < 0 or done_frame >= len(slot.frame_unit):
+            if done_frame < 0 or done_frame >= slot.frames_known:
                 continue
             steps = (done_frame + torch.arange(books, device=self.device)) % books
             self.frames[index, :, slot.pending] = self.history[index, torch.arange(books, device=self.device), steps]

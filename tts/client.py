@@ -187,8 +187,8 @@ def _output_stream():
     return sounddevice.OutputStream(samplerate=SAMPLE_RATE, channels=1, dtype="float32")
 
 
-async def _to_device(client: StreamClient, text, voice, speed) -> None:
-    with _output_stream() as device:
+async def _to_device(client: StreamClient, text, voice, speed, device) -> None:
+    with device:
         async for chunk in client.speak(text, voice, speed):
             await asyncio.to_thread(device.write, chunk[:, None])
 
@@ -200,11 +200,12 @@ def say_via_server(url: str, text: TextSource, voice: str | None = None, out: st
     Raises ServerError for what the server refused and ClientError for everything else."""
     if fmt not in FILE_FORMATS:
         raise ClientError(f"unsupported file format {fmt!r}; choose one of {sorted(FILE_FORMATS)}")
+    device = _output_stream() if out is None else None
 
     async def run() -> dict:
         async with connect(url) as client:
-            if out is None:
-                await _to_device(client, text, voice, speed)
+            if device is not None:
+                await _to_device(client, text, voice, speed, device)
             else:
                 await _to_file(client, text, voice, speed, Path(out), fmt)
             return client.done

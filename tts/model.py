@@ -53,13 +53,19 @@ MODEL_PRESETS = {
 }
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotary embedding of x (B, H, T, D) at integer positions (B, T); positions are data, not aranges."""
-    half = x.shape[-1] // 2
-    freq = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angle = positions.float()[:, None, :, None] * freq  # (B, 1, T, D/2)
-    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:]
+def rope_angles(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (B, 1, T, D/2) of the rotary angles at integer positions (B, T): positions are data,
+    not aranges. Computed once per forward and shared by every layer."""
+    half = head_dim // 2
+    freq = base ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
+    angle = positions.float()[:, None, :, None] * freq
+    return angle.cos(), angle.sin()
+
+
+def rotate(x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotary embedding of x (B, H, T, D) with angles from `rope_angles`."""
+    cos, sin = (a.to(x.dtype) for a in angles)
+    x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
@@ -74,18 +80,18 @@ class Attention(nn.Module):
     def split(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, H*D) -> (B, H, T, D)
         return x.unflatten(-1, (self.cfg.heads, self.cfg.head_dim)).transpose(1, 2)
 
-    def keys_values(self, x: torch.Tensor, positions: torch.Tensor | None):
-        """Keys (rotated at ``positions`` unless None) and values, each (B, H, T, D)."""
+    def keys_values(self, x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor] | None):
+        """Keys (rotated by ``angles`` unless None) and values, each (B, H, T, D)."""
         k, v = map(self.split, self.wkv(x).chunk(2, dim=-1))
-        return (k if positions is None else rotate(k, positions, self.cfg.rope_base)), v
+        return (k if angles is None else rotate(k, angles)), v
 
-    def attend(self, x, positions, sink_kv, context_kv, context_mask):
-        """x (B, T, C) queries at ``positions`` (B, T). ``sink_kv``: prefix keys/values, scored without
+    def attend(self, x, angles, sink_kv, context_kv, context_mask):
+        """x (B, T, C) queries with rotary ``angles``. ``sink_kv``: prefix keys/values, scored without
         rotation and always visible. ``context_kv``: rotated keys/values with ``context_mask`` (B, T, Tk)."""
         q = self.split(self.wq(x))
         scale = 1 / math.sqrt(self.cfg.head_dim)
         sink_scores = q @ sink_kv[0].transpose(-1, -2)  # (B, H, T, S)
-        context_scores = rotate(q, positions, self.cfg.rope_base) @ context_kv[0].transpose(-1, -2)
+        context_scores = rotate(q, angles) @ context_kv[0].transpose(-1, -2)
         context_scores = context_scores.masked_fill(~context_mask[:, None], float("-inf"))
         weights = torch.softmax(torch.cat([sink_scores, context_scores], dim=-1) * scale, dim=-1)
         weights = F.dropout(weights, self.cfg.dropout, self.training)
@@ -150,7 +156,8 @@ class TTSModel(nn.Module):
         They depend on the voice alone, so the engine computes them once per voice and caches them."""
         x, prefix = self.sinks[voice], []
         no_context = torch.zeros(x.shape[0], self.cfg.heads, 0, self.cfg.head_dim, device=x.device, dtype=x.dtype)
-        zero_pos = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+        zero_pos = rope_angles(torch.zeros(x.shape[:2], dtype=torch.long, device=x.device), self.cfg.head_dim,
+                               self.cfg.rope_base)
         empty_mask = torch.zeros(x.shape[0], x.shape[1], 0, dtype=torch.bool, device=x.device)
         for block in self.blocks:
             h = block.attn_norm(x)
@@ -162,7 +169,8 @@ class TTSModel(nn.Module):
 
     def text_keys_values(self, states: torch.Tensor, start_frames: torch.Tensor):
         """Per-layer keys/values of text states (B, N, C), rotated at each unit's first frame (B, N)."""
-        return [block.attn.keys_values(block.attn_norm(states), start_frames) for block in self.blocks]
+        angles = rope_angles(start_frames, self.cfg.head_dim, self.cfg.rope_base)
+        return [block.attn.keys_values(block.attn_norm(states), angles) for block in self.blocks]
 
     def forward(self, tokens, frame_pos, phoneme, prefix, text_kv, text_phoneme, audio_kv_fn=None):
         """Run the transformer over audio steps. tokens (B, K, T) are the step inputs, frame_pos (B, T) their
@@ -171,17 +179,21 @@ class TTSModel(nn.Module):
         ``audio_kv_fn(layer, k, v, frame_pos)`` returns (keys, values, key positions) for the audio part;
         by default the steps attend to themselves (teacher forcing). Returns logits (B, K, T, N)."""
         x = self.embed_audio(tokens)
+        angles = rope_angles(frame_pos, self.cfg.head_dim, self.cfg.rope_base)
         t_mask = text_mask(phoneme, text_phoneme, self.cfg.behind, self.cfg.ahead)
+        mask, mask_pos = None, None
         for i, block in enumerate(self.blocks):
             h = block.attn_norm(x)
-            k, v = block.attn.keys_values(h, frame_pos)
+            k, v = block.attn.keys_values(h, angles)
             if audio_kv_fn is None:
                 keys, values, key_pos = k, v, frame_pos
             else:
                 keys, values, key_pos = audio_kv_fn(i, k, v, frame_pos)
+            if key_pos is not mask_pos:  # layers share one positions tensor, so usually built once
+                mask = torch.cat([t_mask, audio_mask(frame_pos, key_pos, self.cfg.window)], dim=-1)
+                mask_pos = key_pos
             context = (torch.cat([text_kv[i][0], keys], 2), torch.cat([text_kv[i][1], values], 2))
-            mask = torch.cat([t_mask, audio_mask(frame_pos, key_pos, self.cfg.window)], dim=-1)
-            x = x + block.drop(block.attn.attend(h, frame_pos, prefix[i], context, mask))
+            x = x + block.drop(block.attn.attend(h, angles, prefix[i], context, mask))
             x = x + block.drop(block.mlp(block.mlp_norm(x)))
         return self.logits(x)
 

@@ -1,0 +1,57 @@
+"""End-to-end on the shipped checkpoints: loading, codec round trip and speech judged by the ASR."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from tts import SAMPLE_RATE
+from tts.asr import transcribe, wer
+from tts.voices import VOICES_DIR, load_shipped, voice_presets
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    torch.set_flush_denormal(True)
+    return load_shipped()
+
+
+def test_every_voice_loads_with_its_preset(shipped):
+    model, codec, presets = shipped
+    assert len(presets) >= 4 and sum(p["default"] for p in presets.values()) == 1
+    assert "joe" in presets
+    assert sorted(p["index"] for p in presets.values()) == list(range(model.cfg.voices))
+    for preset in presets.values():
+        assert preset["sample_rate"] == codec.cfg.sample_rate == SAMPLE_RATE
+        assert preset["description"] and preset["teacher"]
+
+
+def test_shipped_weights_are_small():
+    sizes = {p.name: p.stat().st_size for p in VOICES_DIR.glob("*.safetensors")}
+    assert sum(v for k, v in sizes.items() if k.startswith("codec")) <= 20_000_000
+    assert sum(v for k, v in sizes.items() if k.startswith("model")) <= 60_000_000
+
+
+def test_codec_round_trip_is_still_understood(shipped):
+    _, codec, _ = shipped
+    audio, sr = sf.read(DATA / "heldout_joe.wav", dtype="float32")
+    codes = codec.encode(torch.from_numpy(audio)[None])
+    assert codes.shape[1] == codec.cfg.codebooks
+    decoded = codec.decode(codes)[0].numpy()
+    reference = (DATA / "heldout_joe.txt").read_text()
+    assert wer(reference, transcribe(decoded, sr)) <= 0.2
+
+
+def test_default_voice_speaks_a_sentence(shipped):
+    from tts.api import synthesize
+    text = "Please call me back after lunch tomorrow."
+    audio = synthesize(text)
+    assert audio.dtype == np.float32 and 1.0 < len(audio) / SAMPLE_RATE < 6.0
+    assert wer(text, transcribe(audio, SAMPLE_RATE)) <= 0.25
+
+
+def test_voices_listed():
+    assert set(voice_presets()) >= {"joe", "slt", "rms", "kal", "awb"}
