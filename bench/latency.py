@@ -59,12 +59,17 @@ def flatness(engine: Engine, marks_s: list[int]) -> list[dict]:
     stream = engine.open()
     stop = threading.Event()
 
-    def feed():  # stays a few sentences ahead of the speech
-        while not stop.wait(0.1):
-            stream.push_text(next(sentences) + " ")
-
     engine.step_ms.clear()
     rows, produced, marks = [], 0, list(marks_s)
+
+    def feed():  # text ahead of the speech by a few sentences; speech runs at about 15 characters a second
+        pushed = 0
+        while not stop.wait(0.02):
+            if pushed < 25 * produced / engine.sample_rate + 400:
+                sentence = next(sentences) + " "
+                stream.push_text(sentence)
+                pushed += len(sentence)
+
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
     while marks:
@@ -125,11 +130,14 @@ def baseline_step_ms(model: TTSModel, frames: int, kind: str, device: str, repea
             "memory_bytes": kv if kind == "concat_cache" else cfg.heads * (frames + 1) ** 2 * 4}
 
 
-def concurrency(engine: Engine, counts: list[int], jitter_s: float = 0.2) -> list[dict]:
-    """N streams at once; a stream is real-time if no chunk arrives after its playback deadline
-    (first chunk's arrival + the audio before it + a ``jitter_s`` buffer)."""
+def concurrency(model, codec, presets, device: str, counts: list[int], jitter_s: float = 0.2) -> list[dict]:
+    """N streams at once on an engine of N slots; a stream is real-time if no chunk arrives after its
+    playback deadline (first chunk's arrival + the audio before it + a ``jitter_s`` buffer)."""
     rows = []
     for n in counts:
+        engine = Engine(model, codec, presets, max_streams=n, device=device)
+        engine.sync_timing = device.startswith("cuda")
+        synthesize(TEN_WORDS, engine=engine)  # warm-up
         late, ttfas = [0] * n, [0.0] * n
         engine.step_ms.clear()
 
@@ -177,17 +185,18 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--streams", type=int, nargs="*", default=[1, 2, 4, 6, 8])
+    parser.add_argument("--slots", type=int, default=4, help="engine slots for the single-stream figures")
     parser.add_argument("--plot", type=Path, default=Path(__file__).parent / "step_vs_length.png")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
     model, codec, presets = load_shipped(device=args.device)
-    engine = Engine(model, codec, presets, max_streams=max(args.streams), device=args.device)
+    engine = Engine(model, codec, presets, max_streams=args.slots, device=args.device)
     engine.sync_timing = args.device.startswith("cuda")
     frame_ms = 1000 / codec.cfg.frame_rate
     synthesize(TEN_WORDS, engine=engine)  # warm-up
     step, rtf = steady_state(engine)
-    result = {"device": args.device, "threads": args.threads, "frame_ms": frame_ms,
+    result = {"device": args.device, "threads": args.threads, "slots": args.slots, "frame_ms": frame_ms,
               "step_ms_p50": step["p50"], "step_ms_p99": step["p99"],
               "step_p50_fraction_of_frame": round(step["p50"] / frame_ms, 3), "rtf": round(rtf, 3)}
     first = ttfa(engine, 5 if args.quick else 20)
@@ -201,7 +210,7 @@ def main() -> None:
     result["baselines"] = {kind: {f"{s}s": v for s, v in rows.items()} for kind, rows in baselines.items()}
     result["speedup_vs_no_cache_60s"] = round(baselines["no_cache"][60]["step_ms"] / ours, 2)
     result["speedup_vs_concat_cache_60s"] = round(baselines["concat_cache"][60]["step_ms"] / ours, 2)
-    load = concurrency(engine, args.streams[:3] if args.quick else args.streams)
+    load = concurrency(model, codec, presets, args.device, args.streams[:3] if args.quick else args.streams)
     result["concurrency"] = load
     passing = [row for row in load if row["realtime"]]
     result["streams_realtime"] = max((row["streams"] for row in passing), default=0)

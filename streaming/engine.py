@@ -21,7 +21,7 @@ from streaming.sampling import sample
 from streaming.textstream import TextStream
 from tts.codec import Codec
 from tts.model import TTSModel
-from tts.text import MAX_TEXT_CHARS, TextError
+from tts.text import MAX_TEXT_CHARS, SYMBOLS, TextError
 
 ENCODE_CHUNK = 48  # units encoded per text-encoder call
 CHUNK_SCHEDULE = (2, 4, 8)  # frames per codec decode: small first chunks for a fast first sound, then 160 ms
@@ -61,6 +61,8 @@ class Stream:
         self.last_audio_at: float | None = None
         self.samples = 0
         self.error: Exception | None = None
+        self._timings: list[tuple[str, float, float]] = []
+        self._timings_lock = threading.Lock()
 
     def push_text(self, text: str) -> None:
         self.text.push(text)
@@ -100,6 +102,17 @@ class Stream:
         self.queued_samples -= len(chunk)
         self.engine.wake()
         return chunk
+
+    def take_timings(self) -> list[tuple[str, float, float]]:
+        """Phoneme units scheduled since the last call: (unit, start s, end s) on the stream's audio clock.
+        Units are scheduled a little ahead of the audio that speaks them."""
+        with self._timings_lock:
+            timings, self._timings = self._timings, []
+        return timings
+
+    def _schedule(self, timings: list[tuple[str, float, float]]) -> None:
+        with self._timings_lock:
+            self._timings += timings
 
     def _deliver(self, chunk: np.ndarray) -> None:
         now = time.perf_counter()
@@ -315,6 +328,10 @@ class Engine:
         first = slot.frames_known
         starts = torch.tensor([first + sum(durations[:i]) for i in range(len(durations))], device=self.device)
         kv = self.model.text_keys_values(states, starts[None])
+        frame_s = 1 / self.codec.cfg.frame_rate
+        slot.stream._schedule([(SYMBOLS[u], round(int(f) * frame_s, 3), round((int(f) + d) * frame_s, 3))
+                               for u, f, d in zip(slot.units[start - slot.unit_base:stop - slot.unit_base],
+                                                  starts.tolist(), durations) if d > 0])
         for i, duration in enumerate(durations):
             slot.frame_unit += [start + i] * duration
             slot.text_kv.append([(k[:, :, i:i + 1], v[:, :, i:i + 1]) for k, v in kv])

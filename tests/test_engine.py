@@ -116,3 +116,16 @@ def test_cache_memory_is_fixed(engine):
     before = engine.caches.nbytes
     synthesize(TEXT * 3, engine=engine)
     assert engine.caches.nbytes == before
+
+
+def test_phoneme_timings_tile_the_audio(engine):
+    stream = engine.open()
+    stream.push_text("Timing test.")
+    stream.end()
+    samples = 0
+    while (chunk := stream.read(timeout=30)) is not None:
+        samples += len(chunk)
+    timings = stream.take_timings()
+    assert timings and timings[0][1] == 0.0
+    assert all(a[2] <= b[1] + 1e-9 for a, b in zip(timings, timings[1:]))
+    assert abs(timings[-1][2] - samples / engine.sample_rate) < 0.2

@@ -15,8 +15,9 @@ _engine: Engine | None = None
 _engine_lock = threading.Lock()
 
 
-def get_engine(max_streams: int = 8) -> Engine:
-    """The process-wide engine on the shipped voices, loaded on first use."""
+def get_engine(max_streams: int = 4) -> Engine:
+    """The process-wide engine on the shipped voices, loaded on first use. Every step computes all
+    ``max_streams`` slots, so on 2 CPU cores 4 slots is the measured sweet spot (bench/latency.py)."""
     global _engine
     with _engine_lock:
         if _engine is None:
