@@ -56,8 +56,10 @@ def main() -> None:
                          "duration_ratio_median": round(float(np.median(ratios)), 3),
                          "runaway": int((ratios > 2.5).sum()), "cut_short": int((ratios < 0.5).sum())}
     default = engine.default_voice
-    print(json.dumps({"default_voice": default, "default_wer": report[default]["wer"],
-                      "default_teacher_wer": report[default]["teacher_wer"], "voices": report}, indent=1))
+    summary = {"default_voice": default}
+    if default in report:
+        summary.update(default_wer=report[default]["wer"], default_teacher_wer=report[default]["teacher_wer"])
+    print(json.dumps({**summary, "voices": report}, indent=1))
 
 
 if __name__ == "__main__":

@@ -83,10 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.set_defaults(run=cmd_serve)
     args = parser.parse_args(argv)
     from streaming.engine import EngineError
+    from tts.client import ClientError
     from tts.text import TextError
     try:
         return args.run(args)
-    except (TextError, EngineError, ValueError) as err:
+    except (TextError, EngineError, ClientError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
