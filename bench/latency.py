@@ -111,12 +111,7 @@ def baseline_step_ms(model: TTSModel, frames: int, kind: str, device: str, repea
         def run():
             def grow(i, k, v, p):
                 return torch.cat([keys[i], k], 2), torch.cat([values[i], v], 2), torch.cat([key_pos, p], 1)
-            window = model.cfg.window
-            object.__setattr__(model.cfg, "window", everything)
-            try:
-                return model(tokens, pos, pos // 3, prefix, text_kv, text_phoneme, grow)
-            finally:
-                object.__setattr__(model.cfg, "window", window)
+            return model(tokens, pos, pos // 3, prefix, text_kv, text_phoneme, grow, window=everything)
     run()
     times = []
     for _ in range(repeats):

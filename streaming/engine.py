@@ -227,6 +227,22 @@ class Engine:
         self.wake()
         return stream
 
+    @classmethod
+    def tiny_random(cls, max_streams: int = 4, **kwargs) -> "Engine":
+        """An engine on a tiny random-weight model and codec: real scheduling, streaming and audio shapes,
+        noise for sound. For fast tests of everything around the model."""
+        from tts.codec import CODEC_PRESETS
+        from tts.model import MODEL_PRESETS
+        torch.manual_seed(0)
+        codec = Codec(CODEC_PRESETS["tiny"])
+        codec.quantizer.codebooks.normal_()
+        model = TTSModel(MODEL_PRESETS["tiny"])
+        torch.nn.init.constant_(model.text.duration[-1].bias, 1.4)  # about 3 frames a unit, like speech
+        names = ["joe", "slt", "rms", "kal", "awb"]
+        voices = {n: {"name": n, "index": i, "description": "tiny random test voice", "teacher": "none",
+                      "sample_rate": codec.cfg.sample_rate, "default": i == 0} for i, n in enumerate(names)}
+        return cls(model, codec, voices, max_streams=max_streams, **kwargs)
+
     def wake(self) -> None:
         self._wake.set()
 
@@ -452,21 +468,3 @@ class Engine:
                 if not slot.stream.cancelled:
                     slot.stream._deliver(audio[row])
 
-
-def tiny_random_engine(max_streams: int = 4, **kwargs) -> Engine:
-    """An engine on a tiny random-weight model and codec: real scheduling, streaming and audio shapes,
-    noise for sound. For fast tests of everything around the model."""
-    from tts.codec import CODEC_PRESETS
-    from tts.model import MODEL_PRESETS
-    torch.manual_seed(0)
-    codec = Codec(CODEC_PRESETS["tiny"])
-    codec.quantizer.codebooks.normal_()
-    model = TTSModel(MODEL_PRESETS["tiny"])
-    torch.nn.init.constant_(model.text.duration[-1].bias, 1.4)  # about 3 frames a unit, like speech
-    names = ["joe", "slt", "rms", "kal", "awb"]
-    voices = {n: {"name": n, "index": i, "description": "tiny random test voice", "teacher": "none",
-                  "sample_rate": codec.cfg.sample_rate, "default": i == 0} for i, n in enumerate(names)}
-    return Engine(model, codec, voices, max_streams=max_streams, **kwargs)
-
-
-Engine.tiny_random = staticmethod(tiny_random_engine)

@@ -78,24 +78,12 @@ def losses(model: TTSModel, rows: list[dict], idx: list[int], device: str, noise
     return token_loss, dur_loss
 
 
-def evaluate(model, train, heldout_batches, heldout, token_loss, dur_loss, step, start, lr, best, log, hours,
-             out, autocast, device) -> float:
-    """Held-out losses beside the last training losses; keeps the checkpoint with the best held-out loss."""
+@torch.no_grad()
+def heldout_losses(model: TTSModel, rows: list[dict], chunks: list[list[int]], device: str, autocast) -> tuple[float, float]:
     model.eval()
-    with torch.no_grad(), autocast:
-        held = [losses(model, heldout, b, device, 0.0) for b in heldout_batches]
-    held_token = sum(h[0].item() for h in held) / len(held)
-    held_dur = sum(h[1].item() for h in held) / len(held)
-    entry = {"step": step, "min": round((time.time() - start) / 60, 2), "lr": round(lr, 6),
-             "train_token": round(token_loss.item(), 4), "train_dur": round(dur_loss.item(), 4),
-             "heldout_token": round(held_token, 4), "heldout_dur": round(held_dur, 4)}
-    log.append(entry)
-    print(json.dumps(entry), flush=True)
-    if held_token + held_dur < best:
-        best = held_token + held_dur
-        export(model, out, {"steps": step, "heldout": json.dumps(entry),
-                                                  "train_hours": json.dumps(hours)})
-    return best
+    with autocast:
+        held = [losses(model, rows, idx, device, 0.0) for idx in chunks]
+    return sum(h[0].item() for h in held) / len(held), sum(h[1].item() for h in held) / len(held)
 
 
 def export(model: TTSModel, folder: Path, meta: dict, shard_bytes: int = 15_000_000) -> None:
@@ -150,6 +138,19 @@ def main() -> None:
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
     budget, start, step, best, log = args.minutes * 60, time.time(), 0, float("inf"), []
     heldout_batches = batches(heldout, args.frames_per_batch, shuffle=False)
+
+    def checkpoint(step, lr, token_loss, dur_loss, best) -> float:
+        """Log held-out beside training losses; keep the checkpoint with the best held-out loss."""
+        held_token, held_dur = heldout_losses(model, heldout, heldout_batches, device, autocast)
+        entry = {"step": step, "min": round((time.time() - start) / 60, 2), "lr": round(lr, 6),
+                 "train_token": round(token_loss.item(), 4), "train_dur": round(dur_loss.item(), 4),
+                 "heldout_token": round(held_token, 4), "heldout_dur": round(held_dur, 4)}
+        log.append(entry)
+        print(json.dumps(entry), flush=True)
+        if held_token + held_dur < best:
+            export(model, args.out, {"steps": step, "heldout": json.dumps(entry), "train_hours": json.dumps(hours)})
+            return held_token + held_dur
+        return best
     while time.time() - start < budget:
         for idx in batches(train, args.frames_per_batch, shuffle=True):
             elapsed = (time.time() - start) / budget
@@ -167,11 +168,9 @@ def main() -> None:
             opt.step()
             step += 1
             if step % 250 == 0:
-                best = evaluate(model, train, heldout_batches, heldout, token_loss, dur_loss, step, start, lr,
-                                best, log, hours, args.out, autocast, device)
+                best = checkpoint(step, lr, token_loss, dur_loss, best)
     if not log or log[-1]["step"] != step:
-        best = evaluate(model, train, heldout_batches, heldout, token_loss, dur_loss, step, start, lr,
-                        best, log, hours, args.out, autocast, device)
+        best = checkpoint(step, lr, token_loss, dur_loss, best)
     (args.out / "ar_log.json").write_text(json.dumps(log))
     print("done", step, "best", best, flush=True)
 

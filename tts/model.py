@@ -172,12 +172,13 @@ class TTSModel(nn.Module):
         angles = rope_angles(start_frames, self.cfg.head_dim, self.cfg.rope_base)
         return [block.attn.keys_values(block.attn_norm(states), angles) for block in self.blocks]
 
-    def forward(self, tokens, frame_pos, phoneme, prefix, text_kv, text_phoneme, audio_kv_fn=None):
+    def forward(self, tokens, frame_pos, phoneme, prefix, text_kv, text_phoneme, audio_kv_fn=None, window=None):
         """Run the transformer over audio steps. tokens (B, K, T) are the step inputs, frame_pos (B, T) their
         frame positions, phoneme (B, T) each step's aligned unit. ``prefix``/``text_kv`` are per-layer
         (keys, values); ``text_phoneme`` (B, N) the unit index of each text slot (-1 empty).
         ``audio_kv_fn(layer, k, v, frame_pos)`` returns (keys, values, key positions) for the audio part;
-        by default the steps attend to themselves (teacher forcing). Returns logits (B, K, T, N)."""
+        by default the steps attend to themselves (teacher forcing). ``window`` overrides the audio window
+        (benchmarks of attend-to-everything baselines). Returns logits (B, K, T, N)."""
         x = self.embed_audio(tokens)
         angles = rope_angles(frame_pos, self.cfg.head_dim, self.cfg.rope_base)
         t_mask = text_mask(phoneme, text_phoneme, self.cfg.behind, self.cfg.ahead)
@@ -190,7 +191,7 @@ class TTSModel(nn.Module):
             else:
                 keys, values, key_pos = audio_kv_fn(i, k, v, frame_pos)
             if key_pos is not mask_pos:  # layers share one positions tensor, so usually built once
-                mask = torch.cat([t_mask, audio_mask(frame_pos, key_pos, self.cfg.window)], dim=-1)
+                mask = torch.cat([t_mask, audio_mask(frame_pos, key_pos, window or self.cfg.window)], dim=-1)
                 mask_pos = key_pos
             context = (torch.cat([text_kv[i][0], keys], 2), torch.cat([text_kv[i][1], values], 2))
             x = x + block.drop(block.attn.attend(h, angles, prefix[i], context, mask))
