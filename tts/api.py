@@ -10,7 +10,7 @@ import torch
 from streaming.engine import Engine
 from tts.text import TextError
 
-from tts import SAMPLE_RATE
+from tts import SAMPLE_RATE  # noqa: F401  (re-exported: tts.api.SAMPLE_RATE)
 _engine: Engine | None = None
 _engine_lock = threading.Lock()
 
