@@ -83,6 +83,7 @@ class Start(_Strict):
     voice: str | None = None
     format: Literal[WS_FORMATS] = "pcm_s16le"
     speed: float = Field(1.0, ge=0.25, le=4.0)
+    timings: bool = False  # also send {"type": "timing", "phonemes": [[unit, start_s, end_s], ...]} events
 
 
 class Text(_Strict):
@@ -326,7 +327,7 @@ class Session:
         self.utterance_samples, self.first_audio_at = 0, None
         await self.send_json({"type": "ready", "sample_rate": SAMPLE_RATE, "format": msg.format,
                               "voice": self.stream.voice, "speed": msg.speed})
-        self.pump = asyncio.create_task(self._pump(self.stream, Encoder(msg.format)))
+        self.pump = asyncio.create_task(self._pump(self.stream, Encoder(msg.format), msg.timings))
 
     async def _on_text(self, msg: Text) -> None:
         self._require("open", "text")
@@ -363,11 +364,14 @@ class Session:
             await asyncio.gather(self.pump, return_exceptions=True)
         self.pump, self.stream, self.state = None, None, "idle"
 
-    async def _pump(self, stream, encoder: Encoder) -> None:
+    async def _pump(self, stream, encoder: Encoder, timings: bool = False) -> None:
         """Engine -> socket. Each send waits while the socket is backed up, and no read happens meanwhile,
         so the engine's queue fills and it pauses this stream's generation."""
         try:
             async for chunk in self.hub.chunks(stream):
+                scheduled = stream.take_timings()  # phonemes are scheduled just ahead of their audio
+                if timings and scheduled:
+                    await self.send_json({"type": "timing", "phonemes": scheduled})
                 await self._send_audio(encoder.encode(chunk), len(chunk))
             await self._send_audio(encoder.finish(), 0)
             await self.send_json(self._done(stream, self.utterance_samples, cancelled=False))

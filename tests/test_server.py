@@ -583,3 +583,27 @@ def _healthy(port: int) -> bool:
         return get(f"http://127.0.0.1:{port}/health")[0] == 200
     except OSError:
         return False
+
+
+def test_phoneme_timings_on_request(server):
+    async def go():
+        async with websockets.connect(server.ws_url) as ws:
+            await send(ws, type="start", timings=True)
+            assert json.loads(await ws.recv())["type"] == "ready"
+            await send(ws, type="text", text="Timing, please.")
+            await send(ws, type="end")
+            phonemes, samples = [], 0
+            async with asyncio.timeout(60):
+                while True:
+                    message = await ws.recv()
+                    if isinstance(message, bytes):
+                        samples += len(message) // 2
+                        continue
+                    event = json.loads(message)
+                    if event["type"] == "done":
+                        return phonemes, samples
+                    assert event["type"] == "timing"
+                    phonemes += event["phonemes"]
+    phonemes, samples = run(go())
+    assert phonemes and all(len(p) == 3 and p[1] < p[2] for p in phonemes)
+    assert phonemes[-1][2] <= samples / 24_000 + 0.2
