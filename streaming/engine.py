@@ -102,6 +102,7 @@ class Engine:
         self.slots: list[Slot | None] = [None] * max_streams
         books = self.cfg.codebooks
         self.tokens = torch.full((max_streams, books), self.cfg.codebook_size, dtype=torch.long, device=device)
+        self.books = torch.arange(books, device=device)  # codebook indices, reused every tick
         self.history = torch.zeros(max_streams, books, books, dtype=torch.long, device=device)  # last K steps
         self.frames = torch.zeros(max_streams, books, max(CHUNK_SCHEDULE), dtype=torch.long, device=device)
         self._prefix: dict[int, list] = {}
@@ -320,8 +321,7 @@ class Engine:
         if self.sync_timing:
             torch.cuda.synchronize()
         self.step_ms.append((time.perf_counter() - started) * 1000)
-        books = torch.arange(self.cfg.codebooks, device=self.device)
-        frame_of_token = frame[:, None] - books  # codebook k of this step belongs to frame step - k
+        frame_of_token = frame[:, None] - self.books  # codebook k of this step belongs to frame step - k
         valid = (frame_of_token >= 0) & (frame_of_token < total[:, None])
         tokens = torch.where(valid, tokens, self.cfg.codebook_size)
         self.tokens = torch.where(active[:, None], tokens, self.tokens)
@@ -340,8 +340,8 @@ class Engine:
             slot.step += 1
             if done_frame < 0 or done_frame >= slot.frames_known:
                 continue
-            steps = (done_frame + torch.arange(books, device=self.device)) % books
-            self.frames[index, :, slot.pending] = self.history[index, torch.arange(books, device=self.device), steps]
+            steps = (done_frame + self.books) % books
+            self.frames[index, :, slot.pending] = self.history[index, self.books, steps]
             slot.pending += 1
 
     def _chunk_size(self, slot: Slot) -> int:
