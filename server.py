@@ -558,13 +558,15 @@ def _server(app: Starlette, limits: Limits, log_level: str) -> uvicorn.Server:
     return uvicorn.Server(config)
 
 
-def serve(host: str = "127.0.0.1", port: int = 8000, engine=None, log_level: str = "info", **limits) -> None:
-    """Serve until interrupted. `limits` are the fields of `Limits` (max_connections=..., ...). The engine loads
-    before the socket opens, so missing weights fail here and the first client does not wait for the load."""
+def serve(host: str = "127.0.0.1", port: int = 8000, engine=None, log_level: str = "info", compile: bool = True,
+          **limits) -> None:
+    """Serve until interrupted. `limits` are the fields of `Limits` (max_connections=..., ...). The engine loads,
+    and compiles its step unless ``compile`` is false (or TTS_NO_COMPILE=1), before the socket opens, so missing
+    weights fail here and the first client waits for neither."""
     lim = Limits(**limits)
     if engine is None:
         from tts.api import get_engine
-        engine = get_engine()
+        engine = get_engine(compile=compile)
     sock = _bind(host, port, lim)
     _server(create_app(engine, lim), lim, log_level).run(sockets=[sock])
 

@@ -10,10 +10,12 @@ import threading
 from collections import deque
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
+from streaming.codec_worker import CodecWorker
 from streaming.decode import StepCaches, decode_step
 from streaming.sampling import sample
 from streaming.stream import Stream
@@ -87,9 +89,11 @@ class Slot:
 
 
 class Engine:
+    _cores_split = False
+
     def __init__(self, model: TTSModel, codec: Codec, voices: dict[str, dict], max_streams: int = 8,
                  device: str = "cpu", sampling: SamplingConfig | None = None, max_chars: int = MAX_TEXT_CHARS,
-                 max_queued_seconds: float = 4.0, seed: int = 0):
+                 max_queued_seconds: float = 4.0, seed: int = 0, compile: bool = False):
         self.model, self.codec, self.device = model.eval(), codec.eval(), device
         self.cfg, self.voices = model.cfg, voices
         self.default_voice = next((n for n, v in voices.items() if v.get("default")), next(iter(voices)))
@@ -97,8 +101,12 @@ class Engine:
         self.max_streams, self.max_chars, self.max_queued = max_streams, max_chars, max_queued_seconds
         self.sampling = sampling or SamplingConfig()
         self.generator = torch.Generator(device).manual_seed(seed)
+        if str(device) == "cpu" and not Engine._cores_split:  # the AR step and the codec worker run side by
+            torch.set_num_threads(max(1, torch.get_num_threads() // 2))  # side: split the cores, once a process
+            Engine._cores_split = True
         self.caches = StepCaches.empty(self.cfg, max_streams, device)
-        self.codec_state = codec.decoder.init_state(max_streams, device)
+        self.codec_worker = CodecWorker(codec, max_streams, device)
+        self.codec_ms = self.codec_worker.codec_ms  # (ms, frames) per codec call
         self.slots: list[Slot | None] = [None] * max_streams
         books = self.cfg.codebooks
         self.tokens = torch.full((max_streams, books), self.cfg.codebook_size, dtype=torch.long, device=device)
@@ -110,9 +118,8 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self.step_ms: deque[float] = deque(maxlen=200_000)  # AR step + sampling, per tick
-        self.codec_ms: deque[tuple[float, int]] = deque(maxlen=200_000)  # (ms, frames) per codec call
         self.sync_timing = False  # benchmarks on a GPU set this to time the step exactly
-        self._decode_step = self._fast_step()
+        self._decode_step = self._fast_step(compile)
         self._thread = threading.Thread(target=self._run, name="tts-engine", daemon=True)
         self._thread.start()
 
@@ -156,12 +163,23 @@ class Engine:
     def active_streams(self) -> int:
         return sum(s is not None for s in self.slots)
 
-    def _fast_step(self):
-        """The best available step: a CUDA graph on a GPU, else the eager step (kill switch: TTS_NO_GRAPH)."""
+    def _fast_step(self, compile: bool):
+        """The best available step: a CUDA graph on a GPU; an inductor-compiled step if ``compile`` (long-lived
+        engines: compiling takes seconds); else the eager step. Kill switches: TTS_NO_GRAPH, TTS_NO_COMPILE."""
         import kernels
         if str(self.device).startswith("cuda") and kernels.enabled("graph"):
             from kernels.cuda_graph import GraphedStep
+            self.step_kind = "cuda_graph"
             return GraphedStep(self.model, self.caches, self.max_streams, self.device)
+        if compile and kernels.enabled("compile"):
+            try:
+                from kernels.compiled import CompiledStep
+                step = CompiledStep(self.model, self.caches, self.max_streams, self.device)
+                self.step_kind = "compiled"
+                return step
+            except Exception as err:  # no C++ compiler, say: serve eagerly rather than not at all
+                warnings.warn(f"compiled decode step unavailable, running eagerly: {err}")
+        self.step_kind = "eager"
         return decode_step
 
     # ---- engine thread ----------------------------------------------------------------------
@@ -200,7 +218,7 @@ class Engine:
             elif self._is_done(slot):
                 self._decode([index])
                 spoke = slot.stream.text.spoken_any
-                slot.stream._finish(None if spoke else TextError("text has nothing speakable in it"))
+                self.codec_worker.finish(slot.stream, None if spoke else TextError("text has nothing speakable in it"))
                 self.slots[index] = None
         if not ready:
             return False
@@ -215,9 +233,7 @@ class Engine:
         if slot.voice_id not in self._prefix:  # prefix caching: a voice's prefix is computed once
             self._prefix[slot.voice_id] = self.model.voice_prefix(torch.tensor([slot.voice_id], device=self.device))
         self.caches.start(index, self._prefix[slot.voice_id])
-        mask = torch.zeros(self.max_streams, dtype=torch.bool, device=self.device)
-        mask[index] = True
-        self.codec_state.reset(mask)
+        self.codec_worker.reset(index)
         self.tokens[index] = self.cfg.codebook_size
         self.history[index] = 0
 
@@ -348,28 +364,15 @@ class Engine:
         return CHUNK_SCHEDULE[min(slot.chunks, len(CHUNK_SCHEDULE) - 1)]
 
     def _decode(self, indices: list[int]) -> None:
-        """Decode the pending frames of the given slots through the streaming codec decoder."""
+        """Hand the pending frames of the given slots to the codec worker, batched by frame count."""
         groups: dict[int, list[int]] = {}
         for index in indices:
             if self.slots[index].pending:
                 groups.setdefault(self.slots[index].pending, []).append(index)
         for count, members in groups.items():
-            started = time.perf_counter()
             select = torch.tensor(members, device=self.device)
-            state = self.codec_state
-            sub = type(state)([b[select] for b in state.buffers],
-                              None if state.lstm is None else tuple(p[:, select] for p in state.lstm))
-            latents = self.codec.quantizer.decode(self.frames[select, :, :count])
-            audio = self.codec.decoder.step(latents, sub)[:, 0].float().cpu().numpy()
-            for b, buffer in enumerate(state.buffers):
-                buffer[select] = sub.buffers[b]
-            if state.lstm is not None:
-                for part, new in zip(state.lstm, sub.lstm):
-                    part[:, select] = new
-            self.codec_ms.append(((time.perf_counter() - started) * 1000, count * len(members)))
-            for row, index in enumerate(members):
+            streams = [self.slots[i].stream for i in members]
+            self.codec_worker.decode(members, streams, self.frames[select, :, :count])  # indexing copies
+            for index in members:
                 slot = self.slots[index]
                 slot.pending, slot.chunks = 0, slot.chunks + 1
-                if not slot.stream.cancelled:
-                    slot.stream._deliver(audio[row])
-

@@ -33,10 +33,11 @@ class RingKVCache:
         Returns the whole ring: (keys, values, positions)."""
         slots = positions.clamp(min=0) % self.capacity  # (B, T)
         keep = positions >= 0
-        index = slots[:, None, :, None].expand_as(k)
-        self.keys.scatter_(2, index, torch.where(keep[:, None, :, None], k, self.keys.gather(2, index)))
-        self.values.scatter_(2, index, torch.where(keep[:, None, :, None], v, self.values.gather(2, index)))
-        self.positions.scatter_(1, slots, torch.where(keep, positions, self.positions.gather(1, slots)))
+        batch = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)
+        # Indexed writes, not gather/scatter: inductor (torch 2.13) miscompiled the scatter form inside the step.
+        self.keys[batch, :, slots] = torch.where(keep[..., None, None], k.transpose(1, 2), self.keys[batch, :, slots])
+        self.values[batch, :, slots] = torch.where(keep[..., None, None], v.transpose(1, 2), self.values[batch, :, slots])
+        self.positions[batch, slots] = torch.where(keep, positions, self.positions[batch, slots])
         return self.keys, self.values, self.positions
 
     def reset(self, mask: torch.Tensor) -> None:

@@ -1,6 +1,10 @@
 """Incremental decoding through the rings equals the full masked forward (teacher forcing)."""
+import shutil
+
+import pytest
 import torch
 
+from kernels.compiled import CompiledStep
 from streaming.decode import StepCaches, decode_step
 from tts.alignment import teacher_forcing_batch
 from tts.model import MODEL_PRESETS, TTSModel
@@ -15,9 +19,11 @@ def _random_utterance(cfg, n_units=40, seed=0):
     return units, durations, codes
 
 
-def _incremental_logits(model, units, durations, voice, inputs, step_phoneme, starts, batch=1, slot=0):
+def _incremental_logits(model, units, durations, voice, inputs, step_phoneme, starts, batch=1, slot=0,
+                        compiled=False):
     cfg = model.cfg
     caches = StepCaches.empty(cfg, batch)
+    step = CompiledStep(model, caches, batch, "cpu") if compiled else decode_step
     caches.start(slot, model.voice_prefix(voice))
     states, _ = model.text(units[None], voice)
     text_kv = model.text_keys_values(states, starts)
@@ -37,11 +43,13 @@ def _incremental_logits(model, units, durations, voice, inputs, step_phoneme, st
         tokens = inputs[0, :, s].expand(batch, -1)
         frame = torch.full((batch,), s)
         phoneme = torch.full((batch,), p)
-        out.append(decode_step(model, caches, tokens, frame, phoneme, active)[slot])
+        out.append(step(model, caches, tokens, frame, phoneme, active)[slot])
     return torch.stack(out, dim=1)  # (K, S, N)
 
 
-def test_incremental_equals_full_forward_beyond_ring_capacity():
+@pytest.mark.parametrize("compiled", [
+    False, pytest.param(True, marks=pytest.mark.skipif(not shutil.which("g++"), reason="inductor needs a C++ compiler"))])
+def test_incremental_equals_full_forward_beyond_ring_capacity(compiled):
     torch.manual_seed(0)
     cfg = MODEL_PRESETS["tiny"]
     model = TTSModel(cfg).eval()
@@ -54,7 +62,8 @@ def test_incremental_equals_full_forward_beyond_ring_capacity():
         states, _ = model.text(u, voice)
         full = model(inputs, frame_pos, step_phoneme, model.voice_prefix(voice),
                      model.text_keys_values(states, starts), text_phoneme)[0]
-        incremental = _incremental_logits(model, units, durations, voice, inputs, step_phoneme, starts)
+        incremental = _incremental_logits(model, units, durations, voice, inputs, step_phoneme, starts,
+                                          compiled=compiled)
     torch.testing.assert_close(incremental, full, atol=1e-4, rtol=1e-4)
 
 

@@ -199,6 +199,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=os.cpu_count())
     parser.add_argument("--heldout", type=int, default=0,
                         help="instead: this many utterances per voice from the far end of the text, for evaluation")
+    parser.add_argument("--offset", type=int, default=0,
+                        help="first utterance index of the slices; growing a corpus past earlier slices keeps its text new")
     args = parser.parse_args()
     hours = {k: float(v) for k, v in (h.split("=") for h in args.hours)}
     utterances = make_utterances(fetch_texts(args.cache))
@@ -214,7 +216,7 @@ def main() -> None:
         seconds[voice] = sum(r.get("duration", 0) for r in rows)
     # Each voice speaks its own slice of the utterances, 12 s on average, interleaved so that stopping
     # early still leaves every voice its share.
-    jobs, cursor = [], 0
+    jobs, cursor = [], args.offset
     plan = {v: args.heldout or int(h * 3600 / 9) for v, h in hours.items()}
     per_voice = {v: [] for v in hours}
     for voice, count in plan.items():

@@ -13,6 +13,7 @@ import subprocess
 from multiprocessing import Pool
 from pathlib import Path
 
+from training.data import is_heldout
 
 
 def _transcode(job: tuple[str, str]) -> int:
@@ -27,18 +28,33 @@ def _transcode(job: tuple[str, str]) -> int:
     return Path(dst).stat().st_size
 
 
+def first_hours(lines: list[str], hours: float) -> list[str]:
+    """The first training (not held-out) manifest lines adding up to ``hours`` of audio."""
+    kept, seconds = [], 0.0
+    for line in lines:
+        row = json.loads(line)
+        if seconds < hours * 3600 and not is_heldout(row["id"]):
+            kept.append(line)
+            seconds += row["duration"]
+    return kept
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--corpus", type=Path, default=Path("corpus"))
     parser.add_argument("--out", type=Path, default=Path("upload"))
     parser.add_argument("--part-mb", type=float, default=52)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--hours-per-voice", type=float, default=0,
+                        help="pack only each voice's first training utterances up to this many hours (0: all)")
     args = parser.parse_args()
     staging = args.out / "all"
     jobs, manifests = [], {}
     for manifest in sorted(args.corpus.glob("*.jsonl")):
         (staging / manifest.stem).mkdir(parents=True, exist_ok=True)
         manifests[manifest.name] = manifest.read_text().splitlines()  # a snapshot: the corpus may still grow
+        if args.hours_per_voice:
+            manifests[manifest.name] = first_hours(manifests[manifest.name], args.hours_per_voice)
         for line in manifests[manifest.name]:
             path = json.loads(line)["path"]
             jobs.append((str(args.corpus / path), str(staging / path)))

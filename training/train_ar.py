@@ -2,7 +2,10 @@
 
     python -m training.train_ar --corpus corpus --codec runs/codec/codec.safetensors --minutes 10 --out runs/ar
 
-Encodes the corpus with the trained codec (cached in ``<out>/tokens.pt``), then trains with teacher
+    python -m training.train_ar --tokens /root/tokens --init voices --minutes 18 --lr 5e-4 --out runs/ar
+
+Encodes the corpus with the trained codec (cached in ``<out>/tokens.pt``), or reads tokens that
+`training.tokens` encoded ahead of time, optionally starts from a trained model, then trains with teacher
 forcing, the same selective masks the engine serves with, dropout and token noise, keeping the
 checkpoint with the best held-out loss.
 """
@@ -20,9 +23,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from training.data import is_heldout, load_audio, read_manifests
+from training.tokens import read_parts
 from tts.alignment import teacher_forcing_batch
 from tts.codec import load_codec
-from tts.model import MODEL_PRESETS, TTSModel
+from tts.model import MODEL_PRESETS, TTSModel, load_model
 from tts.text import SYMBOL_ID
 
 VOICES = ["joe", "slt", "rms", "kal", "awb"]
@@ -107,7 +111,9 @@ def export(model: TTSModel, folder: Path, meta: dict, shard_bytes: int = 15_000_
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--corpus", type=Path, default=Path("corpus"))
-    parser.add_argument("--codec", type=Path, required=True, help="folder holding the codec files")
+    parser.add_argument("--codec", type=Path, default=None, help="folder holding the codec files")
+    parser.add_argument("--tokens", type=Path, default=None, help="folder of `training.tokens` parts, instead of encoding")
+    parser.add_argument("--init", type=Path, default=None, help="start from the model in this folder")
     parser.add_argument("--out", type=Path, default=Path("runs/ar"))
     parser.add_argument("--preset", default="base")
     parser.add_argument("--minutes", type=float, default=10.0)
@@ -121,7 +127,11 @@ def main() -> None:
     random.seed(0)
     args.out.mkdir(parents=True, exist_ok=True)
     token_file = args.out / "tokens.pt"
-    if token_file.exists():
+    if args.tokens:
+        rows = [r for r in read_parts(args.tokens) if r["voice"] in VOICES]
+        for row in rows:
+            row["voice_id"] = VOICES.index(row["voice"])
+    elif token_file.exists():
         rows = torch.load(token_file)
     else:
         rows = encode_corpus(args.corpus, args.codec, device, args.workers)
@@ -131,8 +141,7 @@ def main() -> None:
     hours = {v: round(sum(r["duration"] for r in train if r["voice"] == v) / 3600, 2) for v in VOICES}
     print(json.dumps({"train_utterances": len(train), "heldout_utterances": len(heldout), "train_hours": hours}),
           flush=True)
-    cfg = MODEL_PRESETS[args.preset]
-    model = TTSModel(cfg).to(device)
+    model = load_model(args.init, device)[0].train() if args.init else TTSModel(MODEL_PRESETS[args.preset]).to(device)
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters", flush=True)
     opt = torch.optim.AdamW(model.parameters(), args.lr, betas=(0.9, 0.95), weight_decay=0.05)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")

@@ -1,6 +1,10 @@
 """Train the codec on the teacher corpus (GPU).
 
     python -m training.train_codec --corpus corpus --minutes 9 --out runs/codec
+    python -m training.train_codec --corpus corpus --minutes 15 --init voices --decoder-only --gan-after 0 --lr 2e-4 --out runs/codec
+
+The second form fine-tunes only the decoder of a trained codec: the encoder and codebooks stay frozen, so the
+tokens an AR model was trained on keep their meaning, and the decoder always sees all codebooks, as in serving.
 
 Multi-scale log-mel L1 alone for the first ``--gan-after`` fraction of the time, then with a
 multi-scale STFT discriminator (hinge) and feature matching. Writes fp16 safetensors checkpoints.
@@ -19,7 +23,7 @@ import torch
 from training.data import is_heldout, load_audio, read_manifests
 from training.losses import MultiScaleMel, MultiScaleSTFTDiscriminator, discriminator_loss, generator_losses
 from training.quantizer import EMAQuantizerTrainer
-from tts.codec import CODEC_PRESETS, Codec, save_codec
+from tts.codec import CODEC_PRESETS, Codec, load_codec, save_codec
 
 
 def crops(audio: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, batch: int, length: int) -> torch.Tensor:
@@ -29,6 +33,15 @@ def crops(audio: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, batch: 
     offset = starts[pick] + (torch.rand(batch, device=audio.device) * room).long()
     index = offset[:, None] + torch.arange(length, device=audio.device)
     return audio[index.clamp(max=len(audio) - 1)].float()
+
+
+def frozen_quantizer(codec: Codec):
+    """Quantise with the trained codebooks as they are: no EMA updates, no gradient, no commitment loss."""
+    def quantize(z: torch.Tensor, n_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            zq = codec.quantizer.decode(codec.quantizer.encode(z.float(), n_q))
+        return zq, torch.zeros((), device=z.device)
+    return quantize
 
 
 def main() -> None:
@@ -41,6 +54,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=0.96)
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--init", type=Path, default=None, help="start from the codec in this folder")
+    parser.add_argument("--decoder-only", action="store_true", help="freeze the encoder and codebooks")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
@@ -55,12 +71,13 @@ def main() -> None:
     print(f"{len(rows)} utterances, {len(audio) / 24000 / 3600:.2f} h", flush=True)
 
     cfg = CODEC_PRESETS[args.preset]
-    codec = Codec(cfg).to(device)
-    vq = EMAQuantizerTrainer(codec.quantizer)
+    codec = load_codec(args.init, device).train() if args.init else Codec(cfg).to(device)
+    cfg = codec.cfg
+    vq = frozen_quantizer(codec) if args.decoder_only else EMAQuantizerTrainer(codec.quantizer)
     mel = MultiScaleMel(cfg.sample_rate).to(device)
     disc = MultiScaleSTFTDiscriminator().to(device)
-    params = list(codec.encoder.parameters()) + list(codec.decoder.parameters())
-    opt_g = torch.optim.AdamW(params, 3e-4, betas=(0.5, 0.9))
+    params = list(codec.decoder.parameters()) + ([] if args.decoder_only else list(codec.encoder.parameters()))
+    opt_g = torch.optim.AdamW(params, args.lr, betas=(0.5, 0.9))
     opt_d = torch.optim.AdamW(disc.parameters(), 3e-4, betas=(0.5, 0.9))
     length = int(args.seconds * cfg.sample_rate) // cfg.hop * cfg.hop
     budget, start, step, log = args.minutes * 60, time.time(), 0, []
@@ -68,8 +85,8 @@ def main() -> None:
     while time.time() - start < budget:
         gan = time.time() - start > args.gan_after * budget
         real = crops(audio, starts, ends, args.batch, length)
-        n_q = cfg.codebooks if random.random() < 0.5 else random.randint(1, cfg.codebooks)
-        with autocast:
+        n_q = cfg.codebooks if args.decoder_only or random.random() < 0.5 else random.randint(1, cfg.codebooks)
+        with autocast, torch.set_grad_enabled(not args.decoder_only):
             z = codec.encoder(real[:, None])
         zq, commit = vq(z, n_q)
         with autocast:

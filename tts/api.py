@@ -15,16 +15,17 @@ _engine: Engine | None = None
 _engine_lock = threading.Lock()
 
 
-def get_engine(max_streams: int = 4) -> Engine:
+def get_engine(max_streams: int = 4, compile: bool = False) -> Engine:
     """The process-wide engine on the shipped voices, loaded on first use. Every step computes all
-    ``max_streams`` slots, so on 2 CPU cores 4 slots is the measured sweet spot (bench/latency.py)."""
+    ``max_streams`` slots, so on 2 CPU cores 4 slots is the measured sweet spot (bench/latency.py).
+    ``compile`` compiles the decode step first (seconds; long-lived processes such as the server)."""
     global _engine
     with _engine_lock:
         if _engine is None:
             from tts.voices import load_shipped
             torch.set_flush_denormal(True)
             model, codec, presets = load_shipped()
-            _engine = Engine(model, codec, presets, max_streams=max_streams)
+            _engine = Engine(model, codec, presets, max_streams=max_streams, compile=compile)
         return _engine
 
 

@@ -62,7 +62,7 @@ def cmd_voices(_args) -> int:
 
 def cmd_serve(args) -> int:
     from server import serve
-    serve(host=args.host, port=args.port)
+    serve(host=args.host, port=args.port, compile=not args.no_compile)
     return 0
 
 
@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run the WebSocket/HTTP server")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--no-compile", action="store_true",
+                       help="skip compiling the decode step at start-up (starts seconds sooner, steps slower)")
     serve.set_defaults(run=cmd_serve)
     args = parser.parse_args(argv)
     from streaming.engine import EngineError

@@ -1,0 +1,77 @@
+"""Codec decoding on its own thread, so that the next AR step runs while the last frames become audio.
+
+On 2 CPU cores the AR step and the codec decoder each get one, and a frame tick costs the longer of the
+two instead of their sum. The engine thread hands jobs over in order through a bounded queue (when the
+codec is the slower, a full queue makes the engine wait), so a slot's reset, its chunks and its end are
+handled in the order they were made, even when a new stream reuses the slot straight away.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+
+import torch
+
+from streaming.stream import Stream
+from tts.codec import Codec, DecoderState
+
+
+class CodecWorker:
+    def __init__(self, codec: Codec, max_streams: int, device, depth: int = 64):
+        self.codec = codec
+        self.state = codec.decoder.init_state(max_streams, device)
+        self.device = device
+        self.jobs: queue.Queue = queue.Queue(maxsize=depth)
+        self.codec_ms: deque[tuple[float, int]] = deque(maxlen=200_000)  # (ms, frames) per decode call
+        threading.Thread(target=self._run, name="tts-codec", daemon=True).start()
+
+    def reset(self, index: int) -> None:
+        """A new stream starts in slot ``index``: its decoder state begins from silence."""
+        self.jobs.put(("reset", index))
+
+    def decode(self, slots: list[int], streams: list[Stream], frames: torch.Tensor) -> None:
+        """Decode ``frames`` (M, K, T) codes of M slots (each continuing its own state) and deliver the audio."""
+        self.jobs.put(("decode", slots, streams, frames))
+
+    def finish(self, stream: Stream, error: Exception | None) -> None:
+        """End ``stream`` once everything queued before has been delivered."""
+        self.jobs.put(("finish", stream, error))
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            job = self.jobs.get()
+            try:
+                if job[0] == "reset":
+                    mask = torch.zeros(self.state.buffers[0].shape[0], dtype=torch.bool, device=self.device)
+                    mask[job[1]] = True
+                    self.state.reset(mask)
+                elif job[0] == "decode":
+                    self._decode(*job[1:])
+                else:
+                    job[1]._finish(job[2])
+            except Exception as err:  # a bug must not leave readers hanging
+                traceback.print_exc()
+                from streaming.engine import EngineError
+                for stream in job[2] if job[0] == "decode" else job[1:2] if job[0] == "finish" else []:
+                    stream._finish(EngineError(f"internal error: {err}"))
+
+    def _decode(self, slots: list[int], streams: list[Stream], frames: torch.Tensor) -> None:
+        started = time.perf_counter()
+        select = torch.tensor(slots, device=self.device)
+        state = self.state
+        sub = DecoderState([b[select] for b in state.buffers],
+                           None if state.lstm is None else tuple(p[:, select] for p in state.lstm))
+        audio = self.codec.decoder.step(self.codec.quantizer.decode(frames), sub)[:, 0].float().cpu().numpy()
+        for b, buffer in enumerate(state.buffers):
+            buffer[select] = sub.buffers[b]
+        if state.lstm is not None:
+            for part, new in zip(state.lstm, sub.lstm):
+                part[:, select] = new
+        self.codec_ms.append(((time.perf_counter() - started) * 1000, frames.shape[0] * frames.shape[2]))
+        for row, stream in enumerate(streams):
+            if not stream.cancelled:
+                stream._deliver(audio[row])
