@@ -1,7 +1,7 @@
 """Engine latency, flatness, baselines and concurrency on the shipped default voice. One JSON object.
 
     python -m bench.latency            # full run, includes 600 s of continuous speech
-    python -m bench.latency --quick    # under a minute: no 600 s run, fewer repeats
+    python -m bench.latency --quick    # about a minute: no 600 s run, one baseline repeat, 1 and 4 streams
     python -m bench.latency --device cuda
     python -m bench.latency --no-compile   # the eager CPU step (TTS_NO_COMPILE=1 does the same)
 
@@ -204,7 +204,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--streams", type=int, nargs="*", default=[1, 2, 4, 6, 8])
+    parser.add_argument("--streams", type=int, nargs="*", help="loads to try (default 1 2 4 6 8; --quick: 1 4)")
     parser.add_argument("--slots", type=int, default=1,
                         help="engine slots for the single-stream figures (1: batch 1; see concurrency for more)")
     parser.add_argument("--no-compile", action="store_true", help="eager CPU step instead of the compiled one")
@@ -228,13 +228,14 @@ def main() -> None:
     marks = [10, 20] if args.quick else [10, 60, 600]
     result["flatness"] = flatness(engine, marks)
     lengths = [10, 60] if args.quick else [5, 10, 20, 40, 60]
-    baselines = {kind: {s: baseline_step_ms(model, int(s * codec.cfg.frame_rate), kind, args.device)
+    baselines = {kind: {s: baseline_step_ms(model, int(s * codec.cfg.frame_rate), kind, args.device,
+                                                 repeats=1 if args.quick else 3)
                         for s in lengths} for kind in ("ring", "no_cache", "concat_cache")}
     ring = baselines["ring"][60]["step_ms"]
     result["baselines"] = {kind: {f"{s}s": v for s, v in rows.items()} for kind, rows in baselines.items()}
     result["speedup_vs_no_cache_60s"] = round(baselines["no_cache"][60]["step_ms"] / ring, 2)
     result["speedup_vs_concat_cache_60s"] = round(baselines["concat_cache"][60]["step_ms"] / ring, 2)
-    load = concurrency(model, codec, presets, args.device, args.streams[:3] if args.quick else args.streams,
+    load = concurrency(model, codec, presets, args.device, args.streams or ([1, 4] if args.quick else [1, 2, 4, 6, 8]),
                        compile)
     result["concurrency"] = load
     passing = [row for row in load if row["realtime"]]
