@@ -56,7 +56,8 @@ class CodecWorker:
             except Exception as err:  # a bug must not leave readers hanging
                 traceback.print_exc()
                 from streaming.engine import EngineError
-                for stream in job[2] if job[0] == "decode" else job[1:2] if job[0] == "finish" else []:
+                streams = job[2] if job[0] == "decode" else [job[1]] if job[0] == "finish" else []  # reset: none
+                for stream in streams:
                     stream._finish(EngineError(f"internal error: {err}"))
 
     def _decode(self, slots: list[int], streams: list[Stream], frames: torch.Tensor) -> None:

@@ -122,6 +122,8 @@ def main() -> None:
     parser.add_argument("--noise", type=float, default=0.05)
     parser.add_argument("--workers", type=int, default=8)
     args = parser.parse_args()
+    if args.tokens is None and args.codec is None:
+        parser.error("give --tokens (pre-encoded parts) or --codec (to encode the corpus here)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     random.seed(0)
