@@ -40,5 +40,5 @@ def heldout_rows(corpus: Path, per_voice: int) -> list[dict]:
         rows += [json.loads(line) for line in manifest.read_text().splitlines()[:per_voice]]
     if not rows:
         raise SystemExit(f"no held-out corpus in {corpus}: build it with "
-                         "python -m training.corpus --out corpus-heldout --heldout 100")
+                         "python -m training.corpus --out corpus-heldout --heldout 125")
     return rows

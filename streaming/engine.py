@@ -51,6 +51,7 @@ class Slot:
     """Host-side bookkeeping of one batch slot. Unit indices are absolute within the utterance."""
     stream: Stream
     voice_id: int
+    rate: float  # frames-per-phoneme divisor: the stream's speed times the voice's pace
     units: list[int] = field(default_factory=list)  # unit ids from absolute index unit_base on
     unit_base: int = 0
     encoded: int = 0  # units whose states, durations and text keys exist
@@ -135,7 +136,8 @@ class Engine:
             free = [i for i, s in enumerate(self.slots) if s is None]
             if not free:
                 raise ServerFull(f"all {self.max_streams} streams are busy; try again shortly")
-            self.slots[free[0]] = Slot(stream, self.voices[voice]["index"])
+            preset = self.voices[voice]
+            self.slots[free[0]] = Slot(stream, preset["index"], float(speed) * preset.get("pace", 1.0))
             self._new.append(free[0])
         self.wake()
         return stream
@@ -260,7 +262,7 @@ class Engine:
         voice = torch.tensor([slot.voice_id], device=self.device)
         states, log_dur = self.model.text(units, voice)
         states, log_dur = states[:, start - lo:stop - lo], log_dur[0, start - lo:stop - lo]
-        durations = torch.round(torch.expm1(log_dur.float()).clamp(min=0) / slot.stream.speed).long().tolist()
+        durations = torch.round(torch.expm1(log_dur.float()).clamp(min=0) / slot.rate).long().tolist()
         if start == 0 and sum(durations) == 0:
             durations[0] = 1
         first = slot.frames_known

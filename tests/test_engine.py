@@ -59,6 +59,20 @@ def test_voice_and_speed_change_the_audio(engine):
     assert len(slow) > 1.5 * len(fast)
 
 
+def test_voice_pace_multiplies_speed(engine):
+    """A preset's pace scales every phoneme's frames like speed does: pace 0.5 at speed 2 is speed 1."""
+    voice = engine.default_voice
+    plain = synthesize("Pace test sentence.", voice=voice, engine=engine)
+    engine.voices[voice]["pace"] = 0.5
+    try:
+        paced = synthesize("Pace test sentence.", voice=voice, speed=2.0, engine=engine)
+        slower = synthesize("Pace test sentence.", voice=voice, engine=engine)
+    finally:
+        del engine.voices[voice]["pace"]
+    assert np.array_equal(paced, plain)
+    assert len(slower) > 1.5 * len(plain)
+
+
 def test_errors_are_typed(engine):
     with pytest.raises(UnknownVoice):
         engine.open("nobody")

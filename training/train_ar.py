@@ -12,6 +12,7 @@ checkpoint with the best held-out loss.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from safetensors.torch import save_file
 
 from training.data import is_heldout, load_audio, read_manifests
@@ -46,9 +48,9 @@ def encode_corpus(corpus: Path, codec_path: Path, device: str, workers: int) -> 
     return rows
 
 
-def batches(rows: list[dict], frames_per_batch: int, shuffle: bool):
-    """Length-bucketed batches holding about ``frames_per_batch`` frames each."""
-    order = sorted(range(len(rows)), key=lambda i: rows[i]["n_frames"] + (random.random() * 40 if shuffle else 0))
+def batches(rows: list[dict], frames_per_batch: int, rng: random.Random | None = None) -> list[list[int]]:
+    """Length-bucketed batches holding about ``frames_per_batch`` frames each, shuffled by ``rng`` if given."""
+    order = sorted(range(len(rows)), key=lambda i: rows[i]["n_frames"] + (rng.random() * 40 if rng else 0))
     chunks, current, longest = [], [], 0
     for i in order:
         longest = max(longest, rows[i]["n_frames"])
@@ -58,17 +60,39 @@ def batches(rows: list[dict], frames_per_batch: int, shuffle: bool):
         current.append(i)
     if current:
         chunks.append(current)
-    if shuffle:
-        random.shuffle(chunks)
+    if rng:
+        rng.shuffle(chunks)
     return chunks
 
 
-def losses(model: TTSModel, rows: list[dict], idx: list[int], device: str, noise: float):
-    cfg = model.cfg
+def collate(rows: list[dict], idx: list[int]) -> tuple[torch.Tensor, ...]:
+    """CPU tensors of one teacher-forced batch; runs in DataLoader workers so the GPU never waits on it."""
     items = [(rows[i]["unit_ids"], rows[i]["durations"], rows[i]["codes"]) for i in idx]
-    units, starts, text_phoneme, inputs, targets, frame_pos, step_phoneme = (
-        t.to(device) for t in teacher_forcing_batch(items, cfg.codebook_size))
-    voice = torch.tensor([rows[i]["voice_id"] for i in idx], device=device)
+    voice = torch.tensor([rows[i]["voice_id"] for i in idx])
+    durations = torch.nn.utils.rnn.pad_sequence([rows[i]["durations"] for i in idx], batch_first=True)
+    return (*teacher_forcing_batch(items, MODEL_PRESETS["base"].codebook_size), voice, durations)
+
+
+class TrainBatches(IterableDataset):
+    """Endless epochs of shuffled batches. Epoch e is shuffled by seed e in every worker, and worker w of n
+    yields that epoch's batches w, w + n, ...: together they make each epoch exactly once, in order."""
+
+    def __init__(self, rows: list[dict], frames_per_batch: int):
+        self.rows, self.frames_per_batch = rows, frames_per_batch
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        for epoch in itertools.count():
+            for i, idx in enumerate(batches(self.rows, self.frames_per_batch, random.Random(epoch))):
+                if i % workers == worker:
+                    yield collate(self.rows, idx)
+
+
+def losses(model: TTSModel, batch: tuple[torch.Tensor, ...], device: str, noise: float):
+    cfg = model.cfg
+    units, starts, text_phoneme, inputs, targets, frame_pos, step_phoneme, voice, durations = (
+        t.to(device, non_blocking=True) for t in batch)
     if noise > 0:
         flip = (torch.rand(inputs.shape, device=device) < noise) & (inputs < cfg.codebook_size)
         inputs = torch.where(flip, torch.randint_like(inputs, cfg.codebook_size), inputs)
@@ -76,17 +100,16 @@ def losses(model: TTSModel, rows: list[dict], idx: list[int], device: str, noise
     logits = model(inputs, frame_pos, step_phoneme, model.voice_prefix(voice),
                    model.text_keys_values(states, starts), text_phoneme)
     token_loss = F.cross_entropy(logits.float().flatten(0, 2), targets.flatten(), ignore_index=-100)
-    durations = torch.nn.utils.rnn.pad_sequence([rows[i]["durations"] for i in idx], batch_first=True).to(device)
     real = text_phoneme >= 0
     dur_loss = F.mse_loss(log_dur.float()[real], torch.log1p(durations.float())[real])
     return token_loss, dur_loss
 
 
 @torch.no_grad()
-def heldout_losses(model: TTSModel, rows: list[dict], chunks: list[list[int]], device: str, autocast) -> tuple[float, float]:
+def heldout_losses(model: TTSModel, held_batches: list, device: str, autocast) -> tuple[float, float]:
     model.eval()
     with autocast:
-        held = [losses(model, rows, idx, device, 0.0) for idx in chunks]
+        held = [losses(model, batch, device, 0.0) for batch in held_batches]
     return sum(h[0].item() for h in held) / len(held), sum(h[1].item() for h in held) / len(held)
 
 
@@ -148,11 +171,13 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), args.lr, betas=(0.9, 0.95), weight_decay=0.05)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
     budget, start, step, best, log = args.minutes * 60, time.time(), 0, float("inf"), []
-    heldout_batches = batches(heldout, args.frames_per_batch, shuffle=False)
+    heldout_batches = [collate(heldout, idx) for idx in batches(heldout, args.frames_per_batch)]
+    train_batches = DataLoader(TrainBatches(train, args.frames_per_batch), batch_size=None, num_workers=args.workers,
+                               pin_memory=device == "cuda", prefetch_factor=4 if args.workers else None)
 
     def checkpoint(step, lr, token_loss, dur_loss, best) -> float:
         """Log held-out beside training losses; keep the checkpoint with the best held-out loss."""
-        held_token, held_dur = heldout_losses(model, heldout, heldout_batches, device, autocast)
+        held_token, held_dur = heldout_losses(model, heldout_batches, device, autocast)
         entry = {"step": step, "min": round((time.time() - start) / 60, 2), "lr": round(lr, 6),
                  "train_token": round(token_loss.item(), 4), "train_dur": round(dur_loss.item(), 4),
                  "heldout_token": round(held_token, 4), "heldout_dur": round(held_dur, 4)}
@@ -162,24 +187,23 @@ def main() -> None:
             export(model, args.out, {"steps": step, "heldout": json.dumps(entry), "train_hours": json.dumps(hours)})
             return held_token + held_dur
         return best
-    while time.time() - start < budget:
-        for idx in batches(train, args.frames_per_batch, shuffle=True):
-            elapsed = (time.time() - start) / budget
-            if elapsed >= 1:
-                break
-            lr = args.lr * min(1.0, (step + 1) / 300) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * elapsed)))
-            for group in opt.param_groups:
-                group["lr"] = lr
-            model.train()
-            with autocast:
-                token_loss, dur_loss = losses(model, train, idx, device, args.noise)
-            opt.zero_grad(set_to_none=True)
-            (token_loss + dur_loss).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            step += 1
-            if step % 250 == 0:
-                best = checkpoint(step, lr, token_loss, dur_loss, best)
+    for batch in train_batches:
+        elapsed = (time.time() - start) / budget
+        if elapsed >= 1:
+            break
+        lr = args.lr * min(1.0, (step + 1) / 300) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * elapsed)))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        model.train()
+        with autocast:
+            token_loss, dur_loss = losses(model, batch, device, args.noise)
+        opt.zero_grad(set_to_none=True)
+        (token_loss + dur_loss).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 250 == 0:
+            best = checkpoint(step, lr, token_loss, dur_loss, best)
     if not log or log[-1]["step"] != step:
         best = checkpoint(step, lr, token_loss, dur_loss, best)
     (args.out / "ar_log.json").write_text(json.dumps(log))
