@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     say = sub.add_parser("say", help="speak text to a WAV file or the sound device")
     say.add_argument("text")
     say.add_argument("--voice", default=None, help="voice name (see `tts voices`); default: the default voice")
-    say.add_argument("--speed", type=float, default=1.0, help="speaking rate, 0.25 to 4.0")
+    say.add_argument("--speed", type=float, default=1.0,
+                     help="speaking rate, 0.25 to 4.0, times the voice's pace (voices.json)")
     say.add_argument("-o", "--output", type=Path, help="write a 24 kHz mono WAV here")
     say.add_argument("--server", help="stream from a running server, e.g. ws://127.0.0.1:8000")
     say.set_defaults(run=cmd_say)
