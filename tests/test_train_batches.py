@@ -33,8 +33,8 @@ def test_batches_cover_each_row_once_within_budget():
 
 def test_workers_split_each_epoch_exactly():
     rows = make_rows(40)
-    epoch = [collate(rows, idx) for idx in batches(rows, 120, random.Random(0))]
-    loader = DataLoader(TrainBatches(rows, 120), batch_size=None, num_workers=2)
+    epoch = [collate(rows, idx, 1024) for idx in batches(rows, 120, random.Random(0))]
+    loader = DataLoader(TrainBatches(rows, 120, 1024), batch_size=None, num_workers=2)
     got = list(itertools.islice(loader, len(epoch)))
     for ours, theirs in zip(got, epoch):
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs))

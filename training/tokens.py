@@ -103,6 +103,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.workers)
+    bits = math.ceil(math.log2(load_codec(args.codec).cfg.codebook_size))
     for manifest in sorted(args.corpus.glob("*.jsonl")):
         voice = manifest.stem
         if args.voices and voice not in args.voices:
@@ -112,7 +113,6 @@ def main() -> None:
         codes = encode_rows(args.corpus, rows, args.codec, args.cache / voice, args.workers, shard)
         if codes is None:
             continue
-        bits = math.ceil(math.log2(load_codec(args.codec).cfg.codebook_size))
         write_parts(rows, codes, args.out, voice, bits, int(args.part_mb * 1e6))
 
 

@@ -65,20 +65,20 @@ def batches(rows: list[dict], frames_per_batch: int, rng: random.Random | None =
     return chunks
 
 
-def collate(rows: list[dict], idx: list[int]) -> tuple[torch.Tensor, ...]:
+def collate(rows: list[dict], idx: list[int], codebook_size: int) -> tuple[torch.Tensor, ...]:
     """CPU tensors of one teacher-forced batch; runs in DataLoader workers so the GPU never waits on it."""
     items = [(rows[i]["unit_ids"], rows[i]["durations"], rows[i]["codes"]) for i in idx]
     voice = torch.tensor([rows[i]["voice_id"] for i in idx])
     durations = torch.nn.utils.rnn.pad_sequence([rows[i]["durations"] for i in idx], batch_first=True)
-    return (*teacher_forcing_batch(items, MODEL_PRESETS["base"].codebook_size), voice, durations)
+    return (*teacher_forcing_batch(items, codebook_size), voice, durations)
 
 
 class TrainBatches(IterableDataset):
     """Endless epochs of shuffled batches. Epoch e is shuffled by seed e in every worker, and worker w of n
     yields that epoch's batches w, w + n, ...: together they make each epoch exactly once, in order."""
 
-    def __init__(self, rows: list[dict], frames_per_batch: int):
-        self.rows, self.frames_per_batch = rows, frames_per_batch
+    def __init__(self, rows: list[dict], frames_per_batch: int, codebook_size: int):
+        self.rows, self.frames_per_batch, self.codebook_size = rows, frames_per_batch, codebook_size
 
     def __iter__(self):
         info = get_worker_info()
@@ -86,7 +86,7 @@ class TrainBatches(IterableDataset):
         for epoch in itertools.count():
             for i, idx in enumerate(batches(self.rows, self.frames_per_batch, random.Random(epoch))):
                 if i % workers == worker:
-                    yield collate(self.rows, idx)
+                    yield collate(self.rows, idx, self.codebook_size)
 
 
 def losses(model: TTSModel, batch: tuple[torch.Tensor, ...], device: str, noise: float):
@@ -149,7 +149,6 @@ def main() -> None:
         parser.error("give --tokens (pre-encoded parts) or --codec (to encode the corpus here)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    random.seed(0)
     args.out.mkdir(parents=True, exist_ok=True)
     token_file = args.out / "tokens.pt"
     if args.tokens:
@@ -171,9 +170,11 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), args.lr, betas=(0.9, 0.95), weight_decay=0.05)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
     budget, start, step, best, log = args.minutes * 60, time.time(), 0, float("inf"), []
-    heldout_batches = [collate(heldout, idx) for idx in batches(heldout, args.frames_per_batch)]
-    train_batches = DataLoader(TrainBatches(train, args.frames_per_batch), batch_size=None, num_workers=args.workers,
-                               pin_memory=device == "cuda", prefetch_factor=4 if args.workers else None)
+    codebook_size = model.cfg.codebook_size
+    heldout_batches = [collate(heldout, idx, codebook_size) for idx in batches(heldout, args.frames_per_batch)]
+    train_batches = DataLoader(TrainBatches(train, args.frames_per_batch, codebook_size), batch_size=None,
+                               num_workers=args.workers, pin_memory=device == "cuda",
+                               prefetch_factor=4 if args.workers else None)
 
     def checkpoint(step, lr, token_loss, dur_loss, best) -> float:
         """Log held-out beside training losses; keep the checkpoint with the best held-out loss."""
