@@ -16,7 +16,7 @@ from collections import deque
 import torch
 
 from streaming.stream import Stream
-from tts.codec import Codec, DecoderState
+from tts.codec import Codec
 
 
 class CodecWorker:
@@ -63,15 +63,9 @@ class CodecWorker:
     def _decode(self, slots: list[int], streams: list[Stream], frames: torch.Tensor) -> None:
         started = time.perf_counter()
         select = torch.tensor(slots, device=self.device)
-        state = self.state
-        sub = DecoderState([b[select] for b in state.buffers],
-                           None if state.lstm is None else tuple(p[:, select] for p in state.lstm))
+        sub = self.state.select(select)
         audio = self.codec.decoder.step(self.codec.quantizer.decode(frames), sub)[:, 0].float().cpu().numpy()
-        for b, buffer in enumerate(state.buffers):
-            buffer[select] = sub.buffers[b]
-        if state.lstm is not None:
-            for part, new in zip(state.lstm, sub.lstm):
-                part[:, select] = new
+        self.state.write(select, sub)
         self.codec_ms.append(((time.perf_counter() - started) * 1000, frames.shape[0] * frames.shape[2]))
         for row, stream in enumerate(streams):
             if not stream.cancelled:

@@ -24,7 +24,10 @@ from tts.model import TTSModel
 from tts.text import MAX_TEXT_CHARS, SYMBOLS, TextError
 
 ENCODE_CHUNK = 48  # units encoded per text-encoder call
-CHUNK_SCHEDULE = (2, 4, 8)  # frames per codec decode: small first chunks for a fast first sound, then 160 ms
+# Frames per codec decode: small first chunks for a fast first sound, then 320 ms. On 2 CPU cores the
+# decoder's fixed cost per call (short convolutions, the LSTM's per-call setup) makes 8-frame chunks cost
+# about 1.4 times as much per second of audio as 16-frame ones (`python -m bench.codec --quick`).
+CHUNK_SCHEDULE = (2, 4, 8, 16)
 NEVER = 1 << 40
 
 

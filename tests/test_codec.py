@@ -54,6 +54,22 @@ def test_reset_one_stream_leaves_the_other(codec):
     torch.testing.assert_close(second[1], codec.decode(codes)[1, 4 * codec.cfg.hop:], atol=1e-5, rtol=1e-5)
 
 
+def test_sub_batch_decode_through_select_and_write(codec):
+    """Decoding streams 2 and 0 of three through select/write continues each one's own state."""
+    codes = torch.randint(0, codec.cfg.codebook_size, (3, codec.cfg.codebooks, 8))
+    latents = codec.quantizer.decode(codes)
+    state = codec.decoder.init_state(3)
+    index = torch.tensor([2, 0])
+    with torch.inference_mode():
+        codec.decoder.step(latents[..., :4], state)
+        sub = state.select(index)
+        codec.decoder.step(latents[index, :, 4:6], sub)
+        state.write(index, sub)
+        last = codec.decoder.step(latents[..., 6:], state)[:, 0]
+    hop = codec.cfg.hop
+    torch.testing.assert_close(last[[2, 0]], codec.decode(codes[[2, 0]])[:, 6 * hop:], atol=1e-5, rtol=1e-5)
+
+
 def test_save_and_load_round_trip(codec, tmp_path):
     save_codec(codec, tmp_path)
     loaded = load_codec(tmp_path)

@@ -135,6 +135,19 @@ class DecoderState:
             for part in self.lstm:
                 part[:, mask] = 0
 
+    def select(self, index: torch.Tensor) -> "DecoderState":
+        """A copy holding the streams at ``index`` (M,), in that order, for a decode of those streams only."""
+        return DecoderState([b[index] for b in self.buffers],
+                            None if self.lstm is None else tuple(part[:, index] for part in self.lstm))
+
+    def write(self, index: torch.Tensor, sub: "DecoderState") -> None:
+        """Store ``sub`` (from `select` of the same ``index``, then stepped) back into those streams."""
+        for buffer, new in zip(self.buffers, sub.buffers):
+            buffer[index] = new
+        if self.lstm is not None:
+            for part, new in zip(self.lstm, sub.lstm):
+                part[:, index] = new
+
 
 class Decoder(nn.Module):
     def __init__(self, cfg: CodecConfig):
