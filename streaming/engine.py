@@ -81,8 +81,10 @@ class Slot:
 
     def trim(self, lookahead: int) -> None:
         """Forget frames and units no step can touch again, so host memory stays flat on long speech.
-        Example: step 5000, frame_base 0 -> frames 0..4998 are dropped and frame_base becomes 4999."""
-        old_frames = self.step - 1 - self.frame_base
+        Example: step 5000, frame_base 0 -> frames 0..4998 are dropped and frame_base becomes 4999.
+        The last known frame is always kept, as the delay-pattern tail steps past it still read its unit:
+        2046 frames known, step 2050 -> frames 0..2044 are dropped (not 0..2048), frame 2045 stays."""
+        old_frames = min(self.step - 1, self.frames_known - 1) - self.frame_base
         if old_frames > 1024:
             del self.frame_unit[:old_frames]
             self.frame_base += old_frames

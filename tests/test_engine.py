@@ -4,7 +4,7 @@ import threading
 import numpy as np
 import pytest
 
-from streaming.engine import Engine, SamplingConfig, ServerFull, UnknownVoice
+from streaming.engine import Engine, SamplingConfig, ServerFull, Slot, UnknownVoice
 from tts.api import synthesize, synthesize_stream
 from tts.text import TextError
 
@@ -143,3 +143,16 @@ def test_phoneme_timings_tile_the_audio(engine):
     assert timings and timings[0][1] == 0.0
     assert all(a[2] <= b[1] + 1e-9 for a, b in zip(timings, timings[1:]))
     assert abs(timings[-1][2] - samples / engine.sample_rate) < 0.2
+
+
+def test_trim_keeps_the_unit_the_delay_tail_reads():
+    """A 2046-frame utterance trimmed at step 2050, in its delay-pattern tail: the last frame's unit stays."""
+    slot = Slot(stream=None, voice_id=0, rate=1.0, frame_unit=[i // 10 for i in range(2046)])
+    slot.step = 2050
+    slot.trim(lookahead=4)
+    assert (slot.frame_base, slot.frames_known) == (2045, 2046)
+    assert slot.unit_at(2050) == 204
+    slot.frame_unit += [205] * 2000  # more text arrived: frames before the step are dropped again
+    slot.step = 3500
+    slot.trim(lookahead=4)
+    assert slot.frame_base == 3499 and slot.unit_at(3500) == 205
