@@ -23,6 +23,11 @@ from tts.api import get_engine, synthesize
 from tts.asr import transcribe, wer
 
 
+def mean_wer(engine, voice: str, texts: list[str]) -> float:
+    spoken = (synthesize(text, voice=voice, engine=engine) for text in texts)
+    return round(float(np.mean([wer(text, transcribe(audio, SAMPLE_RATE)) for text, audio in zip(texts, spoken)])), 4)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--voices", nargs="*")
@@ -45,8 +50,7 @@ def main() -> None:
             for temperature in temperatures:
                 engine.voices[voice]["pace"], engine.sampling.temperature = pace, temperature
                 key = str(pace) if args.temperatures is None else f"pace={pace},temperature={temperature}"
-                scores[key] = round(float(np.mean([wer(text, transcribe(synthesize(text, voice=voice, engine=engine),
-                                                                        SAMPLE_RATE)) for text in texts])), 4)
+                scores[key] = mean_wer(engine, voice, texts)
         engine.voices[voice]["pace"], engine.sampling.temperature = shipped, shipped_temperature
         best = min(scores, key=scores.get)
         report[voice] = {"sentences": len(texts), "wer": scores, "best": best}
