@@ -1,12 +1,14 @@
 """The AR trainer's batches: every utterance once per epoch, within the frame budget, and DataLoader
-workers together yield exactly the single-process epoch, in order."""
+workers together yield exactly the single-process epoch, in order; a deepened model starts as the original."""
+import dataclasses
 import itertools
 import random
 
 import torch
 from torch.utils.data import DataLoader
 
-from training.train_ar import TrainBatches, batches, collate
+from training.train_ar import TrainBatches, batches, collate, deepen, losses
+from tts.model import MODEL_PRESETS, TTSModel
 
 
 def make_rows(count: int, seed: int = 0) -> list[dict]:
@@ -38,3 +40,18 @@ def test_workers_split_each_epoch_exactly():
     got = list(itertools.islice(loader, len(epoch)))
     for ours, theirs in zip(got, epoch):
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_deepened_model_computes_what_the_original_did():
+    cfg = dataclasses.replace(MODEL_PRESETS["tiny"], layers=3, codebooks=8, codebook_size=1024, window=96,
+                              text_slots=16)
+    torch.manual_seed(0)
+    model = TTSModel(cfg).eval()
+    batch = collate(make_rows(4), [0, 1, 2, 3], 1024)
+    grown = deepen(model, every=2).eval()
+    assert grown.cfg.layers == 4
+    assert torch.equal(grown.blocks[2].attn.wq.weight, model.blocks[1].attn.wq.weight)  # the copy of block 1
+    assert torch.equal(grown.blocks[3].attn.wq.weight, model.blocks[2].attn.wq.weight)
+    with torch.no_grad():
+        ours, theirs = losses(grown, batch, "cpu", 0.0), losses(model, batch, "cpu", 0.0)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ours, theirs))

@@ -8,6 +8,7 @@
 # queue behind it (2 AR steps a second instead of 12 in round 2). DEC_MIN=0 skips step 1.
 # Run detached so it outlives one device call:
 #   DEC_MIN=7 AR_MIN=16 setsid nohup bash training/gpu_finetune.sh > /root/runs.log 2>&1 &
+# AR_ARGS passes more train_ar options, e.g. AR_ARGS="--deepen-every 3" (round 5: 6 -> 8 blocks).
 set -euo pipefail
 export PYTHONPATH=/tmp/site:${PWD} PYTHONUNBUFFERED=1
 mkdir -p /root/runs
@@ -18,5 +19,5 @@ fi
 echo CODEC_DONE
 until [ -e /root/tokens/READY ]; do sleep 5; done
 python3 -m training.train_ar --tokens /root/tokens --init voices --lr "${AR_LR:-5e-4}" --minutes "${AR_MIN:-16}" \
-    --frames-per-batch "${AR_BATCH:-40000}" --workers 12 --out /root/runs/ar > /root/runs/ar.log 2>&1
+    --frames-per-batch "${AR_BATCH:-40000}" --workers 12 --out /root/runs/ar ${AR_ARGS:-} > /root/runs/ar.log 2>&1
 echo PIPELINE_DONE

@@ -12,6 +12,7 @@ checkpoint with the best held-out loss.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -113,6 +114,28 @@ def heldout_losses(model: TTSModel, held_batches: list, device: str, autocast) -
     return sum(h[0].item() for h in held) / len(held), sum(h[1].item() for h in held) / len(held)
 
 
+def deepen(model: TTSModel, every: int) -> TTSModel:
+    """A deeper model that computes exactly what ``model`` computes: after every ``every`` blocks it inserts a
+    copy of the block just passed whose residual outputs (attention ``wo``, the MLP's last linear) are zero, so
+    the copy starts as the identity and training grows it from there (as LLaMA Pro expands a model).
+
+    Worked example, 6 blocks, every=3: old blocks 0 1 2 3 4 5 -> new 0 1 2 2' 3 4 5 5' (8 blocks), where 2'
+    and 5' are the zeroed copies; old block 3 is new block 4."""
+    old = model.cfg.layers
+    mapping = [b for i in range(old) for b in ([i, i] if (i + 1) % every == 0 else [i])]  # new index -> old
+    grown = TTSModel(dataclasses.replace(model.cfg, layers=len(mapping))).to(next(model.parameters()).device)
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("blocks.")}
+    for new, source in enumerate(mapping):
+        block = {k.split(".", 2)[2]: v.clone() for k, v in model.state_dict().items()
+                 if k.startswith(f"blocks.{source}.")}
+        if new and mapping[new - 1] == source:
+            for name in ("attn.wo.weight", "mlp.2.weight", "mlp.2.bias"):
+                block[name].zero_()
+        state.update({f"blocks.{new}.{k}": v for k, v in block.items()})
+    grown.load_state_dict(state)
+    return grown
+
+
 def export(model: TTSModel, folder: Path, meta: dict, shard_bytes: int = 15_000_000) -> None:
     """fp16 safetensors in shards ``model-00.safetensors``, ... of at most ``shard_bytes`` each."""
     metadata = {"config": json.dumps(model.cfg.__dict__), "voices": json.dumps(VOICES),
@@ -144,6 +167,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--noise", type=float, default=0.05)
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--deepen-every", type=int, default=0,
+                        help="grow the --init model: an identity-initialised copy after every N blocks")
     args = parser.parse_args()
     if args.tokens is None and args.codec is None:
         parser.error("give --tokens (pre-encoded parts) or --codec (to encode the corpus here)")
@@ -166,6 +191,8 @@ def main() -> None:
     print(json.dumps({"train_utterances": len(train), "heldout_utterances": len(heldout), "train_hours": hours}),
           flush=True)
     model = load_model(args.init, device)[0].train() if args.init else TTSModel(MODEL_PRESETS[args.preset]).to(device)
+    if args.deepen_every:
+        model = deepen(model, args.deepen_every).train()
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters", flush=True)
     opt = torch.optim.AdamW(model.parameters(), args.lr, betas=(0.9, 0.95), weight_decay=0.05)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")

@@ -7,7 +7,8 @@ The second form fine-tunes only the decoder of a trained codec: the encoder and 
 tokens an AR model was trained on keep their meaning, and the decoder always sees all codebooks, as in serving.
 
 Multi-scale log-mel L1 alone for the first ``--gan-after`` fraction of the time, then with a
-multi-scale STFT discriminator (hinge) and feature matching. Writes fp16 safetensors checkpoints.
+multi-scale STFT discriminator (hinge) and feature matching. Writes fp16 safetensors checkpoints of the
+decoder's exponential moving average (``--ema``).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from training.data import is_heldout, load_audio, read_manifests
 from training.losses import MultiScaleMel, MultiScaleSTFTDiscriminator, discriminator_loss, generator_losses
@@ -57,6 +59,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--init", type=Path, default=None, help="start from the codec in this folder")
     parser.add_argument("--decoder-only", action="store_true", help="freeze the encoder and codebooks")
+    parser.add_argument("--ema", type=float, default=0.999, help="decay of the decoder weights' average that is saved; 0: off")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
@@ -79,6 +82,14 @@ def main() -> None:
     params = list(codec.decoder.parameters()) + ([] if args.decoder_only else list(codec.encoder.parameters()))
     opt_g = torch.optim.AdamW(params, args.lr, betas=(0.5, 0.9))
     opt_d = torch.optim.AdamW(disc.parameters(), 3e-4, betas=(0.5, 0.9))
+    ema = AveragedModel(codec.decoder, multi_avg_fn=get_ema_multi_avg_fn(args.ema), use_buffers=True) if args.ema else None
+
+    def save(meta: dict) -> None:
+        """Checkpoint with the averaged decoder: GAN training jitters from step to step, the average does not."""
+        live = codec.decoder
+        codec.decoder = ema.module if ema else live
+        save_codec(codec, args.out, meta)
+        codec.decoder = live
     length = int(args.seconds * cfg.sample_rate) // cfg.hop * cfg.hop
     budget, start, step, log = args.minutes * 60, time.time(), 0, []
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
@@ -108,6 +119,8 @@ def main() -> None:
             opt_d.zero_grad(set_to_none=True)
             d_loss.backward()
             opt_d.step()
+        if ema:
+            ema.update_parameters(codec.decoder)
         step += 1
         if step % 200 == 0:
             entry = {"step": step, "min": round((time.time() - start) / 60, 2), "mel": round(loss_mel.item(), 4),
@@ -115,8 +128,8 @@ def main() -> None:
             log.append(entry)
             print(json.dumps(entry), flush=True)
         if step % 2000 == 0:
-            save_codec(codec, args.out, {"steps": str(step)})
-    save_codec(codec, args.out, {"steps": str(step), "minutes": str(args.minutes)})
+            save({"steps": str(step)})
+    save({"steps": str(step), "minutes": str(args.minutes), "ema": str(args.ema)})
     (args.out / "codec_log.json").write_text(json.dumps(log))
     print("done", step, flush=True)
 
