@@ -15,6 +15,7 @@ from collections import deque
 
 import torch
 
+from streaming.masks import slot_mask
 from streaming.stream import Stream
 from tts.codec import Codec
 
@@ -46,9 +47,7 @@ class CodecWorker:
             job = self.jobs.get()
             try:
                 if job[0] == "reset":
-                    mask = torch.zeros(self.state.buffers[0].shape[0], dtype=torch.bool, device=self.device)
-                    mask[job[1]] = True
-                    self.state.reset(mask)
+                    self.state.reset(slot_mask(self.state.buffers[0].shape[0], job[1], self.device))
                 elif job[0] == "decode":
                     self._decode(*job[1:])
                 else:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from streaming.kv_cache import RingKVCache
+from streaming.masks import slot_mask
 from tts.model import ModelConfig, TTSModel
 
 
@@ -30,8 +31,7 @@ class StepCaches:
 
     def start(self, slot: int, prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Give ``slot`` a fresh stream with the voice prefix ``prefix`` (per layer (1, H, S, D) keys/values)."""
-        mask = torch.zeros(self.text[0].positions.shape[0], dtype=torch.bool, device=self.text[0].positions.device)
-        mask[slot] = True
+        mask = slot_mask(self.text[0].positions.shape[0], slot, self.text[0].positions.device)
         for (keys, values), (pk, pv), text, audio in zip(self.sinks, prefix, self.text, self.audio):
             keys[slot], values[slot] = pk[0], pv[0]
             text.reset(mask)

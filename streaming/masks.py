@@ -24,3 +24,11 @@ def audio_mask(query_frame: torch.Tensor, key_frame: torch.Tensor, window: int) 
     """(B, Tq) x (B, Tk) -> (B, Tq, Tk) bool: causal, at most ``window`` frames back (self included)."""
     age = query_frame[:, :, None] - key_frame[:, None, :]
     return (key_frame[:, None, :] >= 0) & (age >= 0) & (age < window)
+
+
+def slot_mask(batch: int, slot: int, device=None) -> torch.Tensor:
+    """(batch,) bool, true at ``slot`` only: what the per-slot states' ``reset(mask)`` take, so one stream's
+    start empties its own slot and leaves the streams running in the others untouched."""
+    mask = torch.zeros(batch, dtype=torch.bool, device=device)
+    mask[slot] = True
+    return mask

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from training.data import load_audio, read_manifests
-from tts.codec import load_codec
+from tts.codec import Codec, load_codec
 from tts.text import SYMBOL_ID
 
 
@@ -32,6 +32,14 @@ def unpack_bits(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
     return (as_bits << np.arange(bits, dtype=np.uint32)).sum(1).astype(np.int16)
 
 
+def encode_audio(codec: Codec, corpus: Path, rows: list[dict], workers: int, device="cpu") -> list[torch.Tensor]:
+    """(K, n_frames) int16 codes of each row's stored audio, on ``device``. The codec pads audio to whole frames,
+    so codes are cut to the manifest's frame count, the count the row's unit durations add up to."""
+    waves = load_audio(corpus, rows, workers)
+    return [codec.encode(torch.from_numpy(wave).to(device)[None])[0][:, :row["n_frames"]].to(torch.int16)
+            for row, wave in zip(rows, waves)]
+
+
 @torch.inference_mode()
 def encode_rows(corpus: Path, rows: list[dict], codec_folder: Path, cache: Path, workers: int,
                 shard: tuple[int, int] = (0, 1)) -> list[np.ndarray] | None:
@@ -44,9 +52,8 @@ def encode_rows(corpus: Path, rows: list[dict], codec_folder: Path, cache: Path,
     todo = [r for r in rows if not (cache / f"{r['id']}.npy").exists()][shard[0]::shard[1]]
     for start in range(0, len(todo), 64):  # bounded memory: 64 utterances of audio at a time
         chunk = todo[start:start + 64]
-        for row, wave in zip(chunk, load_audio(corpus, chunk, workers)):
-            coded = codec.encode(torch.from_numpy(wave)[None])[0][:, :row["n_frames"]]
-            np.save(cache / f"{row['id']}.npy.tmp.npy", coded.to(torch.int16).numpy())
+        for row, coded in zip(chunk, encode_audio(codec, corpus, chunk, workers)):
+            np.save(cache / f"{row['id']}.npy.tmp.npy", coded.numpy())
             (cache / f"{row['id']}.npy.tmp.npy").rename(cache / f"{row['id']}.npy")
         print(f"{start + len(chunk)}/{len(todo)}", flush=True)
     if shard[1] > 1:

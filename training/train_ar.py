@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from safetensors.torch import save_file
 
-from training.data import is_heldout, load_audio, read_manifests
-from training.tokens import read_parts
+from training.data import is_heldout, read_manifests
+from training.tokens import encode_audio, read_parts
 from tts.alignment import teacher_forcing_batch
 from tts.codec import load_codec
 from tts.model import MODEL_PRESETS, TTSModel, load_model
@@ -38,11 +38,9 @@ VOICES = ["joe", "slt", "rms", "kal", "awb"]
 @torch.inference_mode()
 def encode_corpus(corpus: Path, codec_path: Path, device: str, workers: int) -> list[dict]:
     rows = [r for r in read_manifests(corpus) if r["voice"] in VOICES]
-    codec = load_codec(codec_path, device)
-    waves = load_audio(corpus, rows, workers)
-    for row, wave in zip(rows, waves):
-        codes = codec.encode(torch.from_numpy(wave).to(device)[None])[0]
-        row["codes"] = codes[:, :row["n_frames"]].to(torch.int16).cpu()
+    codes = encode_audio(load_codec(codec_path, device), corpus, rows, workers, device)
+    for row, row_codes in zip(rows, codes):
+        row["codes"] = row_codes.cpu()  # (K, n_frames) int16
         row["unit_ids"] = torch.tensor([SYMBOL_ID[u] for u in row["units"]])
         row["durations"] = torch.tensor(row["frames"])
         row["voice_id"] = VOICES.index(row["voice"])
