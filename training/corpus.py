@@ -34,6 +34,7 @@ HARVARD = Path(__file__).resolve().parents[2] / "shared" / "eval" / "harvard-sen
 TEACHERS = {  # voice -> (engine, engine voice)
     "joe": ("piper", "joe"), "slt": ("festival", "voice_cmu_us_slt_arctic_hts"),
     "rms": ("flite", "rms"), "kal": ("flite", "kal16"), "awb": ("flite", "awb"),
+    "kumo": ("kokoro", "jm_kumo"), "alpha": ("kokoro", "jf_alpha"),  # training/kokoro.py; not in CI requirements
 }
 
 
@@ -174,6 +175,9 @@ def synthesize_one(job: tuple[str, str, str]) -> dict | None:
     try:
         if engine == "piper":
             audio, sr, units, seconds = speak_piper(text)
+        elif engine == "kokoro":
+            from training.kokoro import speak_kokoro
+            audio, sr, units, seconds = speak_kokoro(text, engine_voice)
         else:
             audio, sr, units, seconds = speak_rulebased(engine, engine_voice, text)
         audio, frames = finish_audio(audio, sr, seconds)
