@@ -119,13 +119,12 @@ def deepen(model: TTSModel, every: int) -> TTSModel:
 
     Worked example, 6 blocks, every=3: old blocks 0 1 2 3 4 5 -> new 0 1 2 2' 3 4 5 5' (8 blocks), where 2'
     and 5' are the zeroed copies; old block 3 is new block 4."""
-    old = model.cfg.layers
-    mapping = [b for i in range(old) for b in ([i, i] if (i + 1) % every == 0 else [i])]  # new index -> old
+    mapping = [b for i in range(model.cfg.layers) for b in ([i, i] if (i + 1) % every == 0 else [i])]  # new -> old
     grown = TTSModel(dataclasses.replace(model.cfg, layers=len(mapping))).to(next(model.parameters()).device)
-    state = {k: v for k, v in model.state_dict().items() if not k.startswith("blocks.")}
+    old_state = model.state_dict()
+    state = {k: v for k, v in old_state.items() if not k.startswith("blocks.")}
     for new, source in enumerate(mapping):
-        block = {k.split(".", 2)[2]: v.clone() for k, v in model.state_dict().items()
-                 if k.startswith(f"blocks.{source}.")}
+        block = {k.split(".", 2)[2]: v.clone() for k, v in old_state.items() if k.startswith(f"blocks.{source}.")}
         if new and mapping[new - 1] == source:
             for name in ("attn.wo.weight", "mlp.2.weight", "mlp.2.bias"):
                 block[name].zero_()
