@@ -16,16 +16,10 @@ import numpy as np
 import torch
 
 from bench.common import harvard
-from training.corpus import TEACHERS, finish_audio, speak_piper, speak_rulebased
+from training.corpus import finish_audio, speak_teacher
 from tts import SAMPLE_RATE
 from tts.api import get_engine, synthesize
 from tts.asr import transcribe, wer
-
-
-def teacher_audio(voice: str, text: str) -> tuple[np.ndarray, int]:
-    engine, engine_voice = TEACHERS[voice]
-    audio, sr, _, _ = speak_piper(text) if engine == "piper" else speak_rulebased(engine, engine_voice, text)
-    return audio, sr
 
 
 def trimmed_seconds(audio: np.ndarray, sr: int) -> float:
@@ -46,7 +40,7 @@ def main() -> None:
         ours_wer, teacher_wer, ratios = [], [], []
         for text in sentences:
             audio = synthesize(text, voice=voice, engine=engine)
-            reference, sr = teacher_audio(voice, text)
+            reference, sr = speak_teacher(voice, text)[:2]
             ours_wer.append(wer(text, transcribe(audio, SAMPLE_RATE)))
             teacher_wer.append(wer(text, transcribe(reference, sr)))
             ratios.append(trimmed_seconds(audio, SAMPLE_RATE) / max(trimmed_seconds(reference, sr), 1e-3))

@@ -7,7 +7,7 @@ import random
 import torch
 from torch.utils.data import DataLoader
 
-from training.train_ar import TrainBatches, batches, collate, deepen, losses
+from training.train_ar import TrainBatches, batches, collate, deepen, grow_voices, losses
 from tts.model import MODEL_PRESETS, TTSModel
 
 
@@ -52,6 +52,21 @@ def test_deepened_model_computes_what_the_original_did():
     assert grown.cfg.layers == 4
     assert torch.equal(grown.blocks[2].attn.wq.weight, model.blocks[1].attn.wq.weight)  # the copy of block 1
     assert torch.equal(grown.blocks[3].attn.wq.weight, model.blocks[2].attn.wq.weight)
+    with torch.no_grad():
+        ours, theirs = losses(grown, batch, "cpu", 0.0), losses(model, batch, "cpu", 0.0)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ours, theirs))
+
+
+def test_grown_voice_tables_keep_old_voices_and_start_new_ones_at_their_mean():
+    cfg = dataclasses.replace(MODEL_PRESETS["tiny"], codebooks=8, codebook_size=1024, window=96, text_slots=16,
+                              voices=4)
+    torch.manual_seed(0)
+    model = TTSModel(cfg).eval()
+    grown = grow_voices(model, 6).eval()
+    assert grown.cfg.voices == 6 and grown.sinks.shape[0] == 6
+    assert torch.equal(grown.sinks[:4], model.sinks) and torch.equal(grown.text.voice.weight[:4], model.text.voice.weight)
+    assert torch.allclose(grown.sinks[5], model.sinks.mean(0))
+    batch = collate(make_rows(4), [0, 1, 2, 3], 1024)  # voices 0-3 only: the old rows compute what they did
     with torch.no_grad():
         ours, theirs = losses(grown, batch, "cpu", 0.0), losses(model, batch, "cpu", 0.0)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ours, theirs))

@@ -169,17 +169,21 @@ def finish_audio(audio: np.ndarray, sr: int, seconds: np.ndarray) -> tuple[np.nd
     return audio.astype(np.float32), np.diff(bounds)
 
 
+def speak_teacher(voice: str, text: str) -> tuple[np.ndarray, int, list[str], np.ndarray]:
+    """(audio, sample rate, units, seconds per unit) of ``text`` spoken by ``voice``'s teacher."""
+    engine, engine_voice = TEACHERS[voice]
+    if engine == "piper":
+        return speak_piper(text)
+    if engine == "kokoro":
+        from training.kokoro import speak_kokoro
+        return speak_kokoro(text, engine_voice)
+    return speak_rulebased(engine, engine_voice, text)
+
+
 def synthesize_one(job: tuple[str, str, str]) -> dict | None:
     voice, uid, text, out_dir = job[0], job[1], job[2], Path(job[3])
-    engine, engine_voice = TEACHERS[voice]
     try:
-        if engine == "piper":
-            audio, sr, units, seconds = speak_piper(text)
-        elif engine == "kokoro":
-            from training.kokoro import speak_kokoro
-            audio, sr, units, seconds = speak_kokoro(text, engine_voice)
-        else:
-            audio, sr, units, seconds = speak_rulebased(engine, engine_voice, text)
+        audio, sr, units, seconds = speak_teacher(voice, text)
         audio, frames = finish_audio(audio, sr, seconds)
     except (subprocess.CalledProcessError, ValueError, IndexError) as err:
         return {"id": uid, "voice": voice, "error": str(err)[:200]}
@@ -190,7 +194,7 @@ def synthesize_one(job: tuple[str, str, str]) -> dict | None:
     tmp = path.with_suffix(".tmp.opus")
     sf.write(tmp, audio, SAMPLE_RATE, format="OGG", subtype="OPUS", compression_level=0.35)
     tmp.rename(path)
-    return {"id": uid, "voice": voice, "teacher": engine, "text": text, "units": units,
+    return {"id": uid, "voice": voice, "teacher": TEACHERS[voice][0], "text": text, "units": units,
             "frames": frames.tolist(), "n_frames": int(frames.sum()), "duration": round(duration, 3),
             "path": f"{voice}/{uid}.opus"}
 
@@ -216,7 +220,8 @@ def main() -> None:
         (args.out / voice).mkdir(parents=True, exist_ok=True)
         manifest = args.out / f"{voice}.jsonl"
         rows = [json.loads(line) for line in manifest.open()] if manifest.exists() else []
-        done[voice] = {r["id"] for r in rows}
+        rejected = args.out / f"{voice}.rejected"  # ids the teacher failed or spoke too long: not retried
+        done[voice] = {r["id"] for r in rows} | set(rejected.read_text().split() if rejected.exists() else [])
         seconds[voice] = sum(r.get("duration", 0) for r in rows)
     # Each voice speaks its own slice of the utterances, 12 s on average, interleaved so that stopping
     # early still leaves every voice its share.
@@ -234,9 +239,14 @@ def main() -> None:
             if per_voice[voice]:
                 jobs.append(per_voice[voice].pop(0))
     files = {v: (args.out / f"{v}.jsonl").open("a") for v in hours}
+    rejects = {v: (args.out / f"{v}.rejected").open("a") for v in hours}
     with Pool(args.workers) as pool:
         for n, row in enumerate(pool.imap_unordered(synthesize_one, jobs, chunksize=4)):
-            if row is None or "error" in row:
+            if row is None:
+                continue
+            if "error" in row:
+                rejects[row["voice"]].write(row["id"] + "\n")
+                rejects[row["voice"]].flush()
                 continue
             if all(seconds[v] >= hours[v] * 3600 for v in hours):
                 pool.terminate()

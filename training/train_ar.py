@@ -32,7 +32,7 @@ from tts.codec import load_codec
 from tts.model import MODEL_PRESETS, TTSModel, load_model
 from tts.text import SYMBOL_ID
 
-VOICES = ["joe", "slt", "rms", "kal", "awb"]
+VOICES = ["joe", "slt", "rms", "kal", "awb", "kumo"]  # a voice's index is its row in the voice tables
 
 
 @torch.inference_mode()
@@ -133,6 +133,20 @@ def deepen(model: TTSModel, every: int) -> TTSModel:
     return grown
 
 
+def grow_voices(model: TTSModel, voices: int) -> TTSModel:
+    """The same model with ``voices`` rows in its voice tables (the duration predictor's voice embedding and
+    the sink prefix). Old rows keep their index; each new row starts as the mean of the old ones, the
+    "average voice", so a new teacher fine-tunes from speech rather than from noise. 5 rows grown to 6:
+    rows 0-4 unchanged, row 5 = mean(rows 0-4)."""
+    grown = TTSModel(dataclasses.replace(model.cfg, voices=voices)).to(next(model.parameters()).device)
+    state = model.state_dict()
+    for name in ("text.voice.weight", "sinks"):
+        old = state[name]  # (V, D) or (V, S, D)
+        state[name] = torch.cat([old, old.mean(0, keepdim=True).expand(voices - len(old), *old.shape[1:])])
+    grown.load_state_dict(state)
+    return grown
+
+
 def export(model: TTSModel, folder: Path, meta: dict, shard_bytes: int = 15_000_000) -> None:
     """fp16 safetensors in shards ``model-00.safetensors``, ... of at most ``shard_bytes`` each."""
     metadata = {"config": json.dumps(model.cfg.__dict__), "voices": json.dumps(VOICES),
@@ -188,6 +202,8 @@ def main() -> None:
     print(json.dumps({"train_utterances": len(train), "heldout_utterances": len(heldout), "train_hours": hours}),
           flush=True)
     model = load_model(args.init, device)[0].train() if args.init else TTSModel(MODEL_PRESETS[args.preset]).to(device)
+    if model.cfg.voices < len(VOICES):
+        model = grow_voices(model, len(VOICES)).train()
     if args.deepen_every:
         model = deepen(model, args.deepen_every).train()
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters", flush=True)
