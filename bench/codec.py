@@ -2,6 +2,7 @@
 
     python -m bench.codec            # 100 held-out utterances per voice
     python -m bench.codec --quick    # 3 per voice, under a minute
+    python -m bench.codec --voices kumo
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def main() -> None:
     parser.add_argument("--corpus", type=Path, default=ROOT / "corpus-heldout")
     parser.add_argument("--per-voice", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--voices", nargs="*", help="only these voices of the held-out corpus (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
@@ -61,7 +63,7 @@ def main() -> None:
     # Timed first: once Whisper has run, CTranslate2's idle worker threads share the 2 cores and slowed
     # the decoder by a third here, which the server, holding no ASR model, never sees.
     rtf = decoder_rtf(codec)
-    rows = heldout_rows(args.corpus, 3 if args.quick else args.per_voice)
+    rows = heldout_rows(args.corpus, 3 if args.quick else args.per_voice, args.voices)
     per_voice: dict[str, dict] = {}
     for row in rows:
         audio, sr = sf.read(args.corpus / row["path"], dtype="float32")

@@ -34,9 +34,12 @@ def harvard(n: int) -> list[str]:
     return lines[:n]
 
 
-def heldout_rows(corpus: Path, per_voice: int) -> list[dict]:
+def heldout_rows(corpus: Path, per_voice: int, voices: list[str] | None = None) -> list[dict]:
+    """The first ``per_voice`` utterances of each voice's manifest (every voice in ``corpus``, or ``voices``)."""
     rows = []
     for manifest in sorted(corpus.glob("*.jsonl")):
+        if voices and manifest.stem not in voices:
+            continue
         rows += [json.loads(line) for line in manifest.read_text().splitlines()[:per_voice]]
     if not rows:
         raise SystemExit(f"no held-out corpus in {corpus}: build it with "
