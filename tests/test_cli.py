@@ -24,7 +24,7 @@ def test_say_writes_a_24khz_mono_wav(tmp_path):
 def test_voices_lists_every_voice():
     result = tts("voices")
     assert result.returncode == 0
-    assert all(name in result.stdout for name in ("joe", "slt", "rms", "kal", "awb"))
+    assert all(name in result.stdout for name in ("joe", "slt", "rms", "kal", "awb", "kumo"))
     assert "(default)" in result.stdout
 
 

@@ -54,4 +54,4 @@ def test_default_voice_speaks_a_sentence(shipped):
 
 
 def test_voices_listed():
-    assert set(voice_presets()) >= {"joe", "slt", "rms", "kal", "awb"}
+    assert set(voice_presets()) >= {"joe", "slt", "rms", "kal", "awb", "kumo"}
