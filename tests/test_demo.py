@@ -1,13 +1,14 @@
 """The demo page in a real headless Chromium (Debian's), loaded from the real server, driven by Playwright."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 CHROMIUM = "/usr/bin/chromium"
-SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "demo.png"
+SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "demo.png"  # README's, rewritten only on request
 ARGS = ["--no-sandbox", "--disable-gpu", "--autoplay-policy=no-user-gesture-required",
         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"]
 
@@ -83,7 +84,8 @@ def test_simulated_llm_stream_speaks_while_tokens_arrive(page):
     assert page.errors == []
 
 
-def test_speak_plays_a_whole_utterance_and_shows_its_figures(page):
+def test_speak_plays_a_whole_utterance_and_shows_its_figures(page, tmp_path):
+    """``TTS_UPDATE_SCREENSHOT=1 python -m pytest tests/test_demo.py`` refreshes the README's screenshot."""
     page.fill("#text", "Please call me back when you have a moment this afternoon. The weather is lovely today.")
     page.click("#speak")
     page.wait_for_function("window.ttsDemo.lastDone && !window.ttsDemo.lastDone.cancelled", timeout=60_000)
@@ -93,7 +95,7 @@ def test_speak_plays_a_whole_utterance_and_shows_its_figures(page):
     page.wait_for_function("window.ttsDemo.bufferedSamples === 0", timeout=30_000)  # played to the end
     state = demo(page)
     assert state["samplesReceived"] == round(done["audio_seconds"] * 24_000)
-    page.screenshot(path=str(SCREENSHOT))
+    page.screenshot(path=str(SCREENSHOT if os.environ.get("TTS_UPDATE_SCREENSHOT") else tmp_path / "demo.png"))
     assert page.errors == []
 
 
