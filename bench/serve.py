@@ -77,7 +77,7 @@ def main() -> None:
         engine = Engine.tiny_random(max_streams=4)
     else:
         from tts.api import get_engine
-        engine = get_engine()
+        engine = get_engine(compile=True)  # as `tts serve` runs it (TTS_NO_COMPILE=1: the eager step)
     rounds = 4 if args.quick else 12
     report = {"engine": "tiny_random" if args.tiny else "shipped", "cpu_cores": os.cpu_count(),
               "utterances_per_client": rounds, "concurrency": {}}
