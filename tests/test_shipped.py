@@ -8,6 +8,7 @@ import torch
 
 from tts import SAMPLE_RATE
 from tts.asr import transcribe, wer
+from tts.model import MODEL_PRESETS
 from tts.voices import VOICES_DIR, load_shipped, voice_presets
 
 DATA = Path(__file__).parent / "data"
@@ -27,6 +28,10 @@ def test_every_voice_loads_with_its_preset(shipped):
     for preset in presets.values():
         assert preset["sample_rate"] == codec.cfg.sample_rate == SAMPLE_RATE
         assert preset["description"] and preset["teacher"]
+
+
+def test_shipped_model_is_the_shipped_preset(shipped):
+    assert shipped[0].cfg == MODEL_PRESETS["shipped"]
 
 
 def test_shipped_weights_are_small():

@@ -47,7 +47,8 @@ class ModelConfig:
 
 
 MODEL_PRESETS = {
-    "base": ModelConfig(),
+    "base": ModelConfig(),  # the first rounds' model, and `train_ar --preset`'s default
+    "shipped": ModelConfig(layers=8, voices=6),  # base after train_ar.deepen(every=3) and a sixth voice
     "tiny": ModelConfig(dim=32, layers=2, heads=2, codebooks=4, codebook_size=32, window=8,
                         text_slots=10, dropout=0.0),
 }
