@@ -22,12 +22,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal, Union
 
-import av
-import numpy as np
 import uvicorn
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
@@ -35,7 +32,10 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
+from streaming.containers import MEDIA_TYPES, Encoder
 from streaming.engine import EngineError, ServerFull, UnknownVoice
+from streaming.protocol import (CLIENT_MESSAGE, Cancel, End, Flush, ProtocolError, SpeechRequest, Start, Text,
+                                validation_error)
 from tts import SAMPLE_RATE
 from tts.text import TextError, text_to_sentences
 
@@ -59,135 +59,6 @@ class Limits:
         for name, value in vars(self).items():
             if not value > 0:
                 raise ValueError(f"limit {name} must be positive, not {value!r}")
-
-
-class ProtocolError(Exception):
-    """A failure reported to the client as {"type": "error", "code": ..., "message": ...}."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-# ---- messages ---------------------------------------------------------------------------------
-WS_FORMATS = ("pcm_s16le", "f32le", "wav", "mp3", "opus", "aac", "flac")
-HTTP_FORMATS = ("wav", "pcm", "mp3", "opus", "aac", "flac")
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class Start(_Strict):
-    type: Literal["start"]
-    voice: str | None = None
-    format: Literal[WS_FORMATS] = "pcm_s16le"
-    speed: float = Field(1.0, ge=0.25, le=4.0)
-    timings: bool = False  # also send {"type": "timing", "phonemes": [[unit, start_s, end_s], ...]} events
-
-
-class Text(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class Flush(_Strict):
-    type: Literal["flush"]
-
-
-class End(_Strict):
-    type: Literal["end"]
-
-
-class Cancel(_Strict):
-    type: Literal["cancel"]
-
-
-CLIENT_MESSAGE = TypeAdapter(Annotated[Union[Start, Text, Flush, End, Cancel], Field(discriminator="type")])
-
-
-class SpeechRequest(BaseModel):
-    """OpenAI's POST /v1/audio/speech body. `model` and `instructions` are accepted and ignored."""
-    model_config = ConfigDict(extra="forbid")
-    model: str = "tts"
-    input: str
-    voice: str | None = None
-    response_format: Literal[HTTP_FORMATS] = "mp3"
-    speed: float = Field(1.0, ge=0.25, le=4.0)
-    instructions: str | None = None
-    stream_format: Literal["audio"] = "audio"
-
-
-_ERROR_CODES = {"json_invalid": "bad_json", "union_tag_invalid": "unknown_type", "extra_forbidden": "unknown_key",
-                "literal_error": "unsupported_format", "greater_than_equal": "bad_value",
-                "less_than_equal": "bad_value", "finite_number": "bad_value"}
-
-
-def _validation_error(err: ValidationError) -> ProtocolError:
-    first = err.errors(include_url=False)[0]
-    where = ".".join(str(p) for p in first["loc"] if p not in ("start", "text", "flush", "end", "cancel"))
-    return ProtocolError(_ERROR_CODES.get(first["type"], "bad_message"), f"{where or 'message'}: {first['msg']}")
-
-
-# ---- audio encoding -----------------------------------------------------------------------------
-_CONTAINERS = {"wav": ("wav", "pcm_s16le", SAMPLE_RATE), "mp3": ("mp3", "libmp3lame", SAMPLE_RATE),
-               "opus": ("ogg", "libopus", 48_000), "aac": ("adts", "aac", SAMPLE_RATE),
-               "flac": ("flac", "flac", SAMPLE_RATE)}
-MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "mp3": "audio/mpeg", "opus": "audio/ogg",
-               "aac": "audio/aac", "flac": "audio/flac"}
-
-
-class _Sink:
-    """A write-only file for PyAV: what the muxer writes is taken out after every chunk."""
-
-    def __init__(self):
-        self._parts: list[bytes] = []
-
-    def write(self, data) -> int:
-        self._parts.append(bytes(data))
-        return len(data)
-
-    def take(self) -> bytes:
-        data, self._parts = b"".join(self._parts), []
-        return data
-
-
-class Encoder:
-    """float32 chunks -> bytes of one format, chunk by chunk. Raw PCM by numpy; containers by PyAV (FFmpeg),
-    written to a non-seekable sink so every format streams (WAV gets FFmpeg's streaming header)."""
-
-    def __init__(self, fmt: str):
-        self.fmt, self._sink, self._container = fmt, _Sink(), None
-        if fmt in _CONTAINERS:
-            muxer, codec, rate = _CONTAINERS[fmt]
-            self._container = av.open(self._sink, mode="w", format=muxer)
-            self._stream = self._container.add_stream(codec, rate=rate, layout="mono")
-
-    def encode(self, audio: np.ndarray) -> bytes:
-        if self.fmt in ("pcm_s16le", "pcm"):
-            return np.round(np.clip(audio, -1.0, 1.0) * 32767).astype("<i2").tobytes()
-        if self.fmt == "f32le":
-            return np.asarray(audio, dtype="<f4").tobytes()
-        frame = av.AudioFrame.from_ndarray(np.asarray(audio, dtype=np.float32)[None], format="flt", layout="mono")
-        frame.sample_rate = SAMPLE_RATE
-        return self._mux(frame)
-
-    def finish(self) -> bytes:
-        if self._container is None:
-            return b""
-        tail = self._mux(None)
-        self.close()
-        return tail + self._sink.take()
-
-    def close(self) -> None:
-        if self._container is not None:
-            self._container.close()
-            self._container = None
-
-    def _mux(self, frame) -> bytes:
-        for packet in self._stream.encode(frame):
-            self._container.mux(packet)
-        return self._sink.take()
 
 
 # ---- shared state -------------------------------------------------------------------------------
@@ -311,7 +182,7 @@ class Session:
         try:
             parsed = CLIENT_MESSAGE.validate_json(message["text"])
         except ValidationError as err:
-            raise _validation_error(err) from None
+            raise validation_error(err) from None
         await getattr(self, f"_on_{parsed.type}")(parsed)
 
     def _require(self, state: str, what: str) -> None:
@@ -480,7 +351,7 @@ async def _speech_request(request: Request, hub: Hub) -> SpeechRequest:
     try:
         req = SpeechRequest.model_validate_json(body)
     except ValidationError as err:
-        raise _validation_error(err) from None
+        raise validation_error(err) from None
     hub.check_length(len(req.input), "input is")
     try:
         await hub.call(text_to_sentences, req.input)  # empty or unspeakable: an error now, not an empty body
