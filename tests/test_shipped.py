@@ -24,7 +24,8 @@ def test_every_voice_loads_with_its_preset(shipped):
     model, codec, presets = shipped
     assert len(presets) >= 4 and sum(p["default"] for p in presets.values()) == 1
     assert "joe" in presets
-    assert sorted(p["index"] for p in presets.values()) == list(range(model.cfg.voices))
+    indices = [p["index"] for p in presets.values()]
+    assert len(set(indices)) == len(indices) and all(0 <= i < model.cfg.voices for i in indices)
     for preset in presets.values():
         assert preset["sample_rate"] == codec.cfg.sample_rate == SAMPLE_RATE
         assert preset["description"] and preset["teacher"]
@@ -59,4 +60,4 @@ def test_default_voice_speaks_a_sentence(shipped):
 
 
 def test_voices_listed():
-    assert set(voice_presets()) >= {"joe", "slt", "rms", "kal", "awb", "kumo"}
+    assert set(voice_presets()) == {"joe", "slt", "rms", "awb", "kumo"}

@@ -18,6 +18,7 @@ import re
 import subprocess
 import tarfile
 import tempfile
+import time
 from multiprocessing import Pool
 from pathlib import Path
 
@@ -209,6 +210,8 @@ def main() -> None:
                         help="instead: this many utterances per voice from the far end of the text, for evaluation")
     parser.add_argument("--offset", type=int, default=0,
                         help="first utterance index of the slices; growing a corpus past earlier slices keeps its text new")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="stop after this long, keeping every utterance written so far (a GPU machine's time is lent)")
     args = parser.parse_args()
     hours = {k: float(v) for k, v in (h.split("=") for h in args.hours)}
     utterances = make_utterances(fetch_texts(args.cache))
@@ -240,8 +243,12 @@ def main() -> None:
                 jobs.append(per_voice[voice].pop(0))
     files = {v: (args.out / f"{v}.jsonl").open("a") for v in hours}
     rejects = {v: (args.out / f"{v}.rejected").open("a") for v in hours}
+    deadline = time.monotonic() + 60 * args.minutes if args.minutes else float("inf")
     with Pool(args.workers) as pool:
         for n, row in enumerate(pool.imap_unordered(synthesize_one, jobs, chunksize=4)):
+            if time.monotonic() > deadline:
+                pool.terminate()
+                break
             if row is None:
                 continue
             if "error" in row:

@@ -42,18 +42,19 @@ def encode_audio(codec: Codec, corpus: Path, rows: list[dict], workers: int, dev
 
 @torch.inference_mode()
 def encode_rows(corpus: Path, rows: list[dict], codec_folder: Path, cache: Path, workers: int,
-                shard: tuple[int, int] = (0, 1)) -> list[np.ndarray] | None:
-    """(K, n_frames) int16 codes of every row, encoded in fp32 on the CPU from the stored audio.
+                shard: tuple[int, int] = (0, 1), device: str = "cpu") -> list[np.ndarray] | None:
+    """(K, n_frames) int16 codes of every row, encoded in fp32 on ``device`` from the stored audio.
 
     Each utterance's codes are kept in ``cache/<id>.npy``, so a growing corpus only encodes what is new.
     ``shard`` (i, n): encode only every n-th missing utterance from the i-th, and return None (parallel runs)."""
-    codec = load_codec(codec_folder)
+    codec = load_codec(codec_folder, device)
     cache.mkdir(parents=True, exist_ok=True)
     todo = [r for r in rows if not (cache / f"{r['id']}.npy").exists()][shard[0]::shard[1]]
-    for start in range(0, len(todo), 64):  # bounded memory: 64 utterances of audio at a time
-        chunk = todo[start:start + 64]
-        for row, coded in zip(chunk, encode_audio(codec, corpus, chunk, workers)):
-            np.save(cache / f"{row['id']}.npy.tmp.npy", coded.numpy())
+    per_chunk = 64 if device == "cpu" else 1024  # bounded memory; a GPU round spends less on starting reader pools
+    for start in range(0, len(todo), per_chunk):
+        chunk = todo[start:start + per_chunk]
+        for row, coded in zip(chunk, encode_audio(codec, corpus, chunk, workers, device)):
+            np.save(cache / f"{row['id']}.npy.tmp.npy", coded.cpu().numpy())
             (cache / f"{row['id']}.npy.tmp.npy").rename(cache / f"{row['id']}.npy")
         print(f"{start + len(chunk)}/{len(todo)}", flush=True)
     if shard[1] > 1:
@@ -107,9 +108,11 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path("cache/tokens"))
     parser.add_argument("--shard", default="0/1", help="i/n: encode every n-th missing utterance only, write nothing")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cuda on the GPU machine: the codec is fp32 either way")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.workers)
+    torch.backends.cudnn.allow_tf32 = False  # fp32 convolutions, as on the CPU: codes sit near RVQ boundaries
     bits = math.ceil(math.log2(load_codec(args.codec).cfg.codebook_size))
     for manifest in sorted(args.corpus.glob("*.jsonl")):
         voice = manifest.stem
@@ -117,7 +120,7 @@ def main() -> None:
             continue
         rows = read_manifests(args.corpus, [voice])
         shard = tuple(int(x) for x in args.shard.split("/"))
-        codes = encode_rows(args.corpus, rows, args.codec, args.cache / voice, args.workers, shard)
+        codes = encode_rows(args.corpus, rows, args.codec, args.cache / voice, args.workers, shard, args.device)
         if codes is None:
             continue
         write_parts(rows, codes, args.out, voice, bits, int(args.part_mb * 1e6))

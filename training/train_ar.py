@@ -228,6 +228,10 @@ def main() -> None:
             export(model, args.out, {"steps": step, "heldout": json.dumps(entry), "train_hours": json.dumps(hours)})
             return held_token + held_dur
         return best
+    if args.init:  # the starting model on this round's held-out set: the baseline the run must beat
+        held_token, held_dur = heldout_losses(model, heldout_batches, device, autocast)
+        print(json.dumps({"step": 0, "heldout_token": round(held_token, 4), "heldout_dur": round(held_dur, 4)}),
+              flush=True)
     for batch in train_batches:
         elapsed = (time.time() - start) / budget
         if elapsed >= 1:

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# A whole round on the GPU machine's 16 cores and one GPU, for corpora whose teachers travel (Piper, flite,
+# festival; README training item 10), into /root/runs:
+#   1. fresh teacher speech for CORPUS_MIN minutes: joe on 11 workers, slt/rms/kal/awb on 5;
+#   2. codec tokens of all of /root/corpus, encoded on the GPU (a voice made elsewhere, kumo by Kokoro on the
+#      2-core machine, joins by copying its manifest and audio into /root/corpus during step 1);
+#   3. once /root/tokens holds a READY file (token parts made elsewhere may be copied in meanwhile), the
+#      AR model continues from /root/voices on all of /root/tokens for AR_MIN minutes.
+# Expects what `training/pack_teachers.sh` packs: the teachers' site-packages in /tmp/site, festival and flite
+# in /root/tb; the text packages in /root/textcache; the model and codec in /root/voices.
+# Run detached so it outlives one device call:
+#   CORPUS_MIN=7 AR_MIN=11 setsid nohup bash training/gpu_round.sh > /root/runs.log 2>&1 &
+# Round 8: 7 minutes made joe 8.55 h and slt/rms/kal/awb 2.0-2.2 h each (22 h of speech).
+set -euo pipefail
+export PYTHONPATH=/tmp/site:${PWD} PYTHONUNBUFFERED=1 PATH=/root/tb/bin:${PATH} LD_LIBRARY_PATH=/root/tb/lib
+mkdir -p /root/runs /root/tokens
+python3 -m training.corpus --out /root/corpus --hours joe=${JOE_H:-12} --offset 26000 --workers 11 --cache /root/textcache \
+    --minutes "${CORPUS_MIN:-7}" > /root/runs/corpus_joe.log 2>&1 &
+python3 -m training.corpus --out /root/corpus --hours slt=3 rms=4 kal=2.2 awb=2.6 --offset 18000 --workers 5 --cache /root/textcache \
+    --minutes "${CORPUS_MIN:-7}" > /root/runs/corpus_others.log 2>&1 &
+wait
+echo CORPUS_DONE
+python3 -m training.tokens --corpus /root/corpus --codec /root/voices --out /root/tokens --cache /root/cache/tokens \
+    --device cuda --workers 16 --part-mb 24 > /root/runs/tokens.log 2>&1
+echo TOKENS_DONE
+until [ -e /root/tokens/READY ]; do sleep 5; done
+python3 -m training.train_ar --tokens /root/tokens --init /root/voices --lr "${AR_LR:-5e-4}" --minutes "${AR_MIN:-11}" \
+    --frames-per-batch "${AR_BATCH:-40000}" --workers 12 --out /root/runs/ar > /root/runs/ar.log 2>&1
+echo PIPELINE_DONE
