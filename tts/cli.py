@@ -54,9 +54,11 @@ def cmd_say(args) -> int:
 
 def cmd_voices(_args) -> int:
     from tts.voices import voice_presets
-    for name, preset in voice_presets().items():
+    presets = voice_presets()
+    name_width, teacher_width = (max(len(p[key]) for p in presets.values()) for key in ("name", "teacher"))
+    for name, preset in presets.items():
         mark = " (default)" if preset.get("default") else ""
-        print(f"{name:6s} {preset['teacher']:28s} {preset['description']}{mark}")
+        print(f"{name:{name_width}s}  {preset['teacher']:{teacher_width}s}  {preset['description']}{mark}")
     return 0
 
 
