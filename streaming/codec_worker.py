@@ -23,14 +23,14 @@ from tts.codec import Codec
 class CodecWorker:
     def __init__(self, codec: Codec, max_streams: int, device, depth: int = 64):
         self.codec = codec
-        self.state = codec.decoder.init_state(max_streams, device)
+        self.state = codec.init_state(max_streams, device)
         self.device = device
         self.jobs: queue.Queue = queue.Queue(maxsize=depth)
         self.codec_ms: deque[tuple[float, int]] = deque(maxlen=200_000)  # (ms, frames) per decode call
         threading.Thread(target=self._run, name="tts-codec", daemon=True).start()
 
     def reset(self, index: int) -> None:
-        """A new stream starts in slot ``index``: its decoder state begins from silence."""
+        """A new stream starts in slot ``index``: its decoder state returns to the silent lead-in's."""
         self.jobs.put(("reset", index))
 
     def decode(self, slots: list[int], streams: list[Stream], frames: torch.Tensor) -> None:

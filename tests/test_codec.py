@@ -35,7 +35,7 @@ def test_streaming_decode_equals_offline(codec, chunk):
     codes = torch.randint(0, codec.cfg.codebook_size, (2, codec.cfg.codebooks, 23))
     offline = codec.decode(codes)
     latents = codec.quantizer.decode(codes)
-    state = codec.decoder.init_state(2)
+    state = codec.init_state(2)
     with torch.inference_mode():
         parts = [codec.decoder.step(latents[..., t:t + chunk], state)[:, 0] for t in range(0, 23, chunk)]
     assert (torch.cat(parts, -1) - offline).abs().max() <= 1e-4
@@ -44,7 +44,7 @@ def test_streaming_decode_equals_offline(codec, chunk):
 def test_reset_one_stream_leaves_the_other(codec):
     codes = torch.randint(0, codec.cfg.codebook_size, (2, codec.cfg.codebooks, 8))
     latents = codec.quantizer.decode(codes)
-    state = codec.decoder.init_state(2)
+    state = codec.init_state(2)
     with torch.inference_mode():
         codec.decoder.step(latents[..., :4], state)
         state.reset(torch.tensor([True, False]))
@@ -58,7 +58,7 @@ def test_sub_batch_decode_through_select_and_write(codec):
     """Decoding streams 2 and 0 of three through select/write continues each one's own state."""
     codes = torch.randint(0, codec.cfg.codebook_size, (3, codec.cfg.codebooks, 8))
     latents = codec.quantizer.decode(codes)
-    state = codec.decoder.init_state(3)
+    state = codec.init_state(3)
     index = torch.tensor([2, 0])
     with torch.inference_mode():
         codec.decoder.step(latents[..., :4], state)

@@ -59,5 +59,12 @@ def test_default_voice_speaks_a_sentence(shipped):
     assert wer(text, transcribe(audio, SAMPLE_RATE)) <= 0.25
 
 
+def test_speech_starts_without_a_click(shipped):
+    """From a zeroed state the decoder's first 5 ms were a click (peak 0.022); streams start after a silent lead-in."""
+    from tts.api import synthesize
+    audio = synthesize("Hello there.")
+    assert np.abs(audio[:480]).max() < 0.002  # the first 20 ms: silence before the first phoneme
+
+
 def test_voices_listed():
     assert set(voice_presets()) == {"joe", "slt", "rms", "awb", "kumo"}
