@@ -67,4 +67,4 @@ def test_speech_starts_without_a_click(shipped):
 
 
 def test_voices_listed():
-    assert set(voice_presets()) == {"joe", "slt", "rms", "awb", "kumo"}
+    assert set(voice_presets()) == {"joe", "slt", "rms", "kumo"}
