@@ -243,7 +243,7 @@ def main() -> None:
                 jobs.append(per_voice[voice].pop(0))
     files = {v: (args.out / f"{v}.jsonl").open("a") for v in hours}
     rejects = {v: (args.out / f"{v}.rejected").open("a") for v in hours}
-    deadline = time.monotonic() + 60 * args.minutes if args.minutes else float("inf")
+    deadline = time.monotonic() + 60 * args.minutes if args.minutes is not None else float("inf")
     with Pool(args.workers) as pool:
         for n, row in enumerate(pool.imap_unordered(synthesize_one, jobs, chunksize=4)):
             if time.monotonic() > deadline:
