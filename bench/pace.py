@@ -1,5 +1,5 @@
-"""Choose each voice's default pace (``pace`` in ``voices/voices.json``) and the sampling temperature
-(``SamplingConfig``) by intelligibility. One JSON object.
+"""Choose each voice's default pace and sampling temperature (``pace`` and ``temperature`` in
+``voices/voices.json``; a voice without one samples at ``SamplingConfig``'s) by intelligibility. One JSON object.
 
     python -m bench.pace --voices joe --paces 1.0 0.9 0.85 0.8 --n 40
     python -m bench.pace --voices joe --paces 0.8 --temperatures 0.7 0.5 0.3
@@ -32,26 +32,26 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--voices", nargs="*")
     parser.add_argument("--paces", nargs="+", type=float, default=[1.0, 0.9, 0.8])
-    parser.add_argument("--temperatures", nargs="+", type=float, default=None, help="default: the engine's")
+    parser.add_argument("--temperatures", nargs="+", type=float, default=None, help="default: the voice's")
     parser.add_argument("--n", type=int, default=40, help="sentences per voice, from the end of its held-out list")
     parser.add_argument("--corpus", type=Path, default=ROOT / "corpus-heldout")
     args = parser.parse_args()
     torch.set_flush_denormal(True)
     engine = get_engine(compile=True)
     rows = heldout_rows(args.corpus, 10_000)
-    shipped_temperature = engine.sampling.temperature
-    temperatures = args.temperatures or [shipped_temperature]
     report = {}
     for voice in args.voices or list(engine.voices):
         texts = [r["text"] for r in rows if r["voice"] == voice][-args.n:]
-        shipped = engine.voices[voice].get("pace", 1.0)
+        preset = engine.voices[voice]
+        shipped = dict(preset)
         scores = {}
         for pace in args.paces:
-            for temperature in temperatures:
-                engine.voices[voice]["pace"], engine.sampling.temperature = pace, temperature
+            for temperature in args.temperatures or [preset.get("temperature", engine.sampling.temperature)]:
+                preset["pace"], preset["temperature"] = pace, temperature
                 key = str(pace) if args.temperatures is None else f"pace={pace},temperature={temperature}"
                 scores[key] = mean_wer(engine, voice, texts)
-        engine.voices[voice]["pace"], engine.sampling.temperature = shipped, shipped_temperature
+        preset.clear()
+        preset.update(shipped)
         best = min(scores, key=scores.get)
         report[voice] = {"sentences": len(texts), "wer": scores, "best": best}
     print(json.dumps(report, indent=1))

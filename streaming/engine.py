@@ -55,6 +55,7 @@ class Slot:
     stream: Stream
     voice_id: int
     rate: float  # frames-per-phoneme divisor: the stream's speed times the voice's pace
+    temperature: float  # the voice's sampling temperature
     units: list[int] = field(default_factory=list)  # unit ids from absolute index unit_base on
     unit_base: int = 0
     encoded: int = 0  # units whose states, durations and text keys exist
@@ -118,6 +119,7 @@ class Engine:
         self.tokens = torch.full((max_streams, books), self.cfg.codebook_size, dtype=torch.long, device=device)
         self.books = torch.arange(books, device=device)  # codebook indices, reused every tick
         self.history = torch.zeros(max_streams, books, books, dtype=torch.long, device=device)  # last K steps
+        self.temperature = torch.full((max_streams,), self.sampling.temperature, device=device)  # per slot
         self.frames = torch.zeros(max_streams, books, max(CHUNK_SCHEDULE), dtype=torch.long, device=device)
         self._prefix: dict[int, list] = {}
         self._new: list[int] = []
@@ -142,7 +144,8 @@ class Engine:
             if not free:
                 raise ServerFull(f"all {self.max_streams} streams are busy; try again shortly")
             preset = self.voices[voice]
-            self.slots[free[0]] = Slot(stream, preset["index"], float(speed) * preset.get("pace", 1.0))
+            self.slots[free[0]] = Slot(stream, preset["index"], float(speed) * preset.get("pace", 1.0),
+                                       preset.get("temperature", self.sampling.temperature))
             self._new.append(free[0])
         self.wake()
         return stream
@@ -243,6 +246,7 @@ class Engine:
         self.codec_worker.reset(index)
         self.tokens[index] = self.cfg.codebook_size
         self.history[index] = 0
+        self.temperature[index] = slot.temperature
 
     def _advance_text(self, slot: Slot) -> None:
         """Phonemise newly arrived text and encode units as far as the text encoder's lookahead allows,
@@ -340,7 +344,8 @@ class Engine:
         active, frame, unit, total = (t.to(self.device) for t in (active, frame, unit, total))
         started = time.perf_counter()
         logits = self._decode_step(self.model, self.caches, self.tokens, frame, unit, active)
-        tokens = sample(logits, self.sampling.temperature, self.sampling.top_k, self.generator)
+        temperature = self.temperature if self.sampling.temperature > 0 else 0.0  # 0: greedy, for tests
+        tokens = sample(logits, temperature, self.sampling.top_k, self.generator)
         if self.sync_timing:
             torch.cuda.synchronize()
         self.step_ms.append((time.perf_counter() - started) * 1000)

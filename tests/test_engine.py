@@ -147,7 +147,7 @@ def test_phoneme_timings_tile_the_audio(engine):
 
 def test_trim_keeps_the_unit_the_delay_tail_reads():
     """A 2046-frame utterance trimmed at step 2050, in its delay-pattern tail: the last frame's unit stays."""
-    slot = Slot(stream=None, voice_id=0, rate=1.0, frame_unit=[i // 10 for i in range(2046)])
+    slot = Slot(stream=None, voice_id=0, rate=1.0, temperature=0.7, frame_unit=[i // 10 for i in range(2046)])
     slot.step = 2050
     slot.trim(lookahead=4)
     assert (slot.frame_base, slot.frames_known) == (2045, 2046)
@@ -156,3 +156,21 @@ def test_trim_keeps_the_unit_the_delay_tail_reads():
     slot.step = 3500
     slot.trim(lookahead=4)
     assert slot.frame_base == 3499 and slot.unit_at(3500) == 205
+
+
+def test_per_row_temperature_in_one_batched_sample():
+    import torch
+
+    from streaming.sampling import sample
+    logits = torch.zeros(2, 3, 50)
+    logits[..., 7] = 5.0  # token 7 is the clear favourite of every row and codebook
+    draws = torch.stack([sample(logits, torch.tensor([1e-6, 1e3]), 40) for _ in range(50)])  # (50, B, K)
+    assert (draws[:, 0] == 7).all()  # near zero: greedy
+    assert (draws[:, 1] != 7).any()  # very hot: anything in the top 40
+
+
+def test_a_stream_samples_at_its_voices_temperature():
+    engine = Engine.tiny_random(max_streams=2)
+    engine.voices["slt"] = {**engine.voices["slt"], "temperature": 0.3}
+    synthesize("Hello there.", voice="slt", engine=engine)
+    assert engine.temperature.tolist() == pytest.approx([0.3, engine.sampling.temperature])
