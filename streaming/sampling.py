@@ -11,7 +11,6 @@ def sample(logits: torch.Tensor, temperature: float | torch.Tensor, top_k: int,
     if not isinstance(temperature, torch.Tensor):
         if temperature <= 0:
             return logits.argmax(-1)
-        temperature = torch.tensor(float(temperature), device=logits.device)
     else:
         temperature = temperature.clamp_min(1e-4)[:, None, None]  # (B, 1, 1)
     values, indices = logits.float().topk(min(top_k, logits.shape[-1]), dim=-1)  # (B, K, top_k)
