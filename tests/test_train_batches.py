@@ -70,3 +70,22 @@ def test_grown_voice_tables_keep_old_voices_and_start_new_ones_at_their_mean():
     with torch.no_grad():
         ours, theirs = losses(grown, batch, "cpu", 0.0), losses(model, batch, "cpu", 0.0)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ours, theirs))
+
+
+def test_soup_is_the_mean_of_the_models(tmp_path):
+    from training.soup import soup
+    from training.train_ar import export
+    from tts.model import load_model
+
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        models.append(TTSModel(MODEL_PRESETS["tiny"]))
+        (tmp_path / f"m{seed}").mkdir()
+        export(models[-1], tmp_path / f"m{seed}", {}, shard_bytes=4_000)  # several shards
+    assert len(list((tmp_path / "m0").glob("model-*.safetensors"))) > 1
+    soup([tmp_path / "m0", tmp_path / "m1"], tmp_path / "out")
+    averaged = load_model(tmp_path / "out", "cpu")[0].state_dict()
+    for name, first in models[0].state_dict().items():
+        mean = (first.half().float() + models[1].state_dict()[name].half().float()) / 2
+        torch.testing.assert_close(averaged[name].float(), mean.half().float())
