@@ -33,6 +33,8 @@ def soup(folders: list[Path], out: Path) -> None:
     if any(m.keys() != merged[0].keys() or any(m[k].shape != merged[0][k].shape for k in m) for m in merged):
         raise ValueError("the models differ in their tensors or shapes")
     out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("model-*.safetensors"):  # all read already, also when out is one of the sources
+        old.unlink()
     for name, metadata, tensors in models[0]:
         averaged = {k: (sum(m[k].float() for m in merged) / len(merged)).half() for k in tensors}
         kept = {k: metadata[k] for k in ("config", "voices") if k in metadata}  # one run's steps and losses would mislead
