@@ -119,7 +119,7 @@ class Engine:
         self.tokens = torch.full((max_streams, books), self.cfg.codebook_size, dtype=torch.long, device=device)
         self.books = torch.arange(books, device=device)  # codebook indices, reused every tick
         self.history = torch.zeros(max_streams, books, books, dtype=torch.long, device=device)  # last K steps
-        self.temperature = torch.full((max_streams,), self.sampling.temperature, device=device)  # per slot
+        self.temperature = torch.full((max_streams, 1, 1), max(self.sampling.temperature, 1e-4), device=device)  # (B, 1, 1)
         self.frames = torch.zeros(max_streams, books, max(CHUNK_SCHEDULE), dtype=torch.long, device=device)
         self._prefix: dict[int, list] = {}
         self._new: list[int] = []
@@ -246,7 +246,7 @@ class Engine:
         self.codec_worker.reset(index)
         self.tokens[index] = self.cfg.codebook_size
         self.history[index] = 0
-        self.temperature[index] = slot.temperature
+        self.temperature[index] = max(slot.temperature, 1e-4)  # positive: a voice samples, never divides by 0
 
     def _advance_text(self, slot: Slot) -> None:
         """Phonemise newly arrived text and encode units as far as the text encoder's lookahead allows,

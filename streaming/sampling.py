@@ -6,13 +6,10 @@ import torch
 
 def sample(logits: torch.Tensor, temperature: float | torch.Tensor, top_k: int,
            generator: torch.Generator | None = None):
-    """logits (B, K, N) -> tokens (B, K). ``temperature``: one for all rows (0 means greedy), or (B,) per row
-    (each stream samples at its voice's temperature, in the same batched step)."""
-    if not isinstance(temperature, torch.Tensor):
-        if temperature <= 0:
-            return logits.argmax(-1)
-    else:
-        temperature = temperature.clamp_min(1e-4)[:, None, None]  # (B, 1, 1)
+    """logits (B, K, N) -> tokens (B, K). ``temperature``: one for all rows (0 means greedy), or a positive
+    (B, 1, 1) tensor, one per row (each stream samples at its voice's temperature, in the same batched step)."""
+    if not isinstance(temperature, torch.Tensor) and temperature <= 0:
+        return logits.argmax(-1)
     values, indices = logits.float().topk(min(top_k, logits.shape[-1]), dim=-1)  # (B, K, top_k)
     uniform = torch.rand(values.shape, device=values.device, generator=generator).clamp_(1e-9, 1 - 1e-9)
     gumbel = -torch.log(-torch.log(uniform))

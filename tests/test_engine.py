@@ -164,7 +164,7 @@ def test_per_row_temperature_in_one_batched_sample():
     from streaming.sampling import sample
     logits = torch.zeros(2, 3, 50)
     logits[..., 7] = 5.0  # token 7 is the clear favourite of every row and codebook
-    draws = torch.stack([sample(logits, torch.tensor([1e-6, 1e3]), 40) for _ in range(50)])  # (50, B, K)
+    draws = torch.stack([sample(logits, torch.tensor([1e-6, 1e3])[:, None, None], 40) for _ in range(50)])  # (50, B, K)
     assert (draws[:, 0] == 7).all()  # near zero: greedy
     assert (draws[:, 1] != 7).any()  # very hot: anything in the top 40
 
@@ -173,4 +173,4 @@ def test_a_stream_samples_at_its_voices_temperature():
     engine = Engine.tiny_random(max_streams=2)
     engine.voices["slt"] = {**engine.voices["slt"], "temperature": 0.3}
     synthesize("Hello there.", voice="slt", engine=engine)
-    assert engine.temperature.tolist() == pytest.approx([0.3, engine.sampling.temperature])
+    assert engine.temperature.flatten().tolist() == pytest.approx([0.3, engine.sampling.temperature])
