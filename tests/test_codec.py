@@ -75,3 +75,14 @@ def test_save_and_load_round_trip(codec, tmp_path):
     loaded = load_codec(tmp_path)
     codes = torch.randint(0, codec.cfg.codebook_size, (1, codec.cfg.codebooks, 5))
     torch.testing.assert_close(loaded.decode(codes), codec.half().float().decode(codes), atol=1e-3, rtol=1e-3)
+
+
+def test_frozen_quantizer_keeps_codebooks_and_passes_gradient(codec):
+    from training.quantizer import EMAQuantizerTrainer
+    books = codec.quantizer.codebooks.clone()
+    z = torch.randn(2, codec.cfg.dim, 7, requires_grad=True)  # (B, D, T)
+    zq, commit = EMAQuantizerTrainer(codec.quantizer, frozen=True)(z, codec.cfg.codebooks)
+    assert torch.equal(codec.quantizer.codebooks, books)
+    torch.testing.assert_close(zq, codec.quantizer.decode(codec.quantizer.encode(z.detach())))
+    (zq.sum() + commit).backward()
+    assert z.grad is not None and z.grad.abs().sum() > 0

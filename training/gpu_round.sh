@@ -5,7 +5,9 @@
 #      (5), and kumo on KUMO_WORKERS (0) from utterance KUMO_OFFSET (20000) on: text that kumo never spoke
 #      (its rounds took 26000 on; the 33,181 utterances end in the held-out ones), clear of what the 2-core
 #      machine speaks meanwhile from 30000 on (those travel as token parts made by `training.tokens`);
-#   2. codec tokens of all of /root/corpus, encoded on the GPU;
+#   2. codec tokens of all of /root/corpus and of every other corpus folder in TOKEN_CORPORA, encoded on the GPU;
+#   with CODEC_MIN minutes (0), the codec's encoder and decoder train meanwhile against its frozen codebooks on the
+#   audio packed by `training.pack` in /root/dec (`train_codec --keep-codebooks`), and step 2 uses that codec;
 #   3. once /root/tokens holds a READY file (token parts made elsewhere may be copied in meanwhile, renamed
 #      apart from the `<voice>-NN.npz` parts made here), the AR model continues from /root/voices on all of
 #      /root/tokens for AR_MIN minutes at peak learning rate AR_LR.
@@ -16,9 +18,17 @@
 # Round 8: 7 minutes made joe 8.55 h and slt/rms/kal/awb 2.0-2.2 h each (22 h of speech).
 # Round 9: Kokoro ran about 10 times slower a core there than on the 2-core machine (90 kumo utterances in
 # 7 minutes on 11 workers, 0.27 h, against 22 a minute on 2 cores here), so make kumo here and send its tokens.
+# Round 10 (a new encoder, so kumo's audio travelled instead, into /root/kumo): CODEC_MIN=9 CORPUS_MIN=7 AR_MIN=7
+# AR_LR=3e-4 JOE_WORKERS=10 OTHER_WORKERS=5 TOKEN_CORPORA=/root/kumo made joe 7.25 h, the others 1.86-1.97 h each.
 set -euo pipefail
 export PYTHONPATH=/tmp/site:${PWD} PYTHONUNBUFFERED=1 PATH=/root/tb/bin:${PATH} LD_LIBRARY_PATH=/root/tb/lib
 mkdir -p /root/runs /root/tokens
+CODEC=/root/voices
+if [ "${CODEC_MIN:-0}" != 0 ]; then
+    CODEC=/root/runs/codec
+    python3 -m training.train_codec --corpus /root/dec --init /root/voices --keep-codebooks --gan-after 0 \
+        --lr "${CODEC_LR:-1e-4}" --minutes "$CODEC_MIN" --out "$CODEC" --workers 4 > /root/runs/codec.log 2>&1 &
+fi
 python3 -m training.corpus --out /root/corpus --hours joe=${JOE_H:-12} --offset 26000 --workers "${JOE_WORKERS:-11}" \
     --cache /root/textcache --minutes "${CORPUS_MIN:-7}" > /root/runs/corpus_joe.log 2>&1 &
 python3 -m training.corpus --out /root/corpus --hours slt=3 rms=4 kal=2.2 awb=2.6 --offset 18000 \
@@ -29,8 +39,11 @@ if [ "${KUMO_WORKERS:-0}" != 0 ]; then  # Kokoro, from pack_teachers.sh's kokoro
 fi
 wait
 echo CORPUS_DONE
-python3 -m training.tokens --corpus /root/corpus --codec /root/voices --out /root/tokens --cache /root/cache/tokens \
-    --device cuda --workers 16 --part-mb 24 > /root/runs/tokens.log 2>&1
+for dir in /root/corpus ${TOKEN_CORPORA:-}; do  # parts named <folder>-<voice>-NN.npz, apart from parts copied in
+    python3 -m training.tokens --corpus "$dir" --codec "$CODEC" --out /root/tok --cache /root/cache/tokens \
+        --device cuda --workers 16 --part-mb 24 >> /root/runs/tokens.log 2>&1
+    for part in /root/tok/*.npz; do mv "$part" "/root/tokens/$(basename "$dir")-$(basename "$part")"; done
+done
 echo TOKENS_DONE
 until [ -e /root/tokens/READY ]; do sleep 5; done
 python3 -m training.train_ar --tokens /root/tokens --init /root/voices --lr "${AR_LR:-5e-4}" --minutes "${AR_MIN:-11}" \

@@ -24,14 +24,15 @@ def kmeans(x: torch.Tensor, k: int, iters: int = 10) -> torch.Tensor:
 class EMAQuantizerTrainer:
     """Quantises (B, D, T) latents with the first ``n_q`` codebooks of ``rvq`` and updates those
     codebooks by exponential moving average. Returns the straight-through quantised latents and the
-    commitment loss."""
+    commitment loss. ``frozen``: keep trained codebooks as they are (no k-means, no EMA), so a token
+    keeps its codeword while the encoder learns to choose better ones."""
 
-    def __init__(self, rvq: ResidualVQ, decay: float = 0.99, dead_threshold: float = 2.0):
-        self.rvq, self.decay, self.dead_threshold = rvq, decay, dead_threshold
+    def __init__(self, rvq: ResidualVQ, decay: float = 0.99, dead_threshold: float = 2.0, frozen: bool = False):
+        self.rvq, self.decay, self.dead_threshold, self.frozen = rvq, decay, dead_threshold, frozen
         books = rvq.codebooks
         self.cluster_size = torch.ones(books.shape[:2], device=books.device)
         self.embed_sum = books.clone()
-        self.initialised = False
+        self.initialised = frozen
 
     @torch.no_grad()
     def _update(self, k: int, x: torch.Tensor, index: torch.Tensor) -> None:
@@ -62,7 +63,7 @@ class EMAQuantizerTrainer:
         residual, quantized = flat.detach(), torch.zeros_like(flat)
         for k in range(n_q):
             index = _nearest(residual, self.rvq.codebooks[k])
-            if training:
+            if training and not self.frozen:
                 self._update(k, residual, index)
             chosen = self.rvq.codebooks[k][index]
             quantized = quantized + chosen

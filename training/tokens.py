@@ -9,6 +9,7 @@ of 8 x 10-bit codes at 50 Hz pack into about 36 MB, against about 250 MB of Opus
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -98,6 +99,11 @@ def read_parts(folder: Path, bits: int = 10) -> list[dict]:
     return rows
 
 
+def codec_fingerprint(codec_folder: Path) -> str:
+    """Names the encoder and codebooks that made a cache's codes, so a retrained encoder never reuses them."""
+    return hashlib.sha256((codec_folder / "codec_encoder.safetensors").read_bytes()).hexdigest()[:12]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", type=Path, default=Path("corpus"))
@@ -105,7 +111,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("upload/tokens"))
     parser.add_argument("--voices", nargs="+", default=None)
     parser.add_argument("--part-mb", type=float, default=20)
-    parser.add_argument("--cache", type=Path, default=Path("cache/tokens"))
+    parser.add_argument("--cache", type=Path, default=Path("cache/tokens"), help="per-codec folders of per-utterance codes")
     parser.add_argument("--shard", default="0/1", help="i/n: encode every n-th missing utterance only, write nothing")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cuda on the GPU machine: the codec is fp32 either way")
@@ -114,13 +120,14 @@ def main() -> None:
     torch.set_num_threads(args.workers)
     torch.backends.cudnn.allow_tf32 = False  # fp32 convolutions, as on the CPU: codes sit near RVQ boundaries
     bits = math.ceil(math.log2(load_codec(args.codec).cfg.codebook_size))
+    cache = args.cache / codec_fingerprint(args.codec)
     for manifest in sorted(args.corpus.glob("*.jsonl")):
         voice = manifest.stem
         if args.voices and voice not in args.voices:
             continue
         rows = read_manifests(args.corpus, [voice])
         shard = tuple(int(x) for x in args.shard.split("/"))
-        codes = encode_rows(args.corpus, rows, args.codec, args.cache / voice, args.workers, shard, args.device)
+        codes = encode_rows(args.corpus, rows, args.codec, cache / voice, args.workers, shard, args.device)
         if codes is None:
             continue
         write_parts(rows, codes, args.out, voice, bits, int(args.part_mb * 1e6))

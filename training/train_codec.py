@@ -3,12 +3,17 @@
     python -m training.train_codec --corpus corpus --minutes 9 --out runs/codec
     python -m training.train_codec --corpus corpus --minutes 15 --init voices --decoder-only --gan-after 0 --lr 2e-4 --out runs/codec
 
+    python -m training.train_codec --corpus corpus --minutes 9 --init voices --keep-codebooks --gan-after 0 --lr 1e-4 --out runs/codec
+
 The second form fine-tunes only the decoder of a trained codec: the encoder and codebooks stay frozen, so the
 tokens an AR model was trained on keep their meaning, and the decoder always sees all codebooks, as in serving.
+The third trains the encoder too, against the frozen codebooks (straight-through, with commitment loss): each
+token keeps its codeword, but the encoder learns to pick codewords that keep more of the speech, so tokens
+change where it finds better ones and an AR model trained on the old ones needs a short continuation.
 
 Multi-scale log-mel L1 alone for the first ``--gan-after`` fraction of the time, then with a
 multi-scale STFT discriminator (hinge) and feature matching. Writes fp16 safetensors checkpoints of the
-decoder's exponential moving average (``--ema``).
+trained weights' exponential moving average (``--ema``).
 """
 from __future__ import annotations
 
@@ -59,7 +64,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--init", type=Path, default=None, help="start from the codec in this folder")
     parser.add_argument("--decoder-only", action="store_true", help="freeze the encoder and codebooks")
-    parser.add_argument("--ema", type=float, default=0.999, help="decay of the decoder weights' average that is saved; 0: off")
+    parser.add_argument("--keep-codebooks", action="store_true", help="train encoder and decoder, freeze the codebooks")
+    parser.add_argument("--ema", type=float, default=0.999, help="decay of the trained weights' average that is saved; 0: off")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
@@ -76,27 +82,32 @@ def main() -> None:
     cfg = CODEC_PRESETS[args.preset]
     codec = load_codec(args.init, device).train() if args.init else Codec(cfg).to(device)
     cfg = codec.cfg
-    vq = frozen_quantizer(codec) if args.decoder_only else EMAQuantizerTrainer(codec.quantizer)
+    vq = frozen_quantizer(codec) if args.decoder_only else EMAQuantizerTrainer(codec.quantizer, frozen=args.keep_codebooks)
+    all_codebooks = args.decoder_only or args.keep_codebooks  # as in serving: the AR model predicts all of them
     mel = MultiScaleMel(cfg.sample_rate).to(device)
     disc = MultiScaleSTFTDiscriminator().to(device)
-    params = list(codec.decoder.parameters()) + ([] if args.decoder_only else list(codec.encoder.parameters()))
+    trained = ["decoder"] if args.decoder_only else ["encoder", "decoder"]
+    params = [p for name in trained for p in getattr(codec, name).parameters()]
     opt_g = torch.optim.AdamW(params, args.lr, betas=(0.5, 0.9))
     opt_d = torch.optim.AdamW(disc.parameters(), 3e-4, betas=(0.5, 0.9))
-    ema = AveragedModel(codec.decoder, multi_avg_fn=get_ema_multi_avg_fn(args.ema), use_buffers=True) if args.ema else None
+    averages = {name: AveragedModel(getattr(codec, name), multi_avg_fn=get_ema_multi_avg_fn(args.ema), use_buffers=True)
+                for name in trained} if args.ema else {}
 
     def save(meta: dict) -> None:
-        """Checkpoint with the averaged decoder: GAN training jitters from step to step, the average does not."""
-        live = codec.decoder
-        codec.decoder = ema.module if ema else live
+        """Checkpoint with the averaged weights: GAN training jitters from step to step, the average does not."""
+        live = {name: getattr(codec, name) for name in averages}
+        for name, average in averages.items():
+            setattr(codec, name, average.module)
         save_codec(codec, args.out, meta)
-        codec.decoder = live
+        for name, module in live.items():
+            setattr(codec, name, module)
     length = int(args.seconds * cfg.sample_rate) // cfg.hop * cfg.hop
     budget, start, step, log = args.minutes * 60, time.time(), 0, []
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
     while time.time() - start < budget:
         gan = time.time() - start > args.gan_after * budget
         real = crops(audio, starts, ends, args.batch, length)
-        n_q = cfg.codebooks if args.decoder_only or random.random() < 0.5 else random.randint(1, cfg.codebooks)
+        n_q = cfg.codebooks if all_codebooks or random.random() < 0.5 else random.randint(1, cfg.codebooks)
         with autocast, torch.set_grad_enabled(not args.decoder_only):
             z = codec.encoder(real[:, None])
         zq, commit = vq(z, n_q)
@@ -119,8 +130,8 @@ def main() -> None:
             opt_d.zero_grad(set_to_none=True)
             d_loss.backward()
             opt_d.step()
-        if ema:
-            ema.update_parameters(codec.decoder)
+        for name, average in averages.items():
+            average.update_parameters(getattr(codec, name))
         step += 1
         if step % 200 == 0:
             entry = {"step": step, "min": round((time.time() - start) / 60, 2), "mel": round(loss_mel.item(), 4),
