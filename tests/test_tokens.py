@@ -1,7 +1,9 @@
 """The compact token files that carry the corpus to the GPU machine read back exactly."""
 import numpy as np
+import torch
 
-from training.tokens import pack_bits, read_parts, unpack_bits, write_parts
+from training.tokens import codec_fingerprint, pack_bits, read_parts, unpack_bits, write_parts
+from tts.codec import CODEC_PRESETS, Codec, save_codec
 from tts.text import SYMBOLS
 
 
@@ -29,3 +31,22 @@ def test_parts_round_trip(tmp_path):
         assert np.array_equal(got["codes"].numpy(), code)
         assert got["durations"].tolist() == row["frames"] and got["n_frames"] == code.shape[1]
         assert [SYMBOLS[u] for u in got["unit_ids"].tolist()] == row["units"]
+
+
+def test_a_retrained_encoder_gets_its_own_token_cache(tmp_path):
+    """Cached codes are valid only for the encoder and codebooks that made them; a decoder fine-tune keeps them."""
+    torch.manual_seed(0)
+    codec = Codec(CODEC_PRESETS["tiny"])
+
+    def fingerprint(name: str) -> str:
+        (tmp_path / name).mkdir()
+        save_codec(codec, tmp_path / name)
+        return codec_fingerprint(tmp_path / name)
+    first = fingerprint("a")
+    with torch.no_grad():
+        next(codec.decoder.parameters()).add_(1e-2)
+        assert fingerprint("decoder_tuned") == first
+        next(codec.encoder.parameters()).add_(1e-2)
+        encoder_tuned = fingerprint("encoder_tuned")
+        codec.quantizer.codebooks.add_(1e-2)
+        assert len({first, encoder_tuned, fingerprint("codebooks_changed")}) == 3

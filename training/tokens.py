@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
 from training.data import load_audio, read_manifests
 from tts.codec import Codec, load_codec
@@ -100,8 +101,12 @@ def read_parts(folder: Path, bits: int = 10) -> list[dict]:
 
 
 def codec_fingerprint(codec_folder: Path) -> str:
-    """Names the encoder and codebooks that made a cache's codes, so a retrained encoder never reuses them."""
-    return hashlib.sha256((codec_folder / "codec_encoder.safetensors").read_bytes()).hexdigest()[:12]
+    """Names the encoder and codebooks that made a cache's codes, so a retrained encoder never reuses them
+    (a decoder fine-tune keeps the name: its tokens are the same)."""
+    digest = hashlib.sha256((codec_folder / "codec_encoder.safetensors").read_bytes())
+    with safe_open(codec_folder / "codec_decoder.safetensors", "pt") as weights:  # the codebooks live there
+        digest.update(weights.get_tensor("quantizer.codebooks").numpy().tobytes())
+    return digest.hexdigest()[:12]
 
 
 def main() -> None:
