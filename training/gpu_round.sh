@@ -21,6 +21,7 @@
 # Round 10 (a new encoder, so kumo's audio travelled instead, into /root/kumo): CODEC_MIN=9 CORPUS_MIN=7 AR_MIN=7
 # AR_LR=3e-4 JOE_WORKERS=10 OTHER_WORKERS=5 TOKEN_CORPORA=/root/kumo made joe 7.25 h, the others 1.86-1.97 h each.
 set -euo pipefail
+shopt -s nullglob  # a corpus folder with nothing new to encode leaves no parts to move
 export PYTHONPATH=/tmp/site:${PWD} PYTHONUNBUFFERED=1 PATH=/root/tb/bin:${PATH} LD_LIBRARY_PATH=/root/tb/lib
 mkdir -p /root/runs /root/tokens
 CODEC=/root/voices

@@ -42,15 +42,6 @@ def crops(audio: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, batch: 
     return audio[index.clamp(max=len(audio) - 1)].float()
 
 
-def frozen_quantizer(codec: Codec):
-    """Quantise with the trained codebooks as they are: no EMA updates, no gradient, no commitment loss."""
-    def quantize(z: torch.Tensor, n_q: int) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.no_grad():
-            zq = codec.quantizer.decode(codec.quantizer.encode(z.float(), n_q))
-        return zq, torch.zeros((), device=z.device)
-    return quantize
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--corpus", type=Path, default=Path("corpus"))
@@ -82,8 +73,8 @@ def main() -> None:
     cfg = CODEC_PRESETS[args.preset]
     codec = load_codec(args.init, device).train() if args.init else Codec(cfg).to(device)
     cfg = codec.cfg
-    vq = frozen_quantizer(codec) if args.decoder_only else EMAQuantizerTrainer(codec.quantizer, frozen=args.keep_codebooks)
     all_codebooks = args.decoder_only or args.keep_codebooks  # as in serving: the AR model predicts all of them
+    vq = EMAQuantizerTrainer(codec.quantizer, frozen=all_codebooks)
     mel = MultiScaleMel(cfg.sample_rate).to(device)
     disc = MultiScaleSTFTDiscriminator().to(device)
     trained = ["decoder"] if args.decoder_only else ["encoder", "decoder"]
