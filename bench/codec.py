@@ -3,6 +3,7 @@
     python -m bench.codec            # 100 held-out utterances per voice
     python -m bench.codec --quick    # 3 per voice, under a minute
     python -m bench.codec --voices kumo
+    python -m bench.codec --skip 100 # the utterances after the reported 100: for choosing between checkpoints
 """
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ def main() -> None:
     parser.add_argument("--per-voice", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--voices", nargs="*", help="only these voices of the held-out corpus (default: all)")
+    parser.add_argument("--skip", type=int, default=0, help="leave out each voice's first N utterances: a "
+                        "validation split, so a checkpoint is chosen without looking at the reported ones")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
@@ -63,7 +66,7 @@ def main() -> None:
     # Timed first: once Whisper has run, CTranslate2's idle worker threads share the 2 cores and slowed
     # the decoder by a third here, which the server, holding no ASR model, never sees.
     rtf = decoder_rtf(codec)
-    rows = heldout_rows(args.corpus, 3 if args.quick else args.per_voice, args.voices)
+    rows = heldout_rows(args.corpus, 3 if args.quick else args.per_voice, args.voices, args.skip)
     per_voice: dict[str, dict] = {}
     for row in rows:
         audio, sr = sf.read(args.corpus / row["path"], dtype="float32")

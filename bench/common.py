@@ -34,13 +34,15 @@ def harvard(n: int) -> list[str]:
     return lines[:n]
 
 
-def heldout_rows(corpus: Path, per_voice: int, voices: list[str] | None = None) -> list[dict]:
-    """The first ``per_voice`` utterances of each voice's manifest (every voice in ``corpus``, or ``voices``)."""
+def heldout_rows(corpus: Path, per_voice: int, voices: list[str] | None = None, skip: int = 0) -> list[dict]:
+    """``per_voice`` utterances of each voice's manifest (every voice in ``corpus``, or ``voices``), after its
+    first ``skip``. Example: per_voice=100, skip=0 gives lines 0-99 (the reported set); per_voice=100, skip=100
+    gives lines 100-199 where a manifest has them (a validation set for choosing between checkpoints)."""
     rows = []
     for manifest in sorted(corpus.glob("*.jsonl")):
         if voices and manifest.stem not in voices:
             continue
-        rows += [json.loads(line) for line in manifest.read_text().splitlines()[:per_voice]]
+        rows += [json.loads(line) for line in manifest.read_text().splitlines()[skip:skip + per_voice]]
     if not rows:
         raise SystemExit(f"no held-out corpus in {corpus}: build it with "
                          "python -m training.corpus --out corpus-heldout --heldout 125")

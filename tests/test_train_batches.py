@@ -89,3 +89,25 @@ def test_soup_is_the_mean_of_the_models(tmp_path):
     for name, first in models[0].state_dict().items():
         mean = (first.half().float() + models[1].state_dict()[name].half().float()) / 2
         torch.testing.assert_close(averaged[name].float(), mean.half().float())
+
+
+def test_decoder_soup_keeps_the_encoder_and_codebooks(tmp_path):
+    """Averaging only the codec files that --files names leaves every token the encoder makes unchanged."""
+    from training.soup import soup
+    from tts.codec import CODEC_PRESETS, Codec, load_codec, save_codec
+
+    codecs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        codecs.append(Codec(CODEC_PRESETS["tiny"]))
+        codecs[-1].quantizer.load_state_dict(codecs[0].quantizer.state_dict())  # frozen codebooks, shared
+        (tmp_path / f"c{seed}").mkdir()
+        save_codec(codecs[-1], tmp_path / f"c{seed}")
+    soup([tmp_path / "c0", tmp_path / "c1"], tmp_path / "c1", files="codec_decoder.safetensors")
+    souped = load_codec(tmp_path / "c1").state_dict()
+    for name, tensor in codecs[1].state_dict().items():
+        if name.startswith("decoder."):
+            mean = (codecs[0].state_dict()[name].half().float() + tensor.half().float()) / 2
+            torch.testing.assert_close(souped[name].float(), mean.half().float())
+        else:
+            torch.testing.assert_close(souped[name].float(), tensor.half().float(), atol=0, rtol=0)
