@@ -1,13 +1,13 @@
-"""Average the weights of AR models of the same shape (a "model soup"), as shipped from rounds 6 and 9.
+"""Average the weights of models of the same shape (a "model soup"), as the AR model shipped from rounds 6 and 9.
 
     python -m training.soup runs/round6 runs/round9 --out voices
     python -m training.soup runs/codec10 runs/codec11 --files codec_decoder.safetensors --out runs/soup
 
 The second averages only the codec's decoders: the encoder, and with it every token, stays as it was.
 
-Each folder holds ``model-*.safetensors`` shards (or the files ``--files`` matches) as `training.train_ar.export` writes them. Tensors are matched by
-name across shards, averaged in fp32 with equal weights and written back in fp16 in the first folder's shard
-layout, with its config and voice list and the list of sources as metadata.
+Each folder holds ``model-*.safetensors`` shards as `training.train_ar.export` writes them (or the files that
+``--files`` matches). Tensors are matched by name across shards, averaged in fp32 with equal weights and written
+back in fp16 in the first folder's shard layout, with its config and voice list and the sources as metadata.
 """
 from __future__ import annotations
 
