@@ -1,5 +1,6 @@
 """The AR trainer's batches: every utterance once per epoch, within the frame budget, and DataLoader
-workers together yield exactly the single-process epoch, in order; a deepened model starts as the original."""
+workers together yield exactly the single-process epoch, in order; a deepened model starts as the original;
+the codec trainer's learning-rate schedule."""
 import dataclasses
 import itertools
 import random
@@ -111,3 +112,12 @@ def test_decoder_soup_keeps_the_encoder_and_codebooks(tmp_path):
             torch.testing.assert_close(souped[name].float(), mean.half().float())
         else:
             torch.testing.assert_close(souped[name].float(), tensor.half().float(), atol=0, rtol=0)
+
+
+def test_codec_learning_rate_falls_along_a_half_cosine_to_its_floor():
+    from training.train_codec import time_cosine
+    factors = [time_cosine(p / 10, 0.1) for p in range(11)]
+    assert factors[0] == 1.0 and abs(factors[5] - 0.55) < 1e-12 and abs(factors[10] - 0.1) < 1e-12
+    assert all(a > b for a, b in zip(factors, factors[1:]))
+    assert time_cosine(1.3, 0.1) == factors[10]  # a step that starts after the budget keeps the floor
+    assert time_cosine(0.7, 1.0) == 1.0  # floor 1: constant, as before --decay-to

@@ -28,7 +28,7 @@ CODEC=/root/voices
 if [ "${CODEC_MIN:-0}" != 0 ]; then
     CODEC=/root/runs/codec
     python3 -m training.train_codec --corpus /root/dec --init /root/voices --keep-codebooks --gan-after 0 \
-        --lr "${CODEC_LR:-1e-4}" --minutes "$CODEC_MIN" --out "$CODEC" --workers 4 > /root/runs/codec.log 2>&1 &
+        --lr "${CODEC_LR:-1e-4}" --decay-to "${CODEC_DECAY_TO:-1}" --minutes "$CODEC_MIN" --out "$CODEC" --workers 4 > /root/runs/codec.log 2>&1 &
 fi
 python3 -m training.corpus --out /root/corpus --hours joe=${JOE_H:-12} --offset 26000 --workers "${JOE_WORKERS:-11}" \
     --cache /root/textcache --minutes "${CORPUS_MIN:-7}" > /root/runs/corpus_joe.log 2>&1 &

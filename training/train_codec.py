@@ -4,12 +4,14 @@
     python -m training.train_codec --corpus corpus --minutes 15 --init voices --decoder-only --gan-after 0 --lr 2e-4 --out runs/codec
 
     python -m training.train_codec --corpus corpus --minutes 9 --init voices --keep-codebooks --gan-after 0 --lr 1e-4 --out runs/codec
+    python -m training.train_codec --corpus corpus --minutes 14 --init voices --keep-codebooks --gan-after 0 --lr 1e-4 --decay-to 0.1 --out runs/codec
 
 The second form fine-tunes only the decoder of a trained codec: the encoder and codebooks stay frozen, so the
 tokens an AR model was trained on keep their meaning, and the decoder always sees all codebooks, as in serving.
 The third trains the encoder too, against the frozen codebooks (straight-through, with commitment loss): each
 token keeps its codeword, but the encoder learns to pick codewords that keep more of the speech, so tokens
 change where it finds better ones and an AR model trained on the old ones needs a short continuation.
+The fourth does so with both learning rates falling along a half cosine to a tenth by the end of the run.
 
 Multi-scale log-mel L1 alone for the first ``--gan-after`` fraction of the time, then with a
 multi-scale STFT discriminator (hinge) and feature matching. Writes fp16 safetensors checkpoints of the
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -42,6 +45,15 @@ def crops(audio: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, batch: 
     return audio[index.clamp(max=len(audio) - 1)].float()
 
 
+def time_cosine(progress: float, floor: float) -> float:
+    """Learning-rate factor along a half cosine from 1 at the start of the time budget to ``floor`` at its end.
+
+    With ``floor`` 0.1: progress 0 -> 1.0, 0.5 -> 0.55, 1 -> 0.1. The runs are budgeted in minutes, not
+    steps, so progress is the fraction of the time spent.
+    """
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--corpus", type=Path, default=Path("corpus"))
@@ -57,6 +69,8 @@ def main() -> None:
     parser.add_argument("--decoder-only", action="store_true", help="freeze the encoder and codebooks")
     parser.add_argument("--keep-codebooks", action="store_true", help="train encoder and decoder, freeze the codebooks")
     parser.add_argument("--ema", type=float, default=0.999, help="decay of the trained weights' average that is saved; 0: off")
+    parser.add_argument("--decay-to", type=float, default=1.0,
+                        help="both learning rates at the end of the time budget, as a fraction of the start (1: constant)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
@@ -97,6 +111,9 @@ def main() -> None:
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
     while time.time() - start < budget:
         gan = time.time() - start > args.gan_after * budget
+        for opt, peak in ((opt_g, args.lr), (opt_d, 3e-4)):
+            for group in opt.param_groups:
+                group["lr"] = peak * time_cosine((time.time() - start) / budget, args.decay_to)
         real = crops(audio, starts, ends, args.batch, length)
         n_q = cfg.codebooks if all_codebooks or random.random() < 0.5 else random.randint(1, cfg.codebooks)
         with autocast, torch.set_grad_enabled(not args.decoder_only):
