@@ -20,6 +20,8 @@
 # 7 minutes on 11 workers, 0.27 h, against 22 a minute on 2 cores here), so make kumo here and send its tokens.
 # Round 10 (a new encoder, so kumo's audio travelled instead, into /root/kumo): CODEC_MIN=9 CORPUS_MIN=7 AR_MIN=7
 # AR_LR=3e-4 JOE_WORKERS=10 OTHER_WORKERS=5 TOKEN_CORPORA=/root/kumo made joe 7.25 h, the others 1.86-1.97 h each.
+# Round 12: CODEC_MIN=15 CODEC_LR=1.5e-4 CODEC_DECAY_TO=0.1 CORPUS_MIN=9 AR_MIN=6.5 (the rest as round 10) held the
+# machine 29.3 minutes: loading 9.7 h of codec audio takes 2 minutes, and the AR model ended 43 s before the budget.
 set -euo pipefail
 shopt -s nullglob  # a corpus folder with nothing new to encode leaves no parts to move
 export PYTHONPATH=/tmp/site:${PWD} PYTHONUNBUFFERED=1 PATH=/root/tb/bin:${PATH} LD_LIBRARY_PATH=/root/tb/lib
@@ -28,7 +30,8 @@ CODEC=/root/voices
 if [ "${CODEC_MIN:-0}" != 0 ]; then
     CODEC=/root/runs/codec
     python3 -m training.train_codec --corpus /root/dec --init /root/voices --keep-codebooks --gan-after 0 \
-        --lr "${CODEC_LR:-1e-4}" --decay-to "${CODEC_DECAY_TO:-1}" --minutes "$CODEC_MIN" --out "$CODEC" --workers 4 > /root/runs/codec.log 2>&1 &
+        --lr "${CODEC_LR:-1e-4}" --decay-to "${CODEC_DECAY_TO:-1}" --minutes "$CODEC_MIN" --out "$CODEC" --workers 4 \
+        > /root/runs/codec.log 2>&1 &
 fi
 python3 -m training.corpus --out /root/corpus --hours joe=${JOE_H:-12} --offset 26000 --workers "${JOE_WORKERS:-11}" \
     --cache /root/textcache --minutes "${CORPUS_MIN:-7}" > /root/runs/corpus_joe.log 2>&1 &
