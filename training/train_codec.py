@@ -109,11 +109,11 @@ def main() -> None:
     length = int(args.seconds * cfg.sample_rate) // cfg.hop * cfg.hop
     budget, start, step, log = args.minutes * 60, time.time(), 0, []
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
-    while time.time() - start < budget:
-        gan = time.time() - start > args.gan_after * budget
-        for opt, peak in ((opt_g, args.lr), (opt_d, 3e-4)):
+    while (elapsed := time.time() - start) < budget:
+        gan = elapsed > args.gan_after * budget
+        for opt in (opt_g, opt_d):
             for group in opt.param_groups:
-                group["lr"] = peak * time_cosine((time.time() - start) / budget, args.decay_to)
+                group["lr"] = opt.defaults["lr"] * time_cosine(elapsed / budget, args.decay_to)
         real = crops(audio, starts, ends, args.batch, length)
         n_q = cfg.codebooks if all_codebooks or random.random() < 0.5 else random.randint(1, cfg.codebooks)
         with autocast, torch.set_grad_enabled(not args.decoder_only):
