@@ -55,10 +55,12 @@ def cmd_say(args) -> int:
 def cmd_voices(_args) -> int:
     from tts.voices import voice_presets
     presets = voice_presets()
-    name_width, teacher_width = (max(len(p[key]) for p in presets.values()) for key in ("name", "teacher"))
+    name_width, teacher_width, license_width = (
+        max(len(p.get(key, "")) for p in presets.values()) for key in ("name", "teacher", "license"))
     for name, preset in presets.items():
         mark = " (default)" if preset.get("default") else ""
-        print(f"{name:{name_width}s}  {preset['teacher']:{teacher_width}s}  {preset['description']}{mark}")
+        print(f"{name:{name_width}s}  {preset['teacher']:{teacher_width}s}  {preset.get('license', ''):{license_width}s}"
+              f"  {preset['description']}{mark}")
     return 0
 
 
