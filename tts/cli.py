@@ -1,10 +1,11 @@
-"""Command line: ``tts say``, ``tts voices``, ``tts serve``."""
+"""Command line: ``tts say``, ``tts voices``, ``tts serve``, ``tts wyoming``."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -66,7 +67,27 @@ def cmd_voices(_args) -> int:
 
 def cmd_serve(args) -> int:
     from server import serve
-    serve(host=args.host, port=args.port, compile=not args.no_compile)
+    if not args.wyoming_uri:
+        serve(host=args.host, port=args.port, compile=not args.no_compile)
+        return 0
+    from streaming.wyoming import WyomingServer
+    from tts.api import get_engine
+    engine = get_engine(compile=not args.no_compile)  # one engine for both servers
+    with WyomingServer(engine, args.wyoming_uri, args.zeroconf):
+        serve(host=args.host, port=args.port, engine=engine)
+    return 0
+
+
+def cmd_wyoming(args) -> int:
+    from streaming.wyoming import WyomingServer
+    from tts.api import get_engine
+    engine = get_engine(compile=not args.no_compile)
+    with WyomingServer(engine, args.uri, args.zeroconf):
+        print(f"Wyoming server on {args.uri}; Ctrl-C stops it", file=sys.stderr)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            pass
     return 0
 
 
@@ -87,7 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--no-compile", action="store_true",
                        help="skip compiling the decode step at start-up (starts seconds sooner, steps slower)")
+    serve.add_argument("--wyoming-uri", help="also serve Home Assistant's Wyoming protocol, e.g. tcp://0.0.0.0:10200")
+    serve.add_argument("--zeroconf", nargs="?", const="", metavar="NAME",
+                       help="announce the Wyoming server on the local network (mDNS), optionally under NAME")
     serve.set_defaults(run=cmd_serve)
+    wyoming = sub.add_parser("wyoming", help="run a Wyoming server for Home Assistant")
+    wyoming.add_argument("--uri", default="tcp://0.0.0.0:10200", help="tcp://HOST:PORT or unix://PATH")
+    wyoming.add_argument("--zeroconf", nargs="?", const="", metavar="NAME",
+                         help="announce the server on the local network (mDNS), optionally under NAME")
+    wyoming.add_argument("--no-compile", action="store_true",
+                         help="skip compiling the decode step at start-up (starts seconds sooner, steps slower)")
+    wyoming.set_defaults(run=cmd_wyoming)
     args = parser.parse_args(argv)
     from streaming.engine import EngineError
     from tts.client import ClientError
