@@ -198,7 +198,8 @@ class WyomingHandler(AsyncEventHandler):
                     started = True
                 await self.write_event(AudioChunk(audio=encoder.encode(chunk), **audio_format).event())
         except TextError as err:  # the utterance ended with nothing speakable in it
-            await self._report(RequestError("bad_text", str(err)))
+            if not (self.streaming and stream.first_text_at is None):  # an empty stream just stops, quietly
+                await self._report(RequestError("bad_text", str(err)))
         except EngineError as err:
             await self._report(RequestError("engine_error", f"speech generation failed: {err}"))
         except ConnectionError:  # the client went away mid-utterance: nobody to tell

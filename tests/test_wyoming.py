@@ -139,6 +139,18 @@ def test_speech_starts_before_the_streamed_text_ends(server):
     assert SynthesizeStopped.is_type(rest[-1].type)
 
 
+def test_an_empty_stream_just_stops(server):
+    """An LLM turn with no text for speech: no error, no audio, only synthesize-stopped."""
+    async def go():
+        async with client(server) as conn:
+            await conn.write_event(SynthesizeStart().event())
+            await conn.write_event(SynthesizeChunk("  ").event())
+            await conn.write_event(SynthesizeStop().event())
+            return await events_until(conn, SynthesizeStopped)
+
+    assert types(run(go())) == ["synthesize-stopped"]
+
+
 @pytest.mark.parametrize("voice, code", [(SynthesizeVoice(name="nobody"), "unknown_voice"),
                                          (SynthesizeVoice(language="de_DE"), "unsupported_language")])
 def test_bad_voice_is_an_error_and_the_stream_still_stops(server, voice, code):
