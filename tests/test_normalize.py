@@ -171,6 +171,8 @@ CASES = [
     ("1920x1080", "nineteen twenty by ten eighty"),
     ("3 x 4", "three by four"),
     ("4K video", "four K video"),
+    ("a 512 GB drive", "a five hundred twelve gigabyte drive"),
+    ("2 tbsp of butter", "two tablespoons of butter"),
     # versions
     ("v1.2", "version one point two"),
     ("v2", "version two"),

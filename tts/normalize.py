@@ -524,15 +524,16 @@ def _percent(ctx: _Context, i: int) -> list[str] | None:
 def _with_unit(ctx: _Context, i: int) -> list[str] | None:
     """ "5kg" -> five kilograms, "72°F", "5 kg", "-3.5 °C", "3x", "100 km/h"."""
     match = re.fullmatch(r"([-+]?\d[\d,]*(?:\.\d+)?)\s?(°[CFK]?|[A-Za-zµ°²/]+2?)", ctx.core[i])
+    counted = ctx.at(i - 1).lower() not in ("a", "an")  # "a 512 GB drive": the unit names a kind, singular
     if match and match.group(2) in UNITS:
         amount = _amount(match.group(1))
         if amount:
             one, many = UNITS[match.group(2)]
-            return [f"{amount[0]} {many if amount[1] else one}"]
+            return [f"{amount[0]} {many if amount[1] and counted else one}"]
     amount = _amount(ctx.core[i]) if ctx.at(i + 1) in SPACED_UNITS else None
     if amount and not ctx.trail[i]:
         one, many = UNITS[ctx.at(i + 1)]
-        return [amount[0], many if amount[1] else one]
+        return [amount[0], many if amount[1] and counted else one]
     return None
 
 

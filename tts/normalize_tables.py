@@ -55,7 +55,7 @@ UNITS = {
     "l": ("liter", "liters"), "L": ("liter", "liters"), "cl": ("centiliter", "centiliters"),
     "in": ("inch", "inches"), "ft": ("foot", "feet"), "yd": ("yard", "yards"), "mi": ("mile", "miles"),
     "oz": ("ounce", "ounces"), "lb": ("pound", "pounds"), "lbs": ("pound", "pounds"),
-    "gal": ("gallon", "gallons"), "mph": ("mile per hour", "miles per hour"),
+    "gal": ("gallon", "gallons"), "tbsp": ("tablespoon", "tablespoons"), "tsp": ("teaspoon", "teaspoons"), "mph": ("mile per hour", "miles per hour"),
     "km/h": ("kilometer per hour", "kilometers per hour"), "kph": ("kilometer per hour", "kilometers per hour"),
     "m/s": ("meter per second", "meters per second"), "ms": ("millisecond", "milliseconds"),
     "s": ("second", "seconds"), "sec": ("second", "seconds"), "min": ("minute", "minutes"),

@@ -58,15 +58,18 @@ def phonemize(text: str) -> list[list[str]]:
     return [["^", *units, "$"] for units in _espeak_units(text) if _speakable(units)]
 
 
-# A pause is spoken as units the model already pauses on: ", " per PAUSE_UNIT_MS (measured with
-# `python -m bench.incremental --pauses`), at least one.
-PAUSE_UNIT_MS = 250
-_GAP = set(" ,.;:!?")
+# A pause is spoken as commas, which the model pauses on: with none, two words are about PAUSE_BASE_MS
+# apart (a word gap and a stop's closure); each comma adds about PAUSE_COMMA_MS. Measured on the shipped
+# model with `python -m bench.incremental --pauses` (silence for 0/250/500/1000/2000 ms asked).
+PAUSE_BASE_MS, PAUSE_COMMA_MS = 280, 240
+_GAP = set(" ,.;:!?")  # units between words
 
 
 def pause_units(ms: int) -> list[str]:
-    """Units for a pause of about ``ms`` milliseconds. Example: 500 -> [',', ' ', ',', ' ']."""
-    return [",", " "] * max(1, round(ms / PAUSE_UNIT_MS)) if ms > 0 else []
+    """Units for a pause of about ``ms`` milliseconds between two words. Example: 1000 -> ", , ," (three
+    commas: 280 + 3 * 240 = 1000 ms); 250 -> none (a word gap is already about that long)."""
+    commas = max(0, round((ms - PAUSE_BASE_MS) / PAUSE_COMMA_MS))
+    return [",", " "] * commas
 
 
 @lru_cache(maxsize=65536)
