@@ -9,10 +9,11 @@ only that word onwards is taken: what was spoken is never changed. A sentence's 
 known. ``lookahead_words="auto"`` waits for whole sentences instead (or, without punctuation, for
 `PARTIAL_WORDS` words, and speaks all but the last two). ``flush``/``end`` speak whatever is buffered.
 
-Example, lookahead 1, pieces "The ", "birch ", "canoe ", "slid." then end:
+Example, lookahead 1, pieces "The ", "birch ", "canoe ", "slid." then end (units shown apart, "␣" a space):
   after "birch ": "The" is followed by one complete word -> ^ ð ə  (its space waits for the next word)
-  after "canoe ": " b ˈ ɜ ː t ʃ"; after "slid.": nothing ("slid." may end the sentence, may be "slid. He")
-  end: "   k ə n ˈ u ː   s l ˈ ɪ d . $"
+  after "canoe ": ␣ b ˈ ɜ ː t ʃ;  after "slid.": nothing ("slid." is not complete: it may be "slide")
+  end: ␣ k ə n ˈ u ː ␣ s l ˈ ɪ d . $
+A complete "slid. " would still wait for the next word: "slid. He" ends the sentence, "Dr. He" would not.
 
 Word timings: every unit taken is remembered with the word (as written) it speaks; `word_timings` turns
 the engine's schedule of units into start/end seconds per word.
@@ -24,6 +25,7 @@ import threading
 from tts.normalize import Token, complete_length, needs_next, sentence_end, speak, split_sentences, tokenize
 from tts.text import MAX_TEXT_CHARS, SYMBOL_ID, TextError, sentence_units
 
+TAKE_CHARS = 600  # text phonemised in one take at most: a long text reaches the engine a few sentences a tick
 PARTIAL_WORDS = 12  # "auto": a sentence without an end is spoken once this many words wait
 CONTEXT_WORDS = 8  # words before the first unspoken one that are phonemised with it (espeak's left context)
 _TO_COME = Token("people", 0, 0)  # never taken: its index is past every ready token
@@ -82,19 +84,21 @@ class TextStream:
         with self._lock:
             if not self._dirty:
                 return [], False
-            final, self._final, self._dirty = self._final, False, False
-            text = self._text
-            tokens = tokenize(text if final else text[:complete_length(text)])
+            text, final = self._text, self._final
+            ready = len(text) if final else complete_length(text)
+            usable = complete_length(text[:TAKE_CHARS]) if ready > TAKE_CHARS else ready
+            usable = usable or ready  # one token longer than TAKE_CHARS: all of it
+            closes = final and usable == len(text)
+            tokens = tokenize(text[:usable])
             units, consumed = [], 0
-            for start, stop, closed in split_sentences(tokens, final):
+            for start, stop, closed in split_sentences(tokens, closes):
                 sentence = tokens[start:stop]
                 units += self._speak(sentence, len(sentence) if closed else self._ready(sentence), closed)
-                if closed:
-                    consumed = sentence[-1].end
-            self._text = text[consumed:]
-            if final and not self._text.strip():
-                self._text = ""
-        return [SYMBOL_ID[u] for u in units], final
+                consumed = sentence[-1].end if closed else self._forget_spoken(sentence, consumed)
+            self._text = "" if closes and not text[consumed:].strip() else text[consumed:]
+            self._dirty = usable < ready  # the rest of a long text comes in the next takes
+            self._final = final and not closes
+        return [SYMBOL_ID[u] for u in units], closes
 
     def _ready(self, tokens: list[Token]) -> int:
         """How many of an open sentence's complete tokens may be spoken now."""
@@ -136,6 +140,17 @@ class TextStream:
             self._timings.complete(self._done)
         self.spoken_any = self.spoken_any or any(u.isalpha() for u in taken)
         return taken
+
+    def _forget_spoken(self, tokens: list[Token], consumed: int) -> int:
+        """Where the text kept for the next take may start: a long open sentence drops the words no later
+        take reads (the window and a rule's left neighbour), so a take costs the same on its 500th word as on
+        its 5th. Example: _done 40 -> the first 30 tokens go, _done becomes 10."""
+        drop = self._done - CONTEXT_WORDS - 2
+        if drop < 2 * CONTEXT_WORDS:
+            return consumed
+        self._done -= drop
+        self._timings.sentence_base += drop
+        return tokens[drop].start
 
     def _resume(self, owners: list[int]) -> int:
         """Where the units not yet taken start: after the last unit of the tokens before _done, and after

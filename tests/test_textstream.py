@@ -179,3 +179,19 @@ def test_word_timings_wait_for_all_of_a_words_units():
     assert stream.word_timings(0, list(range(half)), [1] * half, 0.02) == []
     assert stream.word_timings(half, [half, half + 1], [1, 1], 0.02) == [{"word": "Hello", "start": 0.02,
                                                                           "end": 0.14}]
+
+
+def test_a_long_text_reaches_the_engine_a_few_sentences_a_take():
+    from streaming.textstream import TAKE_CHARS
+    text = " ".join(SENTENCES * 12)
+    assert len(text) > 3 * TAKE_CHARS
+    stream = TextStream()
+    stream.push(text)
+    stream.end()
+    first, closed = stream.take()
+    assert first and not closed and len(first) < len(text) / 2
+    taken = [first]
+    while not stream.ended:
+        units, closed = stream.take()
+        taken.append(units)
+    assert closed and spell([u for ids in taken for u in ids]) == whole(text)

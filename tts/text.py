@@ -10,7 +10,6 @@ word timings refer to what the user wrote and incremental text can be spoken wor
 from __future__ import annotations
 
 import re
-import unicodedata
 from functools import lru_cache
 
 from tts.normalize import TextError, Token, end_mark, join_spoken, normalize, speak, split_sentences, tokenize
