@@ -124,17 +124,21 @@ class Scorer:
         return scores
 
 
-def measure(speak, sentences: list[str], rates: list, score: Scorer) -> dict:
-    whole = [speak(s, None, k) for k, s in enumerate(sentences)]
+def measure(speak, sentences: list[str], rates: list, lookaheads: list, score: Scorer) -> dict:
+    """Whole sentences once (the lookahead does not matter when all the text is there), then each lookahead
+    at each rate."""
+    whole = [speak(s, None, None, k) for k, s in enumerate(sentences)]
     whole_scores = [score(s, audio) for s, (audio, _) in zip(sentences, whole)]
     speech_rate = sum(len(s.split()) for s in sentences) / sum(len(a) / SAMPLE_RATE for a, _ in whole)
     report = {"sentences": len(sentences), "speaking_rate_wps": round(speech_rate, 2),
-              "whole": summary([a for a, _ in whole], whole_scores, None)}
-    for rate in rates:
-        wps = 1.2 * speech_rate if rate == "1.2x" else float(rate)
-        runs = [speak(s, wps, k) for k, s in enumerate(sentences)]
-        scores = [score(s, audio) for s, (audio, _) in zip(sentences, runs)]
-        report[str(rate)] = {"words_per_s": round(wps, 2), **summary([a for a, _ in runs], scores, runs)}
+              "whole": summary([a for a, _ in whole], whole_scores, whole)}
+    for lookahead in lookaheads:
+        block = report.setdefault(f"lookahead_{'default' if lookahead is None else lookahead}", {})
+        for rate in rates:
+            wps = 1.2 * speech_rate if rate == "1.2x" else float(rate)
+            runs = [speak(s, wps, lookahead, k) for k, s in enumerate(sentences)]
+            scores = [score(s, audio) for s, (audio, _) in zip(sentences, runs)]
+            block[str(rate)] = {"words_per_s": round(wps, 2), **summary([a for a, _ in runs], scores, runs)}
     return report
 
 
@@ -236,16 +240,15 @@ def main() -> None:
         return
     score = Scorer(not args.no_dnsmos)
     speak_engine(engine, sentences[0], 10, None, 0)  # warm-up, not counted
-    report = {"sentences": "harvard", "path": "server" if args.server else "engine", "results": {}}
+    report = {"sentences": "harvard", "path": "server" if args.server else "engine"}
     if args.server:
         from server import ServerThread
         with ServerThread(engine) as server:
-            report["results"]["default"] = measure(lambda s, r, k: speak_server(server.ws_url, s, r),
-                                                   sentences, args.rates, score)
+            report.update(measure(lambda s, r, _, k: speak_server(server.ws_url, s, r), sentences, args.rates,
+                                  [None], score))
     else:
-        for lookahead in lookaheads:
-            report["results"][str(lookahead if lookahead is not None else "default")] = measure(
-                lambda s, r, k: speak_engine(engine, s, r, lookahead, k), sentences, args.rates, score)
+        report.update(measure(lambda s, r, lookahead, k: speak_engine(engine, s, r, lookahead, k), sentences,
+                              args.rates, lookaheads, score))
     print(json.dumps(report, indent=1))
 
 

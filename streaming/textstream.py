@@ -1,9 +1,9 @@
 """Incremental text -> phoneme units, for text that arrives in pieces (an LLM's tokens, a socket).
 
 Words are spoken as they arrive. A word is complete once whitespace follows it; it is spoken once
-``lookahead_words`` complete words follow it (its right context: "the apple" reads ðɪ, "$5 million" reads
-"five million dollars"), and never while it may still end its sentence or be changed by what comes next
-(a number before its unit, "Dr." before the next word). The open sentence is normalised and phonemised
+``lookahead_words`` complete words follow it (its right context), and never while it may still end its
+sentence or be changed by what comes next: with no lookahead (the default) a number waits for its unit
+("$5" million), a title for the next word ("St." Mark), "the" for its noun ("the apple" reads ðɪ). The open sentence is normalised and phonemised
 again as words arrive, over a window that starts `CONTEXT_WORDS` before the first word not yet spoken, and
 only that word onwards is taken: what was spoken is never changed. A sentence's ``$`` comes when its end is
 known. ``lookahead_words="auto"`` waits for whole sentences instead (or, without punctuation, for
@@ -29,7 +29,11 @@ TAKE_CHARS = 600  # text phonemised in one take at most: a long text reaches the
 PARTIAL_WORDS = 12  # "auto": a sentence without an end is spoken once this many words wait
 CONTEXT_WORDS = 8  # words before the first unspoken one that are phonemised with it (espeak's left context)
 _TO_COME = Token("people", 0, 0)  # never taken: its index is past every ready token
-DEFAULT_LOOKAHEAD = 1  # complete words after a word before it is spoken (`python -m bench.incremental --units`)
+# Complete words after a word before it is spoken. 0: at once, unless the next word can change it
+# (`tts.normalize.needs_next`). Measured on 720 Harvard sentences (`python -m bench.incremental --units`): the
+# same units as whole sentences for 676 (0), 719 (1) and 720 (2); the rest differ by a linking glide or a
+# stress mark. Each word of lookahead costs a word's time before the first sound (100 ms at 10 words/s).
+DEFAULT_LOOKAHEAD = 0
 
 
 class TextStream:

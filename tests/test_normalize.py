@@ -53,6 +53,8 @@ CASES = [
     ("3:45 PM", "three forty-five P.M."),
     ("12:30:15", "twelve thirty and fifteen seconds"),
     ("11 PM", "eleven P.M."),
+    ("3.45pm", "three forty-five P.M."),
+    ("at 3.45 p.m.", "at three forty-five P.M."),
     # years and decades
     ("In 1851", "In eighteen fifty-one"),
     ("in 2005", "in two thousand five"),

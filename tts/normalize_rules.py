@@ -199,7 +199,10 @@ _AMPM = re.compile(r"(?P<ap>[ap])\.?m\.?", re.I)
 
 def _time(ctx: Context, i: int) -> list[str] | None:
     match = re.fullmatch(r"(\d{1,2}):(\d\d)(?::(\d\d))?(?P<ampm>[ap]\.?m\.?)?", ctx.core[i], re.I) or \
-        re.fullmatch(r"(\d{1,2})()()(?P<ampm>[ap]\.?m\.?)", ctx.core[i], re.I)
+        re.fullmatch(r"(\d{1,2})(?:\.(\d\d))?()(?P<ampm>[ap]\.?m\.?)", ctx.core[i], re.I)
+    dotted = re.fullmatch(r"\d{1,2}\.\d\d", ctx.core[i])
+    if dotted and _AMPM.fullmatch(ctx.at(i + 1)):  # "3.45 pm", as ASR transcripts write it
+        match = re.fullmatch(r"(\d{1,2})\.(\d\d)()(?P<ampm>)", ctx.core[i])
     if not match:
         return None
     hours, minutes = int(match.group(1)), int(match.group(2) or 0)
