@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import threading
 import time
 
@@ -139,6 +140,7 @@ def measure(speak, sentences: list[str], rates: list, lookaheads: list, score: S
             runs = [speak(s, wps, lookahead, k) for k, s in enumerate(sentences)]
             scores = [score(s, audio) for s, (audio, _) in zip(sentences, runs)]
             block[str(rate)] = {"words_per_s": round(wps, 2), **summary([a for a, _ in runs], scores, runs)}
+            print(f"lookahead {lookahead}, {rate}: {block[str(rate)]}", file=sys.stderr, flush=True)
     return report
 
 
