@@ -77,6 +77,12 @@ class TextStream:
             self._final = self._closed = self._dirty = True
 
     @property
+    def pending(self) -> bool:
+        """Whether `take` has work: new text, a flush or the end, or the rest of a long text (a take reads
+        at most TAKE_CHARS): an engine that takes on events must take again while this holds."""
+        return self._dirty
+
+    @property
     def ended(self) -> bool:
         return self._closed and not self._dirty and not self._text.strip() and not self._in_sentence
 

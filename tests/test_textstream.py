@@ -112,8 +112,8 @@ def test_flush_closes_the_open_sentence_and_the_stream_goes_on():
 def test_take_without_new_text_is_empty():
     stream = TextStream()
     stream.push("Some words here ")
-    assert stream.take()[0]
-    assert stream.take() == ([], False)
+    assert stream.pending and stream.take()[0]
+    assert not stream.pending and stream.take() == ([], False)
 
 
 def test_markup_split_across_pieces_waits_until_closed():
@@ -191,6 +191,7 @@ def test_a_long_text_reaches_the_engine_a_few_sentences_a_take():
     first, closed = stream.take()
     assert first and not closed and len(first) < len(text) / 2
     taken = [first]
+    assert stream.pending
     while not stream.ended:
         units, closed = stream.take()
         taken.append(units)
