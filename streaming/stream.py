@@ -30,6 +30,7 @@ class Stream:
         self.samples = 0
         self.error: Exception | None = None
         self._timings: list[tuple[str, float, float]] = []
+        self._word_timings: list[dict] = []  # filled where units are scheduled: TextStream.word_timings(...)
         self._timings_lock = threading.Lock()
 
     def push_text(self, text: str) -> None:
@@ -76,6 +77,13 @@ class Stream:
         Units are scheduled a little ahead of the audio that speaks them."""
         with self._timings_lock:
             timings, self._timings = self._timings, []
+        return timings
+
+    def take_word_timings(self) -> list[dict]:
+        """Words whose units were all scheduled since the last call, as the user wrote them:
+        ``{"word": "$3.50", "start": s, "end": s}`` on the stream's audio clock (`TextStream.word_timings`)."""
+        with self._timings_lock:
+            timings, self._word_timings = self._word_timings, []
         return timings
 
     def _schedule(self, timings: list[tuple[str, float, float]]) -> None:
