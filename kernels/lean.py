@@ -1,0 +1,182 @@
+"""A lean inference form of the one-frame decode step, shared by the eager, ONNX Runtime and AOT steps.
+
+`tts.model.TTSModel` is written for training and clarity: per layer it runs ~40 small ops (separate q and
+kv projections, rotary by chunk + cat, a mask per layer, cats of the ring onto the text keys, a ring
+write by gather + where + index_put). At one token per slot those ops cost more than the arithmetic.
+`LeanStep` computes the same function with the weights rearranged once:
+
+* one (C, 5C) matmul gives q, k, v and the rotary partners of q and k ("swapped": rows [-W2; W1], so
+  rotate(x) = x * cos + swapped(x) * sin, no chunk or cat), with 1/sqrt(D) folded into q's rows;
+* the text/audio masks are built once per step as one additive bias shared by all layers;
+* the ring is attended as it was before this step, plus the new key as one extra column, so the step is
+  a pure function of its inputs: it returns the keys/values to write, and `write_rings` writes them
+  after. That is what lets ONNX Runtime and AOTInductor run it (`kernels.ort`, `kernels.aot`).
+
+Worked example of the audio columns (capacity 4, window 4): slot b at frame 6, active, ring positions
+[4, 5, 2, 3]. Ring slot 6 % 4 = 2 holds frame 2, which this step overwrites: its column is hidden. Frames
+3, 4, 5 are visible (age 3, 2, 1 < 4) and the new key (frame 6, age 0) is the extra column. That is
+exactly what the reference sees after writing first: ring [4, 5, 6, 3]. An inactive slot hides the new
+column and writes back the values it already held, so its ring is unchanged.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from streaming.decode import StepCaches
+from tts.model import TTSModel
+
+
+def _swap_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of ``weight`` (H*D, C) rearranged per head from [W1; W2] to [-W2; W1], so that
+    x @ swapped.T equals rotate_half(x @ weight.T). Example, D=4: rows [a, b, c, d] -> [-c, -d, a, b]."""
+    w = weight.unflatten(0, (heads, -1))  # (H, D, C)
+    w1, w2 = w.chunk(2, dim=1)
+    return torch.cat([-w2, w1], dim=1).flatten(0, 1)
+
+
+class LeanStep(nn.Module):
+    """The decode step as one pure function of (inputs, caches) -> (logits, what to write into the rings).
+
+    Built from a trained `TTSModel`; holds re-laid-out copies of the weights the step uses (not the text
+    encoder). Shapes are read from the caches, so any ring sizes work."""
+
+    def __init__(self, model: TTSModel):
+        super().__init__()
+        cfg = self.cfg = model.cfg
+        scale = cfg.head_dim ** -0.5
+        self.register_buffer("embed", model.audio_embed.weight.detach().clone())  # (K*(N+1), C)
+        self.register_buffer("offset", model.codebook_offset.clone())  # (K,)
+        half = cfg.head_dim // 2
+        freq = cfg.rope_base ** (-torch.arange(half, dtype=torch.float32) / half)
+        self.register_buffer("freq", freq)  # (D/2,): the same fp32 values as tts.model.rope_angles
+        for i, block in enumerate(model.blocks):
+            wq = block.attn.wq.weight.detach() * scale
+            wk, wv = block.attn.wkv.weight.detach().chunk(2, dim=0)
+            heads = cfg.heads
+            qkv = torch.cat([wq, wk, _swap_halves(wq, heads), _swap_halves(wk, heads), wv])  # (5C, C)
+            self.register_buffer(f"qkv{i}", qkv.t().contiguous())  # (C, 5C): (K, N) layout measured faster
+            self.register_buffer(f"wo{i}", block.attn.wo.weight.detach().t().contiguous())
+            self.register_buffer(f"fc1_{i}", block.mlp[0].weight.detach().t().contiguous())
+            self.register_buffer(f"fc1b{i}", block.mlp[0].bias.detach().clone())
+            self.register_buffer(f"fc2_{i}", block.mlp[2].weight.detach().t().contiguous())
+            self.register_buffer(f"fc2b{i}", block.mlp[2].bias.detach().clone())
+            for name, norm in (("ln1", block.attn_norm), ("ln2", block.mlp_norm)):
+                self.register_buffer(f"{name}w{i}", norm.weight.detach().clone())
+                self.register_buffer(f"{name}b{i}", norm.bias.detach().clone())
+        self.register_buffer("lnw", model.norm.weight.detach().clone())
+        self.register_buffer("lnb", model.norm.bias.detach().clone())
+        self.register_buffer("head", model.heads.weight.detach().t().contiguous())  # (C, K*N)
+        self.register_buffer("headb", model.heads.bias.detach().clone())
+
+    def forward(self, tokens, frame, unit, active, text_pos, audio_pos, *kv):
+        """tokens (B, K) long, frame (B,) long, unit (B,) long, active (B,) bool, text_pos (B, Tt) and
+        audio_pos (B, Ta) long ring positions (-1 empty), then per layer six tensors (B, H, T, D): sink
+        keys, sink values, text keys, text values, audio keys, audio values (the rings as they are).
+        Returns logits (B, K, N), new_keys and new_values (L, B, H, D) and new_pos (B,) to store at ring slot
+        ``frame % Ta`` (for inactive slots: what that slot already holds), and that slot index (B,)."""
+        cfg = self.cfg
+        batch, heads, dim = tokens.shape[0], cfg.heads, cfg.dim
+        capacity = audio_pos.shape[1]
+        slot = frame % capacity  # (B,)
+        angle = frame.float()[:, None] * self.freq  # (B, D/2)
+        cos, sin = angle.cos(), angle.sin()
+        cos = torch.cat([cos, cos], -1).repeat(1, 2 * heads)  # (B, 2*H*D): q's and k's heads, both halves
+        sin = torch.cat([sin, sin], -1).repeat(1, 2 * heads)
+        bias = self._bias(frame, unit, active, text_pos, audio_pos, slot, kv[0].shape[2])  # (B, 1, Tall)
+        x = F.embedding(tokens + self.offset, self.embed).sum(1)  # (B, C)
+        new_keys, new_values = [], []
+        for i in range(cfg.layers):
+            sink_k, sink_v, text_k, text_v, audio_k, audio_v = kv[6 * i:6 * i + 6]
+            h = F.layer_norm(x, (dim,), getattr(self, f"ln1w{i}"), getattr(self, f"ln1b{i}"))
+            qkv = h @ getattr(self, f"qkv{i}")  # (B, 5C): q, k, swapped q, swapped k, v
+            plain_q = qkv[:, :dim].view(batch, heads, -1, 1)  # (B, H, D, 1), scored against the sinks
+            rotated = torch.addcmul(qkv[:, :2 * dim] * cos, qkv[:, 2 * dim:4 * dim], sin)  # (B, 2C)
+            q = rotated[:, :dim].view(batch, heads, -1, 1)  # (B, H, D, 1)
+            k = rotated[:, dim:].view(batch, heads, -1)  # (B, H, D)
+            v = qkv[:, 4 * dim:].view(batch, heads, -1)  # (B, H, D)
+            # keys @ q, not q @ keys^T: a transposed ring would be copied every step (ONNX Runtime does)
+            scores = torch.cat([sink_k @ plain_q, text_k @ q, audio_k @ q, (q[..., 0] * k).sum(-1)[..., None, None]],
+                               dim=2)[..., 0] + bias  # (B, H, S + Tt + Ta + 1)
+            p = torch.softmax(scores, dim=-1)[:, :, None]  # (B, H, 1, S + Tt + Ta + 1)
+            s, t = sink_k.shape[2], text_k.shape[2]
+            out = (p[..., :s] @ sink_v + p[..., s:s + t] @ text_v + p[..., s + t:-1] @ audio_v
+                   + p[..., -1:] * v[:, :, None])  # (B, H, 1, D)
+            x = x + out.view(batch, dim) @ getattr(self, f"wo{i}")
+            h = F.layer_norm(x, (dim,), getattr(self, f"ln2w{i}"), getattr(self, f"ln2b{i}"))
+            h = F.gelu(torch.addmm(getattr(self, f"fc1b{i}"), h, getattr(self, f"fc1_{i}")))
+            x = x + torch.addmm(getattr(self, f"fc2b{i}"), h, getattr(self, f"fc2_{i}"))
+            keep = active[:, None, None]
+            at_slot = slot[:, None, None, None].expand(-1, heads, 1, k.shape[-1])  # (B, H, 1, D)
+            new_keys.append(torch.where(keep, k, audio_k.gather(2, at_slot)[:, :, 0]))
+            new_values.append(torch.where(keep, v, audio_v.gather(2, at_slot)[:, :, 0]))
+        x = F.layer_norm(x, (dim,), self.lnw, self.lnb)
+        logits = torch.addmm(self.headb, x, self.head).view(batch, cfg.codebooks, cfg.codebook_size)
+        new_pos = torch.where(active, frame, audio_pos.gather(1, slot[:, None])[:, 0])
+        return logits, torch.stack(new_keys), torch.stack(new_values), new_pos, slot
+
+    def _bias(self, frame, unit, active, text_pos, audio_pos, slot, sinks):
+        """Additive attention bias (B, 1, S + Tt + Ta + 1): 0 where visible, -inf elsewhere. Same rules
+        as `streaming.masks`, plus: the audio slot this step overwrites is hidden and the new key is the
+        last column (visible iff active). Example: see the module docstring."""
+        cfg = self.cfg
+        offset = text_pos - unit[:, None]
+        text = (text_pos >= 0) & (offset >= -cfg.behind) & (offset <= cfg.ahead)  # (B, Tt)
+        age = frame[:, None] - audio_pos
+        columns = torch.arange(audio_pos.shape[1], device=frame.device)
+        overwritten = active[:, None] & (columns == slot[:, None])
+        audio = (audio_pos >= 0) & (age >= 0) & (age < cfg.window) & ~overwritten  # (B, Ta)
+        sink = torch.ones_like(text[:, :1]).expand(-1, sinks)
+        visible = torch.cat([sink, text, audio, active[:, None]], dim=1)
+        zero = torch.zeros((), dtype=torch.float32, device=frame.device)
+        return torch.where(visible, zero, float("-inf"))[:, None]
+
+
+def ring_tensors(caches: StepCaches) -> list[torch.Tensor]:
+    """The per-layer (sink k, sink v, text k, text v, audio k, audio v) tensors in `LeanStep`'s order."""
+    flat = []
+    for (sink_k, sink_v), text, audio in zip(caches.sinks, caches.text, caches.audio):
+        flat += [sink_k, sink_v, text.keys, text.values, audio.keys, audio.values]
+    return flat
+
+
+def write_rings(caches: StepCaches, new_keys, new_values, new_pos, slot) -> None:
+    """Store what `LeanStep` returned into the audio rings at ring slot ``slot`` (B,) of every batch row."""
+    rows = torch.arange(slot.shape[0], device=slot.device)
+    for layer, ring in enumerate(caches.audio):
+        ring.keys[rows, :, slot] = new_keys[layer]
+        ring.values[rows, :, slot] = new_values[layer]
+    for positions in {id(r.positions): r.positions for r in caches.audio}.values():  # usually one shared tensor
+        positions[rows, slot] = new_pos
+
+
+_prepared: "weakref.WeakKeyDictionary[TTSModel, LeanStep]" = weakref.WeakKeyDictionary()
+
+
+def lean_module(model: TTSModel) -> LeanStep:
+    """The `LeanStep` of ``model``, built once per model (factories for several batch sizes share it)."""
+    if model not in _prepared:
+        _prepared[model] = LeanStep(model).eval()
+    return _prepared[model]
+
+
+class EagerLeanStep:
+    """`LeanStep` run by eager PyTorch: no compile, no build; about half the ops of `decode_step`."""
+    kind = "lean"
+
+    def __init__(self, model: TTSModel, caches: StepCaches, batch: int, device):
+        self.module = lean_module(model)
+
+    def __call__(self, model, caches, tokens, frame, unit, active) -> torch.Tensor:
+        audio = caches.audio[0]
+        logits, keys, values, pos, slot = self.module(tokens, frame, unit, active, caches.text[0].positions,
+                                                      audio.positions, *ring_tensors(caches))
+        write_rings(caches, keys, values, pos, slot)
+        return logits
+
+
+def lean_factory(model, caches, batch, device):
+    return EagerLeanStep(model, caches, batch, device)
