@@ -16,7 +16,7 @@ import warnings
 from concurrent.futures import Future
 
 from kernels import ort
-from kernels.lean import EagerLeanStep, lean_module
+from kernels.lean import EagerLeanStep
 
 
 class DefaultStepFactory:
@@ -60,12 +60,11 @@ class DefaultStepFactory:
             if self._building or self.faster.done():
                 return
             self._building = True
-        module = lean_module(model)
-        path = ort.onnx_path(module)
+        path = ort.onnx_path(model)
 
         def run():
             try:
-                ort.export_in_background_process(module, path)
+                ort.export_in_background_process(model, path)
                 ort.session(path)
                 self._resolve(ort.factory(path))
             except Exception as err:  # no compiler needed, but onnx may be missing or the export may fail

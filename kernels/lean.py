@@ -79,42 +79,39 @@ class LeanStep(nn.Module):
         Returns logits (B, K, N), new_keys and new_values (L, B, H, D) and new_pos (B,) to store at ring slot
         ``frame % Ta`` (for inactive slots: what that slot already holds), and that slot index (B,)."""
         cfg = self.cfg
-        batch, heads, dim = tokens.shape[0], cfg.heads, cfg.dim
-        capacity = audio_pos.shape[1]
-        slot = frame % capacity  # (B,)
+        heads, dim, head_dim = cfg.heads, cfg.dim, cfg.head_dim  # batch sizes stay symbolic (-1): one export
+        slot = frame % audio_pos.shape[1]  # (B,)
         angle = frame.float()[:, None] * self.freq  # (B, D/2)
         cos, sin = angle.cos(), angle.sin()
         cos = torch.cat([cos, cos], -1).repeat(1, 2 * heads)  # (B, 2*H*D): q's and k's heads, both halves
         sin = torch.cat([sin, sin], -1).repeat(1, 2 * heads)
-        bias = self._bias(frame, unit, active, text_pos, audio_pos, slot, kv[0].shape[2])  # (B, 1, Tall)
+        sizes = [kv[0].shape[2], kv[2].shape[2], kv[4].shape[2], 1]  # sinks, text ring, audio ring, new key
+        bias = self._bias(frame, unit, active, text_pos, audio_pos, slot, sizes[0])  # (B, 1, sum(sizes))
+        at_slot = slot[:, None, None, None].expand(-1, heads, 1, head_dim)  # (B, H, 1, D)
+        keep = active[:, None, None]
         x = F.embedding(tokens + self.offset, self.embed).sum(1)  # (B, C)
         new_keys, new_values = [], []
         for i in range(cfg.layers):
             sink_k, sink_v, text_k, text_v, audio_k, audio_v = kv[6 * i:6 * i + 6]
             h = F.layer_norm(x, (dim,), getattr(self, f"ln1w{i}"), getattr(self, f"ln1b{i}"))
-            qkv = h @ getattr(self, f"qkv{i}")  # (B, 5C): q, k, swapped q, swapped k, v
-            plain_q = qkv[:, :dim].view(batch, heads, -1, 1)  # (B, H, D, 1), scored against the sinks
-            rotated = torch.addcmul(qkv[:, :2 * dim] * cos, qkv[:, 2 * dim:4 * dim], sin)  # (B, 2C)
-            q = rotated[:, :dim].view(batch, heads, -1, 1)  # (B, H, D, 1)
-            k = rotated[:, dim:].view(batch, heads, -1)  # (B, H, D)
-            v = qkv[:, 4 * dim:].view(batch, heads, -1)  # (B, H, D)
+            qk, swapped, v = (h @ getattr(self, f"qkv{i}")).split([2 * dim, 2 * dim, dim], dim=1)
+            plain_q = qk[:, :dim].reshape(-1, heads, head_dim, 1)  # (B, H, D, 1), scored against the sinks
+            q, k = torch.addcmul(qk * cos, swapped, sin).view(-1, 2, heads, head_dim).unbind(1)  # (B, H, D)
+            v = v.reshape(-1, heads, head_dim)  # (B, H, D)
             # keys @ q, not q @ keys^T: a transposed ring would be copied every step (ONNX Runtime does)
-            scores = torch.cat([sink_k @ plain_q, text_k @ q, audio_k @ q, (q[..., 0] * k).sum(-1)[..., None, None]],
-                               dim=2)[..., 0] + bias  # (B, H, S + Tt + Ta + 1)
-            p = torch.softmax(scores, dim=-1)[:, :, None]  # (B, H, 1, S + Tt + Ta + 1)
-            s, t = sink_k.shape[2], text_k.shape[2]
-            out = (p[..., :s] @ sink_v + p[..., s:s + t] @ text_v + p[..., s + t:-1] @ audio_v
-                   + p[..., -1:] * v[:, :, None])  # (B, H, 1, D)
-            x = x + out.view(batch, dim) @ getattr(self, f"wo{i}")
+            scores = torch.cat([sink_k @ plain_q, text_k @ q[..., None], audio_k @ q[..., None],
+                                (q * k).sum(-1)[..., None, None]], dim=2)[..., 0] + bias  # (B, H, sum(sizes))
+            p_sink, p_text, p_audio, p_new = torch.softmax(scores, dim=-1)[:, :, None].split(sizes, dim=-1)
+            out = p_sink @ sink_v + p_text @ text_v + p_audio @ audio_v + p_new * v[:, :, None]  # (B, H, 1, D)
+            x = x + out.reshape(-1, dim) @ getattr(self, f"wo{i}")
             h = F.layer_norm(x, (dim,), getattr(self, f"ln2w{i}"), getattr(self, f"ln2b{i}"))
-            h = F.gelu(torch.addmm(getattr(self, f"fc1b{i}"), h, getattr(self, f"fc1_{i}")))
-            x = x + torch.addmm(getattr(self, f"fc2b{i}"), h, getattr(self, f"fc2_{i}"))
-            keep = active[:, None, None]
-            at_slot = slot[:, None, None, None].expand(-1, heads, 1, k.shape[-1])  # (B, H, 1, D)
+            # matmul + bias rather than addmm: ONNX MatMul nodes, which weight quantizers recognise
+            h = F.gelu(h @ getattr(self, f"fc1_{i}") + getattr(self, f"fc1b{i}"))
+            x = x + (h @ getattr(self, f"fc2_{i}") + getattr(self, f"fc2b{i}"))
             new_keys.append(torch.where(keep, k, audio_k.gather(2, at_slot)[:, :, 0]))
             new_values.append(torch.where(keep, v, audio_v.gather(2, at_slot)[:, :, 0]))
         x = F.layer_norm(x, (dim,), self.lnw, self.lnb)
-        logits = torch.addmm(self.headb, x, self.head).view(batch, cfg.codebooks, cfg.codebook_size)
+        logits = (x @ self.head + self.headb).view(-1, cfg.codebooks, cfg.codebook_size)
         new_pos = torch.where(active, frame, audio_pos.gather(1, slot[:, None])[:, 0])
         return logits, torch.stack(new_keys), torch.stack(new_values), new_pos, slot
 
@@ -153,14 +150,17 @@ def write_rings(caches: StepCaches, new_keys, new_values, new_pos, slot) -> None
         positions[rows, slot] = new_pos
 
 
-_prepared: "weakref.WeakKeyDictionary[TTSModel, LeanStep]" = weakref.WeakKeyDictionary()
+_prepared: "weakref.WeakKeyDictionary[TTSModel, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 def lean_module(model: TTSModel) -> LeanStep:
-    """The `LeanStep` of ``model``, built once per model (factories for several batch sizes share it)."""
-    if model not in _prepared:
-        _prepared[model] = LeanStep(model).eval()
-    return _prepared[model]
+    """The `LeanStep` of ``model``: steps for several batch sizes share one, and it is freed (34 MB for
+    the shipped model) once no step uses it, e.g. after the engine has swapped in ONNX Runtime."""
+    module = _prepared[model]() if model in _prepared else None
+    if module is None:
+        module = LeanStep(model).eval()
+        _prepared[model] = weakref.ref(module)
+    return module
 
 
 class EagerLeanStep:

@@ -23,13 +23,15 @@ import sys
 import tempfile
 import threading
 import warnings
+import weakref
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from kernels import enabled
-from kernels.lean import LeanStep, lean_module, ring_tensors, write_rings
+from kernels import lean
+from kernels.lean import lean_module, ring_tensors, write_rings
 from streaming.decode import StepCaches
 from tts.model import TTSModel
 
@@ -37,6 +39,7 @@ INPUTS = ["tokens", "frame", "unit", "active", "text_pos", "audio_pos"]
 OUTPUTS = ["logits", "new_keys", "new_values", "new_pos", "slot"]
 _NUMPY = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_}
 _sessions: dict[Path, object] = {}
+_digests: "weakref.WeakKeyDictionary[TTSModel, str]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -50,17 +53,17 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def onnx_path(module: LeanStep) -> Path:
-    """Where the export of ``module`` lives. The key changes with the weights, the config, the graph's
-    source, torch (the exporter) and onnxruntime (the runner)."""
+def onnx_path(model: TTSModel) -> Path:
+    """Where the export of ``model``'s step lives. The key changes with the weights, the config, the
+    graph's source, torch (the exporter) and onnxruntime (the runner)."""
     import onnxruntime
-    if not hasattr(module, "digest"):
+    if model not in _digests:  # about 0.1 s for the shipped model's 46 MB
         weights = hashlib.sha256()
-        for name, tensor in module.state_dict().items():
+        for name, tensor in model.state_dict().items():
             weights.update(name.encode())
-            weights.update(tensor.contiguous().numpy().tobytes())
-        module.digest = weights.hexdigest()
-    key = hashlib.sha256("\n".join([module.digest, repr(module.cfg), inspect.getsource(LeanStep),
+            weights.update(tensor.detach().cpu().contiguous().numpy())
+        _digests[model] = weights.hexdigest()
+    key = hashlib.sha256("\n".join([_digests[model], repr(model.cfg), inspect.getsource(lean),
                                     torch.__version__, onnxruntime.__version__]).encode()).hexdigest()
     return cache_dir() / f"step-{key[:24]}.onnx"
 
@@ -70,9 +73,10 @@ def _names(layers: int) -> list[str]:
     return INPUTS + [f"{name}{i}" for i in range(layers) for name in rings]
 
 
-def export(module: LeanStep, path: Path) -> None:
-    """Write ``module`` as ONNX to ``path`` atomically (a temporary file, then a rename)."""
-    cfg, batch = module.cfg, 2
+def export(model: TTSModel, path: Path) -> None:
+    """Write ``model``'s `LeanStep` as ONNX to ``path`` atomically (a temporary file, then a rename)."""
+    module = lean_module(model)
+    cfg, batch = model.cfg, 2
     caches = StepCaches.empty(cfg, batch)
     zeros = torch.zeros(batch, dtype=torch.long)
     args = (torch.zeros(batch, cfg.codebooks, dtype=torch.long), zeros, zeros.clone(),
@@ -95,14 +99,14 @@ def export(module: LeanStep, path: Path) -> None:
             os.unlink(tmp)
 
 
-def export_in_background_process(module: LeanStep, path: Path) -> None:
+def export_in_background_process(model: TTSModel, path: Path) -> None:
     """Export in a child process at low priority: the export is seconds of Python that would otherwise
     hold this process's GIL and stall the engine thread. Raises if the child fails."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, saved = tempfile.mkstemp(suffix=".pt.tmp", dir=path.parent)
     os.close(fd)
     try:
-        torch.save(module, saved)
+        torch.save(model, saved)
         done = subprocess.run([sys.executable, "-m", "kernels.ort", saved, str(path)], capture_output=True,
                               text=True, preexec_fn=lambda: os.nice(10), cwd=Path(__file__).resolve().parent.parent)
         if done.returncode:
@@ -130,7 +134,7 @@ def session(path: Path):
 
 def load(model: TTSModel) -> Path | None:
     """The cached export of ``model`` if one exists and loads; a file that does not load is deleted."""
-    path = onnx_path(lean_module(model))
+    path = onnx_path(model)
     if not path.exists():
         return None
     try:
@@ -188,6 +192,6 @@ def factory(path: Path):
     return build
 
 
-if __name__ == "__main__":  # the background export: python -m kernels.ort MODULE.pt OUT.onnx
+if __name__ == "__main__":  # the background export: python -m kernels.ort MODEL.pt OUT.onnx
     torch.set_num_threads(1)
     export(torch.load(sys.argv[1], weights_only=False), Path(sys.argv[2]))

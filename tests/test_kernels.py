@@ -88,7 +88,7 @@ def test_lean_step_equals_eager(model, batch):
 @pytest.fixture(scope="module")
 def exported(model, tmp_path_factory):
     path = tmp_path_factory.mktemp("onnx") / "step.onnx"
-    ort.export(auto.lean_module(model), path)
+    ort.export(model, path)
     return path
 
 
@@ -132,7 +132,7 @@ def test_default_factory_builds_in_background_then_loads_from_disk(model, cache_
 
 @needs_ort
 def test_corrupted_cache_file_is_rebuilt(model, cache_dir, exported):
-    path = ort.onnx_path(auto.lean_module(model))
+    path = ort.onnx_path(model)
     path.parent.mkdir(parents=True)
     path.write_bytes(exported.read_bytes()[:1000])  # a truncated write
     ort._sessions.pop(path, None)
