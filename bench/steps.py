@@ -24,7 +24,32 @@ import time
 import numpy as np
 import torch
 
-KINDS = ("eager", "lean", "onnxruntime", "compiled")
+KINDS = ("eager", "lean", "onnxruntime", "compiled")  # also "aot_inductor", on request: minutes to build
+
+
+def aot_inductor_factory(model):
+    """`LeanStep` compiled ahead of time by AOTInductor, one package per batch size, cached beside the ONNX
+    steps. Benchmark only: here it was slower than ONNX Runtime and took minutes per batch size to build."""
+    from kernels import ort
+    from kernels.lean import lean_module, ring_tensors, write_rings
+
+    def make(model, caches, batch, device):
+        path = ort.cache_dir() / f"aot-b{batch}-{ort.onnx_path(model).stem}.pt2"
+        args = (*step_inputs(model.cfg, batch, 0), caches.text[0].positions, caches.audio[0].positions,
+                *ring_tensors(caches))
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            program = torch.export.export(lean_module(model), args, strict=False)
+            torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+        runner = torch._inductor.aoti_load_package(str(path))
+
+        def step(model, caches, tokens, frame, unit, active):
+            logits, *writes = runner(tokens, frame, unit, active, caches.text[0].positions,
+                                     caches.audio[0].positions, *ring_tensors(caches))
+            write_rings(caches, *writes)
+            return logits
+        return step
+    return make
 
 
 def factory(kind: str, model):
@@ -45,6 +70,8 @@ def factory(kind: str, model):
     if kind == "compiled":
         from kernels.compiled import CompiledStep
         return CompiledStep
+    if kind == "aot_inductor":
+        return aot_inductor_factory(model)
     raise ValueError(kind)
 
 

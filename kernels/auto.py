@@ -30,6 +30,9 @@ class DefaultStepFactory:
         self._building = False
 
     def __call__(self, model, caches, batch, device):
+        if str(device).startswith("cuda"):  # ONNX Runtime here is a CPU runner; the GPU has its CUDA graph
+            self._resolve(None)
+            return self._cuda(model, caches, batch, device)
         if ort.available():
             path = ort.load(model)
             if path is not None:
@@ -41,6 +44,16 @@ class DefaultStepFactory:
             self._resolve(None)
         self.kind = EagerLeanStep.kind
         return EagerLeanStep(model, caches, batch, device)
+
+    def _cuda(self, model, caches, batch, device):
+        from kernels import enabled
+        if enabled("graph"):
+            from kernels.cuda_graph import GraphedStep
+            self.kind = "cuda_graph"
+            return GraphedStep(model, caches, batch, device)
+        from streaming.decode import decode_step
+        self.kind = "eager"
+        return decode_step
 
     def when_faster(self, callback) -> None:
         """Call ``callback(factory)`` when a faster factory is ready (at once if it already is; never if
@@ -74,13 +87,12 @@ class DefaultStepFactory:
         threading.Thread(target=run, name="tts-step-build", daemon=True).start()
 
 
-def default_step_factory(device="cpu"):
-    """The best step factory for ``device`` available now. CPU: `DefaultStepFactory`. CUDA: the CUDA
-    graph unless TTS_NO_GRAPH=1. None: the engine's eager `decode_step`."""
-    from kernels import enabled
-    if str(device).startswith("cuda"):
-        if not enabled("graph"):
-            return None
-        from kernels.cuda_graph import GraphedStep
-        return GraphedStep
+def default_step_factory(device="cpu") -> DefaultStepFactory:
+    """The step factory every path should use (``device`` is where the engine runs; the factory also
+    reads it per call). Typical use::
+
+        factory = default_step_factory(device)
+        engine = Engine(model, codec, voices, device=device, step_factory=factory)
+        factory.when_faster(engine.set_step_factory)
+    """
     return DefaultStepFactory()
