@@ -1,4 +1,4 @@
-"""A lean inference form of the one-frame decode step, shared by the eager, ONNX Runtime and AOT steps.
+"""A lean inference form of the one-frame decode step, run eagerly here and by ONNX Runtime in `kernels.ort`.
 
 `tts.model.TTSModel` is written for training and clarity: per layer it runs ~40 small ops (separate q and
 kv projections, rotary by chunk + cat, a mask per layer, cats of the ring onto the text keys, a ring
@@ -10,7 +10,7 @@ write by gather + where + index_put). At one token per slot those ops cost more 
 * the text/audio masks are built once per step as one additive bias shared by all layers;
 * the ring is attended as it was before this step, plus the new key as one extra column, so the step is
   a pure function of its inputs: it returns the keys/values to write, and `write_rings` writes them
-  after. That is what lets ONNX Runtime and AOTInductor run it (`kernels.ort`, `kernels.aot`).
+  after. That is what lets ONNX Runtime (`kernels.ort`) and AOTInductor (measured in `bench.steps`) run it.
 
 Worked example of the audio columns (capacity 4, window 4): slot b at frame 6, active, ring positions
 [4, 5, 2, 3]. Ring slot 6 % 4 = 2 holds frame 2, which this step overwrites: its column is hidden. Frames
