@@ -113,7 +113,7 @@ def export_in_background_process(model: TTSModel, path: Path) -> None:
         if done.returncode:
             raise RuntimeError(f"ONNX export failed: {done.stderr.strip()[-2000:]}")
     finally:
-        os.unlink(saved)
+        Path(saved).unlink(missing_ok=True)
 
 
 def session(path: Path):
@@ -203,4 +203,6 @@ def factory(path: Path):
 if __name__ == "__main__":  # the background export: python -m kernels.ort MODEL.pt OUT.onnx
     os.nice(10)  # behind the engine and the codec, which are serving meanwhile
     torch.set_num_threads(1)
-    export(torch.load(sys.argv[1], weights_only=False), Path(sys.argv[2]))
+    saved_model = torch.load(sys.argv[1], weights_only=False)
+    os.unlink(sys.argv[1])  # ours now: if the parent has exited meanwhile, nothing is left behind
+    export(saved_model, Path(sys.argv[2]))
