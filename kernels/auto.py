@@ -34,12 +34,17 @@ class DefaultStepFactory:
             self._resolve(None)
             return self._cuda(model, caches, batch, device)
         if ort.available():
-            path = ort.load(model)
-            if path is not None:
-                self._resolve(None)  # the fast step is already here: nothing better will come
-                self.kind = ort.OrtStep.kind
-                return ort.OrtStep(model, caches, batch, path)
-            self._build(model)
+            try:
+                path = ort.load(model)
+                if path is not None:
+                    step = ort.OrtStep(model, caches, batch, path)
+                    self._resolve(None)  # the fast step is already here: nothing better will come
+                    self.kind = ort.OrtStep.kind
+                    return step
+                self._build(model)
+            except Exception as err:  # an unreadable cache, say: serve on rather than fail the engine
+                warnings.warn(f"ONNX Runtime step unavailable, staying on the lean eager step: {err}")
+                self._resolve(None)
         else:
             self._resolve(None)
         self.kind = EagerLeanStep.kind

@@ -176,6 +176,18 @@ def test_failed_build_warns_and_stays_eager_and_correct(model, cache_dir, monkey
     assert factory.kind == "lean" and run_side_by_side(model, step, 2, steps=30) < 1e-4
 
 
+@needs_ort
+def test_unloadable_cache_warns_and_stays_eager(model, cache_dir, monkeypatch):
+    def unreadable(model):
+        raise PermissionError("cache directory not readable")
+    monkeypatch.setattr(ort, "load", unreadable)
+    factory = auto.DefaultStepFactory()
+    with pytest.warns(UserWarning, match="staying on the lean eager step"):
+        step = factory(model, StepCaches.empty(model.cfg, 1), 1, "cpu")
+    assert factory.kind == "lean" and factory.faster.result(timeout=0) is None
+    assert run_side_by_side(model, step, 1, steps=20) < 1e-4
+
+
 def test_kill_switch_means_no_onnxruntime(model, cache_dir, monkeypatch):
     monkeypatch.setenv("TTS_NO_ORT", "1")
     factory = auto.DefaultStepFactory()
