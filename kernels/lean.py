@@ -5,8 +5,8 @@ kv projections, rotary by chunk + cat, a mask per layer, cats of the ring onto t
 write by gather + where + index_put). At one token per slot those ops cost more than the arithmetic.
 `LeanStep` computes the same function with the weights rearranged once:
 
-* one (C, 5C) matmul gives q, k, v and the rotary partners of q and k ("swapped": rows [-W2; W1], so
-  rotate(x) = x * cos + swapped(x) * sin, no chunk or cat), with 1/sqrt(D) folded into q's rows;
+* one (C, 3C) matmul gives q, k and v, with 1/sqrt(D) folded into q's rows; the rotary embedding of q
+  and k together is x * cos + halves_swapped(x) * [-sin, sin] (a flip, no chunk or cat);
 * the text/audio masks are built once per step as one additive bias shared by all layers;
 * the ring is attended as it was before this step, plus the new key as one extra column, so the step is
   a pure function of its inputs: it returns the keys/values to write, and `write_rings` writes them
@@ -30,14 +30,6 @@ from streaming.decode import StepCaches
 from tts.model import TTSModel
 
 
-def _swap_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of ``weight`` (H*D, C) rearranged per head from [W1; W2] to [-W2; W1], so that
-    x @ swapped.T equals rotate_half(x @ weight.T). Example, D=4: rows [a, b, c, d] -> [-c, -d, a, b]."""
-    w = weight.unflatten(0, (heads, -1))  # (H, D, C)
-    w1, w2 = w.chunk(2, dim=1)
-    return torch.cat([-w2, w1], dim=1).flatten(0, 1)
-
-
 class LeanStep(nn.Module):
     """The decode step as one pure function of (inputs, caches) -> (logits, what to write into the rings).
 
@@ -54,11 +46,8 @@ class LeanStep(nn.Module):
         freq = cfg.rope_base ** (-torch.arange(half, dtype=torch.float32) / half)
         self.register_buffer("freq", freq)  # (D/2,): the same fp32 values as tts.model.rope_angles
         for i, block in enumerate(model.blocks):
-            wq = block.attn.wq.weight.detach() * scale
-            wk, wv = block.attn.wkv.weight.detach().chunk(2, dim=0)
-            heads = cfg.heads
-            qkv = torch.cat([wq, wk, _swap_halves(wq, heads), _swap_halves(wk, heads), wv])  # (5C, C)
-            self.register_buffer(f"qkv{i}", qkv.t().contiguous())  # (C, 5C): (K, N) layout measured faster
+            qkv = torch.cat([block.attn.wq.weight.detach() * scale, block.attn.wkv.weight.detach()])  # (3C, C)
+            self.register_buffer(f"qkv{i}", qkv.t().contiguous())  # (C, 3C): (K, N) layout measured faster
             self.register_buffer(f"wo{i}", block.attn.wo.weight.detach().t().contiguous())
             self.register_buffer(f"fc1_{i}", block.mlp[0].weight.detach().t().contiguous())
             self.register_buffer(f"fc1b{i}", block.mlp[0].bias.detach().clone())
@@ -84,7 +73,7 @@ class LeanStep(nn.Module):
         angle = frame.float()[:, None] * self.freq  # (B, D/2)
         cos, sin = angle.cos(), angle.sin()
         cos = torch.cat([cos, cos], -1).repeat(1, 2 * heads)  # (B, 2*H*D): q's and k's heads, both halves
-        sin = torch.cat([sin, sin], -1).repeat(1, 2 * heads)
+        sin = torch.cat([-sin, sin], -1).repeat(1, 2 * heads)  # the sign of rotate_half's first half
         sizes = [kv[0].shape[2], kv[2].shape[2], kv[4].shape[2], 1]  # sinks, text ring, audio ring, new key
         bias = self._bias(frame, unit, active, text_pos, audio_pos, slot, sizes[0])  # (B, 1, sum(sizes))
         at_slot = slot[:, None, None, None].expand(-1, heads, 1, head_dim)  # (B, H, 1, D)
@@ -94,8 +83,10 @@ class LeanStep(nn.Module):
         for i in range(cfg.layers):
             sink_k, sink_v, text_k, text_v, audio_k, audio_v = kv[6 * i:6 * i + 6]
             h = F.layer_norm(x, (dim,), getattr(self, f"ln1w{i}"), getattr(self, f"ln1b{i}"))
-            qk, swapped, v = (h @ getattr(self, f"qkv{i}")).split([2 * dim, 2 * dim, dim], dim=1)
+            qk, v = (h @ getattr(self, f"qkv{i}")).split([2 * dim, dim], dim=1)  # (B, 2C), (B, C)
             plain_q = qk[:, :dim].reshape(-1, heads, head_dim, 1)  # (B, H, D, 1), scored against the sinks
+            # rotate_half per head: [x1, x2] -> [x2, x1] here, the signs are in ``sin``
+            swapped = qk.view(-1, 2 * heads, 2, head_dim // 2).flip(2).reshape(-1, 2 * dim)
             q, k = torch.addcmul(qk * cos, swapped, sin).view(-1, 2, heads, head_dim).unbind(1)  # (B, H, D)
             v = v.reshape(-1, heads, head_dim)  # (B, H, D)
             # keys @ q, not q @ keys^T: a transposed ring would be copied every step (ONNX Runtime does)
