@@ -66,7 +66,8 @@ class LeanStep(nn.Module):
         audio_pos (B, Ta) long ring positions (-1 empty), then per layer six tensors (B, H, T, D): sink
         keys, sink values, text keys, text values, audio keys, audio values (the rings as they are).
         Returns logits (B, K, N), new_keys and new_values (L, B, H, D) and new_pos (B,) to store at ring slot
-        ``frame % Ta`` (for inactive slots: what that slot already holds), and that slot index (B,)."""
+        ``frame % Ta`` (for inactive slots: what that slot already holds), and that slot index (B,).
+        Example: Ta = 96, frame 1000 -> slot 40, which held frame 904 (now past the 96-frame window)."""
         cfg = self.cfg
         heads, dim, head_dim = cfg.heads, cfg.dim, cfg.head_dim  # batch sizes stay symbolic (-1): one export
         slot = frame % audio_pos.shape[1]  # (B,)
@@ -85,7 +86,8 @@ class LeanStep(nn.Module):
             h = F.layer_norm(x, (dim,), getattr(self, f"ln1w{i}"), getattr(self, f"ln1b{i}"))
             qk, v = (h @ getattr(self, f"qkv{i}")).split([2 * dim, dim], dim=1)  # (B, 2C), (B, C)
             plain_q = qk[:, :dim].reshape(-1, heads, head_dim, 1)  # (B, H, D, 1), scored against the sinks
-            # rotate_half per head: [x1, x2] -> [x2, x1] here, the signs are in ``sin``
+            # rotate_half per head is [-x2, x1]: flip the halves here, the signs are in ``sin``. Example, a
+            # head of D=4 [a, b, c, d]: flipped [c, d, a, b] * [-s0, -s1, s0, s1] = [-c s0, -d s1, a s0, b s1]
             swapped = qk.view(-1, 2 * heads, 2, head_dim // 2).flip(2).reshape(-1, 2 * dim)
             q, k = torch.addcmul(qk * cos, swapped, sin).view(-1, 2, heads, head_dim).unbind(1)  # (B, H, D)
             v = v.reshape(-1, heads, head_dim)  # (B, H, D)
@@ -145,7 +147,7 @@ _prepared: "weakref.WeakKeyDictionary[TTSModel, weakref.ref]" = weakref.WeakKeyD
 
 
 def lean_module(model: TTSModel) -> LeanStep:
-    """The `LeanStep` of ``model``: steps for several batch sizes share one, and it is freed (34 MB for
+    """The `LeanStep` of ``model``: steps for several batch sizes share one, and it is freed (42 MB for
     the shipped model) once no step uses it, e.g. after the engine has swapped in ONNX Runtime."""
     module = _prepared[model]() if model in _prepared else None
     if module is None:
