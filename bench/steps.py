@@ -154,9 +154,10 @@ def build_only(kind: str) -> None:
     rss = psutil.Process().memory_info().rss
     start = time.perf_counter()
     make = factory(kind, model)
-    make(model, full_caches(model.cfg, 1), 1, "cpu")
+    step = make(model, full_caches(model.cfg, 1), 1, "cpu")  # held: the lean step's weights live as long as it
     print(json.dumps({"build_s": round(time.perf_counter() - start, 2),
                       "rss_mb": round((psutil.Process().memory_info().rss - rss) / 2**20, 1)}))
+    del step
 
 
 def main() -> None:
