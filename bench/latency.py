@@ -203,14 +203,17 @@ def load(engine: Engine, text: str, starts_s: list[float], jitter_s: float = 0.2
 
 
 def gpu_table(model, codec, presets, device: str, counts: list[int], rate: float, text: str,
-              profile: Path | None) -> dict:
-    """The load table on one engine of max(counts) slots (a load of N steps a bucket of N slots)."""
+              profile: Path | None, poisson_max: int | None = None) -> dict:
+    """The load table on one engine of max(counts) slots (a load of N steps a bucket of N slots). Poisson
+    arrivals run for loads up to ``poisson_max``: at ``rate`` a second they hold about rate x utterance length
+    streams at once whatever N is, so larger N only makes the run longer."""
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     engine = Engine(model, codec, presets, max_streams=max(counts), device=device,
                     step_factory=kernels.default_step_factory(device))
     warm = time.perf_counter()
-    load(engine, TEN_WORDS, [i * 0.002 for i in range(max(counts))])  # builds every bucket's graphs on the way up
+    engine.warm_up()  # every bucket's graphs
+    load(engine, TEN_WORDS, [i * 0.002 for i in range(max(counts))])
     result = {"device": torch.cuda.get_device_name(), "step": engine.step_kind, "max_streams": engine.max_streams,
               "warm_up_s": round(time.perf_counter() - warm, 1), "arrival_rate_per_s": rate,
               "text_audio_s": round(len(synthesize(text, engine=engine)) / engine.sample_rate, 2),
@@ -222,8 +225,10 @@ def gpu_table(model, codec, presets, device: str, counts: list[int], rate: float
         for _ in range(n):
             poisson.append(t)
             t += rng.expovariate(rate)
-        row = {"streams": n, "at_once": load(engine, text, [0.0] * n), "poisson": load(engine, text, poisson)}
-        row["realtime"] = row["at_once"]["realtime"] and row["poisson"]["realtime"]
+        row = {"streams": n, "at_once": load(engine, text, [0.0] * n)}
+        if poisson_max is None or n <= poisson_max:
+            row["poisson"] = load(engine, text, poisson)
+        row["realtime"] = all(row[kind]["realtime"] for kind in ("at_once", "poisson") if kind in row)
         result["loads"].append(row)
         print(json.dumps(row), flush=True)
     result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated() - before
@@ -236,18 +241,27 @@ def gpu_table(model, codec, presets, device: str, counts: list[int], rate: float
 
 
 def profile_ticks(engine: Engine, text: str, n: int, folder: Path) -> str:
-    """A torch-profiler trace of ticks in the middle of a load of ``n`` streams: chrome trace and op table."""
+    """A torch-profiler trace of about 0.4 s of ticks, a second into a load of ``n`` streams starting at once
+    (past the start: steady speech): chrome trace, and the ops by GPU and by CPU time."""
     from torch.profiler import ProfilerActivity, profile
     folder.mkdir(parents=True, exist_ok=True)
     runner = threading.Thread(target=load, args=(engine, text, [0.0] * n))
     runner.start()
-    time.sleep(3.0)  # past the start: steady speech
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        time.sleep(1.0)
+    time.sleep(1.0)
+    ticks = len(engine.tick_ms)
+    try:  # the engine's own thread too, not only this one
+        every_thread = {"experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)}
+    except (AttributeError, TypeError):
+        every_thread = {}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], **every_thread) as prof:
+        time.sleep(0.4)
+    ticks = len(engine.tick_ms) - ticks
     runner.join()
     prof.export_chrome_trace(str(folder / f"tick_trace_{n}.json"))
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
-    (folder / f"tick_ops_{n}.txt").write_text(table)
+    averages = prof.key_averages()
+    (folder / f"tick_ops_{n}.txt").write_text(
+        f"{ticks} ticks profiled\n" + averages.table(sort_by="cuda_time_total", row_limit=40)
+        + "\n" + averages.table(sort_by="self_cpu_time_total", row_limit=40))
     return str(folder / f"tick_trace_{n}.json")
 
 
@@ -279,6 +293,7 @@ def main() -> None:
                         help="engine slots for the single-stream figures (1: batch 1; see concurrency for more)")
     parser.add_argument("--no-compile", action="store_true", help="eager CPU step instead of the compiled one")
     parser.add_argument("--arrival-rate", type=float, default=25.0, help="cuda: Poisson arrivals a second")
+    parser.add_argument("--poisson-max", type=int, help="cuda: Poisson arrivals only for loads up to this")
     parser.add_argument("--sentences", type=int, default=8, help="Harvard sentences each stream speaks")
     parser.add_argument("--profile", type=Path, help="cuda: write a profiler trace of the largest real-time load")
     parser.add_argument("--plot", type=Path, default=Path(__file__).parent / "step_vs_length.png")
@@ -289,7 +304,7 @@ def main() -> None:
     if args.device.startswith("cuda"):
         text = " ".join(harvard(args.sentences))
         print(json.dumps(gpu_table(model, codec, presets, args.device, args.streams or [64, 128, 256, 512, 1024],
-                                   args.arrival_rate, text, args.profile), indent=1))
+                                   args.arrival_rate, text, args.profile, args.poisson_max), indent=1))
         return
     compile = not args.no_compile
     engine = Engine(model, codec, presets, max_streams=args.slots, device=args.device,

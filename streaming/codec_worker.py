@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 import traceback
+import warnings
 from collections import deque
 
 import numpy as np
@@ -121,13 +122,22 @@ class FrameCodec:
             self.state.reset(reset)
         self.codes[:n].copy_(torch.where(completed[:, None], codes, 0))  # idle rows: any valid code
         self.mask[:n].copy_(completed)
-        if not self.use_graphs:
-            self._step(n)
-        else:
-            if n not in self.graphs:
+        if self.use_graphs and n not in self.graphs:
+            try:
                 self.graphs[n] = self._capture(n)
+            except Exception as err:  # serve eagerly rather than not at all
+                warnings.warn(f"codec CUDA graph unavailable, decoding eagerly: {err}")
+                self.use_graphs = False
+        if self.use_graphs:
             self.graphs[n].replay()
+        else:
+            self._step(n)
         return self.audio[:n]
+
+    def prepare(self, n: int) -> None:
+        """Capture the graph for the first ``n`` rows now (call on the stream that will replay it)."""
+        if self.use_graphs and n not in self.graphs:
+            self.graphs[n] = self._capture(n)
 
     def _step(self, n: int) -> None:
         """The decoder step over the first n rows of the static buffers; idle rows keep their state."""

@@ -20,6 +20,7 @@ next AR step, and the host hands out chunks on the same schedule.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import heapq
 import threading
 import time
@@ -44,6 +45,8 @@ from tts.text import MAX_TEXT_CHARS, TextError
 
 StepFactory = Callable[..., Callable]  # factory(model, caches, batch, device) -> step (see COMMON contracts)
 UNIT, READY, COMPLETED, PENDING, DUE, DONE = range(len(META))
+URGENT_LEAD = 8  # units encoded ahead of a slot's aligned unit below which its next units are encoded at once
+ROUTINE_TICKS = 8  # otherwise top-ups wait for every 8th tick, so one text-encoder call serves many slots
 CPU_STREAMS = 8  # default slots on a CPU: a step costs what its active slots cost, so idle slots are free
 GPU_STREAMS_CAP = 1024  # default cap on a GPU; memory would allow far more (`default_max_streams`)
 
@@ -107,10 +110,10 @@ class Engine:
             Engine._cores_split = True
         batch = self.max_streams
         self.caches = StepCaches.empty(self.cfg, batch, self.device)
-        self.slots = Slots(self.cfg, batch, TEXT_RING, self.device)
+        self.frame_codec = self.device.type == "cuda" if frame_codec is None else frame_codec
+        self.slots = Slots(self.cfg, batch, TEXT_RING, self.device, stagger=self.frame_codec)
         with torch.no_grad():  # prefix caching: every voice's prefix keys/values, computed once
             self.prefixes = model.voice_prefix(torch.arange(self.cfg.voices, device=self.device))  # per layer (V, H, S, D)
-        self.frame_codec = self.device.type == "cuda" if frame_codec is None else frame_codec
         if self.frame_codec:
             self.frame_decoder = FrameCodec(codec, batch, self.device)
             self.outbox = AudioOutbox(batch, max(CHUNK_SCHEDULE), codec.cfg.hop)
@@ -136,9 +139,10 @@ class Engine:
         self._codec_resets: list[int] = []  # slots whose frame decoder state restarts at the next tick
         self._schedules: list = []  # prefills of the coming tick, for the streams' timings
         self._any_ready = False  # whether the last collected tick had a slot ready to step
+        self._ticks = 0
         self._views: dict[int, StepCaches] = {}
         self._handlers = {"start": self._on_start, "cancel": self._on_cancel, "text": self._on_text,
-                          "flow": self._on_flow}
+                          "flow": self._on_flow, "warm": self._on_warm}
         self._inflight: deque = deque()
         # thread hand-offs
         self._lock = threading.Lock()
@@ -189,6 +193,14 @@ class Engine:
                     raise ServerFull(f"all {self.max_streams} streams stayed busy for {wait_s:g} s; try again shortly")
         self.wake()
         return stream
+
+    def warm_up(self) -> None:
+        """Build the step (and on a GPU the codec's graph) of every slot bucket now, rather than when streams
+        first reach it (a CUDA graph capture stalls every stream for a moment). Blocks until done."""
+        done = threading.Event()
+        self._inbox.append(("warm", None, done))
+        self.wake()
+        done.wait()
 
     def set_step_factory(self, factory: StepFactory | None) -> None:
         """Run the AR step built by ``factory`` (None: eager) from the next tick on; callable from any thread
@@ -293,6 +305,7 @@ class Engine:
         launched = n > 0 and (events or self._any_ready)
         if launched:
             self._launch(n)
+            self._ticks += 1
         keep = 1 if launched and self.frame_codec else 0
         while len(self._inflight) > keep:
             self._collect(self._inflight.popleft())
@@ -323,8 +336,9 @@ class Engine:
                 self._handlers[kind](stream, payload)
             except Exception as err:  # this stream's event failed: it alone ends, with a typed error
                 traceback.print_exc()
-                self._fail(stream, err if isinstance(err, (TextError, EngineError)) else
-                           EngineError(f"internal error: {type(err).__name__}: {err}"))
+                if stream is not None:
+                    self._fail(stream, err if isinstance(err, (TextError, EngineError)) else
+                               EngineError(f"internal error: {type(err).__name__}: {err}"))
         prefill = self._choose_prefill()
         if prefill or handled or self._todo.any():
             todo, self._todo = self._todo, _DeviceUpdates()
@@ -344,6 +358,21 @@ class Engine:
         self._generation[slot] += 1
         self._encoded[slot] = self._encodable[slot] = self._unit[slot] = 0
         self._todo.starts.append(u)
+
+    def _on_warm(self, _, done: threading.Event) -> None:
+        try:
+            n = 1
+            while True:
+                n = min(n, self.max_streams)
+                self._step_for(n)
+                if self.frame_codec:
+                    with torch.cuda.stream(self.codec_stream) if self.codec_stream else contextlib.nullcontext():
+                        self.frame_decoder.prepare(n)
+                if n == self.max_streams:
+                    break
+                n *= 2
+        finally:
+            done.set()
 
     def _on_cancel(self, stream: Stream, _) -> None:
         u = self._by_stream.get(stream)
@@ -416,21 +445,20 @@ class Engine:
 
     def _choose_prefill(self) -> list[tuple[Utterance, int]]:
         """Slots whose encoded lead over their aligned unit ran low and that have units to encode: encode up
-        to the ring's limit (`Slots.encode_limit`). Example, ring 32, behind 3, LOW 14: at unit 20 with 33
-        encoded (lead 13) and 80 received, encode units 33..48 (up to 20 + 32 - 3 = 49, exclusive)."""
+        to the ring's limit (`Slots.encode_limit`). Urgent ones (a first prefill, or a lead of at most
+        URGENT_LEAD units) go now; routine top-ups (a lead of at most half the ring) every ROUTINE_TICKS ticks,
+        many slots in one call. Example, ring 32, behind 3: at unit 20 with 33 encoded (lead 13) and 80
+        received, a routine top-up encodes units 33..48 (up to 20 + 32 - 3 = 49, exclusive)."""
         unit = np.maximum(self._unit, 0)
-        need = np.flatnonzero((self._encodable > self._encoded) & (self._encoded - unit <= self.prefill_low))
+        lead = self._encoded - unit
+        low = self.slots.encode_limit(0) // 2 if self._ticks % ROUTINE_TICKS == 0 else URGENT_LEAD
+        need = np.flatnonzero((self._encodable > self._encoded) & ((lead <= low) | (self._encoded == 0)))
         chosen = []
         for slot in need:
-            u = self.utterances[slot]
             stop = min(int(self._encodable[slot]), self.slots.encode_limit(int(unit[slot])),
                        int(self._encoded[slot]) + self.slots.encode_limit(0))
-            chosen.append((u, stop))
+            chosen.append((self.utterances[slot], stop))
         return chosen
-
-    @property
-    def prefill_low(self) -> int:
-        return self.slots.encode_limit(0) // 2
 
     def _apply(self, todo: "_DeviceUpdates", prefill: list[tuple[Utterance, int]]) -> None:
         """This tick's event updates on the device, each kind as one batched op."""

@@ -25,9 +25,11 @@ step f + K - 1, and its codes are in the history ring of the last K steps at col
 Example, K = 4: at step 9 frame 6 completes; its codebooks 0..3 came out at steps 6, 7, 8, 9, in history
 columns 2, 3, 0, 1.
 
-**Chunk schedule.** Completed frames wait in ``pending`` until a chunk is due: ``CHUNK_SCHEDULE[chunks]``
-frames (the last entry repeats), or whatever is left when the utterance is done. Example, (2, 4, 8, 16):
-a stream's chunks hold frames 0-1, 2-5, 6-13, 14-29, 30-45, ..., and the tail.
+**Chunk schedule.** Completed frames wait in ``pending`` until a chunk is due: ``schedule[slot, chunks]``
+frames (the last entry repeats), or whatever is left when the utterance is done. Example, (2, 4, 8, 16, 16):
+a stream's chunks hold frames 0-1, 2-5, 6-13, 14-29, 30-45, ..., and the tail. With ``stagger`` the fourth
+chunk of slot s is ``16 - s % 8`` frames, so streams that started in the same tick hand out their 16-frame
+chunks in 8 different ticks, not all in one: slot 3's chunks hold frames 0-1, 2-5, 6-13, 14-26, 27-42, ...
 """
 from __future__ import annotations
 
@@ -46,14 +48,17 @@ META = ("unit", "ready", "completed", "pending", "due", "done")
 
 
 class Slots:
-    def __init__(self, cfg: ModelConfig, batch: int, ring: int, device=None):
+    def __init__(self, cfg: ModelConfig, batch: int, ring: int, device=None, stagger: bool = False):
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(*shape, dtype=dtype, device=device)
         books = cfg.codebooks
         self.batch, self.ring, self.books, self.empty = batch, ring, books, cfg.codebook_size
         self.behind, self.ahead = cfg.behind, cfg.ahead
         self.codebook = torch.arange(books, device=device)  # (K,)
-        self.schedule = torch.tensor(CHUNK_SCHEDULE, device=device)
+        schedule = torch.tensor([*CHUNK_SCHEDULE, CHUNK_SCHEDULE[-1]], device=device).repeat(batch, 1)  # (B, S)
+        if stagger:
+            schedule[:, len(CHUNK_SCHEDULE) - 1] -= torch.arange(batch, device=device) % 8
+        self.schedule = schedule
         self.live, self.paused, self.closed, self.ended = (zeros(batch, dtype=torch.bool) for _ in range(4))
         self.step, self.frames, self.encoded, self.pending, self.chunks = (zeros(batch) for _ in range(5))
         self.key = zeros(batch)  # each stream's sampling-noise key (`streaming.sampling.stream_key` of its seed)
@@ -148,7 +153,7 @@ class Slots:
         pending += completed
         done = self.live[s] & ended & (step >= self.total_steps(s))
         chunks = self.chunks[s]
-        size = self.schedule[chunks.clamp(max=len(CHUNK_SCHEDULE) - 1)]
+        size = self.schedule[s].gather(1, chunks.clamp(max=self.schedule.shape[1] - 1)[:, None])[:, 0]
         due = (pending >= size) | (done & (pending > 0))
         meta = torch.stack([unit, ready.long(), completed.long(), pending, due.long(), done.long()], 1)
         pending.masked_fill_(due, 0)

@@ -317,6 +317,21 @@ def test_step_cost_follows_the_live_slots():
     engine.close()
 
 
+def test_warm_up_builds_every_bucket_before_streams_arrive():
+    built = []
+
+    def factory(model, caches, batch, device):
+        built.append(batch)
+        return decode_step
+
+    engine = tiny_random(max_streams=5, sampling=GREEDY, step_factory=factory, frame_codec=True)
+    engine.warm_up()
+    assert built == [1, 2, 4, 5]
+    synthesize("Hi.", engine=engine)
+    assert built == [1, 2, 4, 5]  # nothing more to build while speaking
+    engine.close()
+
+
 def test_backpressure_bounds_queued_audio():
     engine = tiny_random(max_streams=1, sampling=GREEDY, max_queued_seconds=0.5)
     stream = engine.open()
