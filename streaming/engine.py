@@ -33,11 +33,13 @@ from typing import Callable
 import numpy as np
 import torch
 
+from streaming.admission import Admission, Full
 from streaming.codec_worker import AudioOutbox, CodecWorker, FrameCodec
 from streaming.decode import TEXT_RING, StepCaches, decode_step
 from streaming.sampling import sample
 from streaming.slots import CHUNK_SCHEDULE, META, Slots
 from streaming.stream import Stream
+from streaming.text_worker import TextWorker
 from tts.alignment import predicted_frames, start_frames
 from tts.codec import Codec
 from tts.model import TTSModel
@@ -102,31 +104,48 @@ class Engine:
         self.frame_seconds = 1 / codec.cfg.frame_rate
         self.max_streams = default_max_streams(model, codec, self.device, max_streams)
         self.max_chars, self.max_queued = max_chars, max_queued_seconds
-        self.max_waiting = self.max_streams if max_waiting is None else max_waiting
         self.sampling = sampling or SamplingConfig()
         self.seeds = torch.Generator().manual_seed(seed)  # draws the seed of every unseeded stream
         if self.device.type == "cpu" and not Engine._cores_split:  # the AR step and the codec worker run side
             torch.set_num_threads(max(1, torch.get_num_threads() // 2))  # by side: split the cores, once a process
             Engine._cores_split = True
-        batch = self.max_streams
-        self.caches = StepCaches.empty(self.cfg, batch, self.device)
         self.frame_codec = self.device.type == "cuda" if frame_codec is None else frame_codec
-        self.slots = Slots(self.cfg, batch, TEXT_RING, self.device, stagger=self.frame_codec)
-        with torch.no_grad():  # prefix caching: every voice's prefix keys/values, computed once
-            self.prefixes = model.voice_prefix(torch.arange(self.cfg.voices, device=self.device))  # per layer (V, H, S, D)
-        if self.frame_codec:
-            self.frame_decoder = FrameCodec(codec, batch, self.device)
-            self.outbox = AudioOutbox(batch, max(CHUNK_SCHEDULE), codec.cfg.hop)
-            self.codec_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        else:
-            self.codec_worker = CodecWorker(codec, batch, self.device)
-        self.codec_ms: deque = self.codec_worker.codec_ms if not self.frame_codec else deque(maxlen=200_000)
+        self._build_device_state(self.max_streams)
         self.step_ms: deque[float] = deque(maxlen=200_000)  # AR step + sampling, per tick
         self.tick_ms: deque[float] = deque(maxlen=200_000)  # a whole tick: events, prefill, step, codec, hand-out
         self._factory, self._next_factory = step_factory, None
         self._steps: dict[int, Callable] = {}
+        self._views: dict[int, StepCaches] = {}
         self.step_kind = _kind(step_factory)
-        # host tables (engine thread only)
+        self._build_host_tables(self.max_streams)
+        # thread hand-offs
+        self._lock = threading.Lock()  # guards the factory switch
+        self._wake = threading.Event()
+        self._inbox: deque = deque()  # (kind, stream, payload) from other threads
+        self.admission = Admission(self.max_streams, self.max_streams if max_waiting is None else max_waiting)
+        self.text_worker = TextWorker(self._text_taken)
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="tts-engine", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)  # stop between ticks: a thread inside torch at exit can abort the process
+
+    def _build_device_state(self, batch: int) -> None:
+        """Caches, slot state, voice prefixes and the codec side, for ``batch`` slots."""
+        self.caches = StepCaches.empty(self.cfg, batch, self.device)
+        self.slots = Slots(self.cfg, batch, TEXT_RING, self.device, stagger=self.frame_codec)
+        with torch.no_grad():  # prefix caching: every voice's prefix keys/values (V, H, S, D), computed once
+            self.prefixes = self.model.voice_prefix(torch.arange(self.cfg.voices, device=self.device))
+        if self.frame_codec:
+            self.frame_decoder = FrameCodec(self.codec, batch, self.device)
+            self.outbox = AudioOutbox(batch, max(CHUNK_SCHEDULE), self.codec.cfg.hop)
+            self.codec_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            self.codec_ms: deque = deque(maxlen=200_000)  # (ms, frames) per codec call
+        else:
+            self.codec_worker = CodecWorker(self.codec, batch, self.device)
+            self.codec_ms = self.codec_worker.codec_ms
+
+    def _build_host_tables(self, batch: int) -> None:
+        """What the engine thread alone keeps per slot: O(1) per event to update, numpy where a tick scans."""
         self.utterances: list[Utterance | None] = [None] * batch
         self._by_stream: dict[Stream, Utterance] = {}
         self._free = list(range(batch))  # a heap: the lowest free slot first
@@ -140,25 +159,9 @@ class Engine:
         self._schedules: list = []  # prefills of the coming tick, for the streams' timings
         self._any_ready = False  # whether the last collected tick had a slot ready to step
         self._ticks = 0
-        self._views: dict[int, StepCaches] = {}
+        self._inflight: deque = deque()
         self._handlers = {"start": self._on_start, "cancel": self._on_cancel, "text": self._on_text,
                           "flow": self._on_flow, "warm": self._on_warm}
-        self._inflight: deque = deque()
-        # thread hand-offs
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._inbox: deque = deque()  # (kind, stream, payload) from other threads
-        self._admitted = 0  # streams holding a slot or about to (open() reserved one)
-        self._waiting: deque = deque()  # open() calls waiting for a slot, first come first served
-        self._text_jobs: deque[Stream] = deque()
-        self._text_queued: set[Stream] = set()
-        self._text_wake = threading.Event()
-        self._closing = False
-        self._text_thread = threading.Thread(target=self._text_loop, name="tts-text", daemon=True)
-        self._thread = threading.Thread(target=self._run, name="tts-engine", daemon=True)
-        self._text_thread.start()
-        self._thread.start()
-        atexit.register(self.close)  # stop between ticks: a thread inside torch at exit can abort the process
 
     # ---- public API -------------------------------------------------------------------------
     def open(self, voice: str | None = None, speed: float = 1.0, *, seed: int | None = None,
@@ -176,21 +179,11 @@ class Engine:
         with self._lock:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (), generator=self.seeds))
-            stream = Stream(self, voice, float(speed), self.max_chars, seed % 2**63, lookahead_words)
-            if self._admitted < self.max_streams and not self._waiting:
-                self._admitted += 1
-                self._inbox.append(("start", stream, None))
-                granted = None
-            elif wait_s <= 0 or len(self._waiting) >= self.max_waiting:
-                raise ServerFull(f"all {self.max_streams} streams are busy; try again shortly")
-            else:
-                granted = threading.Event()
-                self._waiting.append((stream, granted))
-        if granted is not None and not granted.wait(wait_s):
-            with self._lock:
-                if not granted.is_set():
-                    self._waiting.remove((stream, granted))
-                    raise ServerFull(f"all {self.max_streams} streams stayed busy for {wait_s:g} s; try again shortly")
+        stream = Stream(self, voice, float(speed), self.max_chars, seed % 2**63, lookahead_words)
+        try:
+            self.admission.admit(stream, wait_s, lambda s: self._inbox.append(("start", s, None)))
+        except Full as err:
+            raise ServerFull(str(err)) from None
         self.wake()
         return stream
 
@@ -216,16 +209,13 @@ class Engine:
             if not values:
                 return {"p50": None, "p99": None}
             return {"p50": round(float(np.percentile(values, 50)), 3), "p99": round(float(np.percentile(values, 99)), 3)}
-        with self._lock:
-            active, queued = self._admitted, len(self._waiting)
-        return {"active_streams": active, "queued": queued, "max_streams": self.max_streams,
+        return {"active_streams": self.admission.held, "queued": self.admission.queued, "max_streams": self.max_streams,
                 "step_kind": self.step_kind, "tick_ms": recent(self.tick_ms), "step_ms": recent(self.step_ms),
                 "codec_ms": recent(ms for ms, _ in self.codec_ms)}
 
     @property
     def active_streams(self) -> int:
-        with self._lock:
-            return self._admitted
+        return self.admission.held
 
     def wake(self) -> None:
         self._wake.set()
@@ -234,22 +224,16 @@ class Engine:
         """Stop the engine's threads (at the end of a tick); streams still open are left unfinished."""
         self._closing = True
         self.wake()
-        self._text_wake.set()
-        for thread in (self._thread, self._text_thread):
-            if thread is not threading.current_thread():
-                thread.join(timeout=2)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2)
+        self.text_worker.close()
         if not self.frame_codec:
             self.codec_worker.close()
 
     # ---- what streams tell the engine (any thread) --------------------------------------------
     def text_arrived(self, stream: Stream) -> None:
         """New text, a flush or the end: the text thread takes it (phonemises) and passes the units on."""
-        with self._lock:
-            if stream in self._text_queued:
-                return
-            self._text_queued.add(stream)
-            self._text_jobs.append(stream)
-        self._text_wake.set()
+        self.text_worker.arrived(stream)
 
     def cancelled(self, stream: Stream) -> None:
         self._inbox.append(("cancel", stream, None))
@@ -260,27 +244,9 @@ class Engine:
         self._inbox.append(("flow", stream, None))
         self.wake()
 
-    # ---- text thread ----------------------------------------------------------------------------
-    def _text_loop(self) -> None:
-        while not self._closing:
-            self._text_wake.wait()
-            while True:
-                with self._lock:
-                    if not self._text_jobs:
-                        self._text_wake.clear()
-                        break
-                    stream = self._text_jobs.popleft()
-                    self._text_queued.discard(stream)
-                if stream.cancelled or stream.finished:
-                    continue
-                try:
-                    news = stream.take_text() + (stream.text.spoken_any,)
-                except TextError as err:
-                    news = err
-                except Exception as err:  # the front end choked on this stream's text: it alone fails
-                    news = TextError(f"this text could not be read: {type(err).__name__}: {err}")
-                self._inbox.append(("text", stream, news))
-                self.wake()
+    def _text_taken(self, stream: Stream, news) -> None:
+        self._inbox.append(("text", stream, news))
+        self.wake()
 
     # ---- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -434,14 +400,8 @@ class Engine:
         self._release()
 
     def _release(self) -> None:
-        """A reservation ends: hand it to the first caller waiting in `open`, if any."""
-        with self._lock:
-            if self._waiting:
-                stream, granted = self._waiting.popleft()
-                self._inbox.append(("start", stream, None))
-                granted.set()
-            else:
-                self._admitted -= 1
+        """A reservation ends: the first caller waiting in `open` gets it (its start comes next tick)."""
+        self.admission.release()
 
     def _choose_prefill(self) -> list[tuple[Utterance, int]]:
         """Slots whose encoded lead over their aligned unit ran low and that have units to encode: encode up
@@ -495,8 +455,31 @@ class Engine:
         """Encode the chosen slots' next units in one padded text-encoder call: durations -> frames on the
         device, keys/values written into the text ring. Each row reads ``text_lookahead`` units of context on
         either side, which is exactly what the encoder's convolutions see, so a unit's state does not depend
-        on where a prefill starts. Example (lookahead 6): units 33..48 of 80 are encoded from units 27..54."""
-        look, cfg = self.cfg.text_lookahead, self.cfg
+        on where a prefill starts. Example (lookahead 6): units 33..48 of 80 are encoded from units 27..54,
+        so row i's units (M, L) hold 27..54 (L >= 28, zero-padded), offset 6 and count 16 pick 33..48."""
+        units, rows, offsets, counts, firsts, voices, rates = self._prefill_windows(chosen)
+        upload = self._upload
+        rows_d, counts_d, first_d = upload(rows), upload(counts), upload(firsts)
+        states, log_dur = self.model.text(upload(units), upload(voices))  # (M, L, C), (M, L)
+        at = torch.arange(max(counts), device=self.device)  # (E,)
+        keep = at < counts_d[:, None]  # (M, E)
+        columns = (upload(offsets)[:, None] + at).clamp(max=units.shape[1] - 1)
+        durations = predicted_frames(log_dur.gather(1, columns), upload(rates, torch.float32)[:, None]) * keep
+        durations[:, 0] += (first_d == 0) & (durations.sum(1) == 0)  # an utterance has at least one frame
+        begin = self.slots.frames[rows_d][:, None] + start_frames(durations)  # (M, E) first frame of each unit
+        states = states.gather(1, columns[:, :, None].expand(-1, -1, self.cfg.dim))
+        positions = first_d[:, None] + at
+        self.caches.write_text(self.model.text_keys_values(states, begin), positions, keep, rows_d)
+        self.slots.add_units(rows_d, positions, keep, begin, begin + durations)
+        schedule = torch.stack([begin, durations])  # (2, M, E): for the streams' timings, read at collect
+        if self.device.type == "cuda":
+            schedule = _to_host(schedule)
+        self._schedules.append(([u for u, _ in chosen], firsts, counts, schedule))
+
+    def _prefill_windows(self, chosen: list[tuple[Utterance, int]]):
+        """Host side of a prefill: each row's unit window (padded into one (M, L) array) and what to take
+        from it; the slots' encoded counts move on, and units no later prefill reads are forgotten."""
+        look = self.cfg.text_lookahead
         rows, windows, offsets, counts, firsts, voices, rates = [], [], [], [], [], [], []
         for u, stop in chosen:
             start = int(self._encoded[u.slot])
@@ -509,30 +492,14 @@ class Engine:
             voices.append(u.voice_id)
             rates.append(u.rate)
             self._encoded[u.slot] = stop
-            old = stop - look - 1 - u.unit_base  # units no later prefill reads: host memory stays flat
+            old = stop - look - 1 - u.unit_base  # host memory stays flat on long speech
             if old > 1024:
                 del u.units[:old]
                 u.unit_base += old
         units = np.zeros((len(rows), max(map(len, windows))), dtype=np.int64)  # (M, L), 0 = padding
         for i, window in enumerate(windows):
             units[i, :len(window)] = window
-        upload = self._upload
-        rows_d, counts_d, first_d = upload(rows), upload(counts), upload(firsts)
-        states, log_dur = self.model.text(upload(units), upload(voices))  # (M, L, C), (M, L)
-        at = torch.arange(max(counts), device=self.device)  # (E,)
-        keep = at < counts_d[:, None]  # (M, E)
-        columns = (upload(offsets)[:, None] + at).clamp(max=units.shape[1] - 1)
-        durations = predicted_frames(log_dur.gather(1, columns), upload(rates, torch.float32)[:, None]) * keep
-        durations[:, 0] += (first_d == 0) & (durations.sum(1) == 0)  # an utterance has at least one frame
-        begin = self.slots.frames[rows_d][:, None] + start_frames(durations)  # (M, E) first frame of each unit
-        states = states.gather(1, columns[:, :, None].expand(-1, -1, cfg.dim))
-        positions = first_d[:, None] + at
-        self.caches.write_text(self.model.text_keys_values(states, begin), positions, keep, rows_d)
-        self.slots.add_units(rows_d, positions, keep, begin, begin + durations)
-        schedule = torch.stack([begin, durations])  # (2, M, E): for the streams' timings, read at collect
-        if self.device.type == "cuda":
-            schedule = _to_host(schedule)
-        self._schedules.append(([u for u, _ in chosen], firsts, counts, schedule))
+        return units, rows, offsets, counts, firsts, voices, rates
 
     # -- the batched tick --
     def _launch(self, n: int) -> None:
@@ -583,27 +550,29 @@ class Engine:
         self._any_ready = bool(meta[:, READY].any())
         step_ms, codec_ms = tick.timer.elapsed()
         self.step_ms.append(step_ms)
-        for utterances, firsts, counts, schedule in tick.schedules:
-            begin, durations = (schedule.numpy() if isinstance(schedule, torch.Tensor) else schedule)
-            for i, (u, first, count) in enumerate(zip(utterances, firsts, counts)):
-                if self.utterances[u.slot] is u:
-                    u.stream.schedule(first, begin[i, :count].tolist(), durations[i, :count].tolist())
+        self._schedule_units(tick.schedules)
         if self.frame_codec:
             completed = np.flatnonzero(meta[:, COMPLETED])
             audio = tick.audio.numpy() if isinstance(tick.audio, torch.Tensor) else tick.audio
             self.outbox.add(completed, meta[completed, PENDING] - 1, audio[completed])
-            if codec_ms is not None:
-                self.codec_ms.append((codec_ms, len(completed)))
+            self.codec_ms.append((codec_ms, len(completed)))
         due = np.flatnonzero(meta[:, DUE])
         if len(due):
             self._hand_out(tick, due, meta[due, PENDING])
         for row in np.flatnonzero(meta[:, DONE]):
             u = tick.utterances[row]
-            if u is None or u.done or self.utterances[row] is not u:
-                continue
-            u.done = True
-            self._end(u.stream, None if u.spoke else TextError("text has nothing speakable in it"))
-            self._free_slot(u)  # the row goes idle with the next tick's updates
+            if u is not None and not u.done and self.utterances[row] is u:
+                u.done = True
+                self._end(u.stream, None if u.spoke else TextError("text has nothing speakable in it"))
+                self._free_slot(u)  # the row goes idle with the next tick's updates
+
+    def _schedule_units(self, schedules: list) -> None:
+        """Tell each prefilled stream when its new units are spoken (its phoneme and word timings)."""
+        for utterances, firsts, counts, schedule in schedules:
+            begin, durations = (schedule.numpy() if isinstance(schedule, torch.Tensor) else schedule)
+            for i, (u, first, count) in enumerate(zip(utterances, firsts, counts)):
+                if self.utterances[u.slot] is u:
+                    u.stream.schedule(first, begin[i, :count].tolist(), durations[i, :count].tolist())
 
     def _hand_out(self, tick: "_Tick", rows: np.ndarray, frames: np.ndarray) -> None:
         streams = [tick.utterances[r].stream if tick.utterances[r] is not None else None for r in rows]
