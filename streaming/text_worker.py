@@ -1,5 +1,9 @@
 """The text thread: phonemises what streams receive (`Stream.take_text`) off the engine thread, so that a
-burst of new text never stalls a tick, and passes each result (or the error it raised) on."""
+burst of new text never stalls a tick, and passes each result (or the error it raised) on.
+
+A take that returned units goes to the back of the queue to take again: a front end that hands out a long
+text a piece at a time is read to the end, and many streams arriving at once each get their first piece
+before any gets its second."""
 from __future__ import annotations
 
 import threading
@@ -48,6 +52,8 @@ class TextWorker:
                 except Exception as err:  # the front end choked on this stream's text: it alone fails
                     news = TextError(f"this text could not be read: {type(err).__name__}: {err}")
                 self.deliver(stream, news)
+                if isinstance(news, tuple) and news[0]:
+                    self.arrived(stream)  # there may be more: take again after the others
 
     def _next(self) -> Stream | None:
         with self._lock:
