@@ -77,21 +77,23 @@ def test_other_streams_do_not_change_a_stream(engine):
     np.testing.assert_allclose(results["a"], alone, atol=1e-5)
 
 
-@pytest.mark.parametrize("frame_codec", [False, True])
-def test_batched_streams_equal_each_alone(frame_codec):
+@pytest.mark.parametrize("frame_codec, sampling", [(False, GREEDY), (True, GREEDY), (False, SamplingConfig())])
+def test_batched_streams_equal_each_alone(frame_codec, sampling):
     """Streams starting, ending and reusing slots at different ticks, beyond the text ring's and the audio
-    window's capacity, sound as each does alone in a one-slot engine; also with the GPU's frame codec."""
+    window's capacity, sound as each does alone in a one-slot engine: greedy, with the GPU's frame codec, and
+    sampling with each stream's own seed (then the tokens are the same, so the audio is too)."""
     long_text = " ".join([TEXT, OTHER] * 4)
     jobs = [("a", long_text, "joe", 0.0), ("b", TEXT, "slt", 0.05), ("c", OTHER, "rms", 0.1),
             ("d", TEXT, "joe", 0.3), ("e", OTHER, "awb", 0.35)]
-    alone = tiny_random(max_streams=1, sampling=GREEDY, frame_codec=frame_codec)
-    expected = {key: speak(alone, text, voice) for key, text, voice, _ in jobs}
-    busy = tiny_random(max_streams=3, sampling=GREEDY, frame_codec=frame_codec)
+    seeds = {key: 100 + i for i, (key, *_) in enumerate(jobs)}
+    alone = tiny_random(max_streams=1, sampling=sampling, frame_codec=frame_codec)
+    expected = {key: speak(alone, text, voice, seeds[key]) for key, text, voice, _ in jobs}
+    busy = tiny_random(max_streams=3, sampling=sampling, frame_codec=frame_codec)
     results = {}
-    threads = []
-    for key, text, voice, delay in jobs:
-        threads.append(threading.Thread(target=speak, args=(busy, text, voice, None, delay, results, key)))
-        threads[-1].start()
+    threads = [threading.Thread(target=speak, args=(busy, text, voice, seeds[key], delay, results, key))
+               for key, text, voice, delay in jobs]
+    for t in threads:
+        t.start()
     for t in threads:
         t.join(timeout=120)
     assert len(expected["a"]) / busy.sample_rate / busy.frame_seconds > 5 * busy.cfg.window
