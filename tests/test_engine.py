@@ -410,3 +410,32 @@ def test_a_stream_samples_at_its_voices_temperature():
     synthesize("Hello there.", voice="slt", engine=engine)
     assert engine.slots.temperature.flatten().tolist() == pytest.approx([0.3, 1.0])
     engine.close()
+
+
+def test_frame_codec_with_idle_rows_equals_the_offline_decode():
+    """The GPU's codec path on the CPU: one frame per row per call, rows idle at different calls (their
+    state untouched), one row restarted midway; each row's frames decode as `Codec.decode` does offline."""
+    from streaming.codec_worker import FrameCodec
+    _, codec, _ = tiny_model_and_codec()
+    frames = 12
+    codes = torch.randint(0, codec.cfg.codebook_size, (3, codec.cfg.codebooks, frames))
+    decoder = FrameCodec(codec.eval(), 3, "cpu")
+    schedule = torch.tensor([[1] * 16, [1, 0] * 8, [1] * 16]).bool()  # (rows, calls): who decodes
+    junk = torch.randint(0, codec.cfg.codebook_size, (codec.cfg.codebooks,))
+    taken, audio = [0, 0, 0], [[], [], []]
+    with torch.no_grad():
+        for call in range(16):
+            active = schedule[:, call] & torch.tensor([t < frames for t in taken])
+            current = torch.stack([codes[r, :, min(taken[r], frames - 1)] for r in range(3)])
+            if call < 3:
+                current[2] = junk  # row 2 speaks something else first, then restarts with a new stream
+            out = decoder.run(3, current, active, torch.tensor([False, False, call == 3]))
+            for r in range(3):
+                if active[r] and (r != 2 or call >= 3):
+                    audio[r].append(out[r].clone())
+                    taken[r] += 1
+    offline = codec.decode(codes)
+    for r in range(3):
+        got = torch.cat(audio[r])
+        torch.testing.assert_close(got, offline[r, :len(got)], atol=1e-5, rtol=1e-4)
+        assert len(got) >= 8 * codec.cfg.hop
