@@ -281,8 +281,8 @@ def test_connection_limit_answers_server_full(make_server, tiny_engine):
 
 
 def test_busy_engine_answers_server_full_on_start(make_server):
-    from streaming.engine import Engine
-    server = make_server(Engine.tiny_random(max_streams=1))
+    from helpers import tiny_random
+    server = make_server(tiny_random(max_streams=1))
 
     async def go():
         async with websockets.connect(server.ws_url) as a, websockets.connect(server.ws_url) as b:

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
+import kernels
 from streaming.engine import Engine
 from tts.text import TextError
 
@@ -25,7 +26,8 @@ def get_engine(max_streams: int = 4, compile: bool = False) -> Engine:
             from tts.voices import load_shipped
             torch.set_flush_denormal(True)
             model, codec, presets = load_shipped()
-            _engine = Engine(model, codec, presets, max_streams=max_streams, compile=compile)
+            _engine = Engine(model, codec, presets, max_streams=max_streams,
+                             step_factory=kernels.default_step_factory("cpu", compile))
         return _engine
 
 
@@ -37,7 +39,7 @@ def _feed(stream, pieces: Iterable[str]) -> None:
             stream.push_text(piece)
         stream.end()
     except Exception as err:  # a failing text source ends the utterance with its error
-        stream._finish(err)
+        stream.finish(err)
         stream.cancel()
 
 
