@@ -1,4 +1,9 @@
-"""The Python API: ``synthesize_stream`` yields audio while it is being generated."""
+"""The Python API: ``synthesize_stream`` yields audio while it is being generated.
+
+    for chunk in synthesize_stream("Hello there. How are you?"):
+        play(chunk)                      # a float32 numpy array at chunk.sample_rate
+        chunk.words                      # [{"word": "Hello", "start": 0.02, "end": 0.31}, ...] starting in it
+"""
 from __future__ import annotations
 
 import threading
@@ -13,6 +18,39 @@ from tts.text import TextError
 from tts import SAMPLE_RATE  # noqa: F401  (re-exported: tts.api.SAMPLE_RATE)
 _engine: Engine | None = None
 _engine_lock = threading.Lock()
+
+
+class Chunk(np.ndarray):
+    """One chunk of speech: a float32 mono numpy array (use it as one), plus
+
+    * ``sample_rate``: samples per second;
+    * ``start``: where it starts in the utterance, in seconds;
+    * ``words``: the words that start in it, ``{"word", "start", "end"}`` in seconds on the same clock,
+      as the user wrote them (``"$5"``, not "five dollars").
+
+    Views (slices) keep these attributes; arithmetic and reductions give plain arrays and scalars."""
+
+    sample_rate: int
+    start: float
+    words: list
+
+    def __new__(cls, audio: np.ndarray, sample_rate: int, start: float = 0.0, words: list | None = None) -> "Chunk":
+        chunk = np.asarray(audio, dtype=np.float32).view(cls)
+        chunk.sample_rate, chunk.start, chunk.words = sample_rate, start, list(words or [])
+        return chunk
+
+    def __array_finalize__(self, source) -> None:
+        self.sample_rate = getattr(source, "sample_rate", SAMPLE_RATE)
+        self.start = getattr(source, "start", 0.0)
+        self.words = getattr(source, "words", [])
+
+    def __array_wrap__(self, array, context=None, return_scalar=False):
+        array = array.view(np.ndarray)
+        return array[()] if return_scalar else array
+
+    @property
+    def end(self) -> float:
+        return self.start + len(self) / self.sample_rate
 
 
 def get_engine(max_streams: int = 4, compile: bool = False) -> Engine:
@@ -41,9 +79,26 @@ def _feed(stream, pieces: Iterable[str]) -> None:
         stream.cancel()
 
 
+def _chunks(stream) -> Iterator[Chunk]:
+    """The stream's audio as Chunks, each with the words whose start falls in it. Words are scheduled a
+    little ahead of their audio; one that comes later than its chunk goes with the next chunk."""
+    rate, position, pending = stream.engine.sample_rate, 0, []
+    while (audio := stream.read()) is not None:
+        pending += stream.take_word_timings()
+        end = (position + len(audio)) / rate
+        due = next((i for i, w in enumerate(pending) if w["start"] >= end), len(pending))  # in start order
+        yield Chunk(audio, rate, position / rate, pending[:due])
+        pending = pending[due:]
+        position += len(audio)
+    pending += stream.take_word_timings()
+    if pending:  # words scheduled past the last audio (nothing left to voice them): an empty last chunk
+        yield Chunk(np.zeros(0, np.float32), rate, position / rate, pending)
+
+
 def synthesize_stream(text: str | Iterable[str], voice: str | None = None, speed: float = 1.0,
-                      engine: Engine | None = None) -> Iterator[np.ndarray]:
-    """Yield float32 mono chunks at ``SAMPLE_RATE`` as they are decoded.
+                      engine: Engine | None = None) -> Iterator[Chunk]:
+    """Yield `Chunk`s (float32 mono numpy arrays with ``sample_rate``, ``start`` and ``words``) as they are
+    decoded.
 
     ``text`` is a string, or an iterable of text pieces (an LLM's tokens): speaking starts once enough
     text has arrived, without waiting for the end. Raises ``TextError`` for empty, unspeakable or too
@@ -62,11 +117,7 @@ def synthesize_stream(text: str | Iterable[str], voice: str | None = None, speed
     feeder = threading.Thread(target=_feed, args=(stream, pieces), daemon=True)
     feeder.start()
     try:
-        while True:
-            chunk = stream.read()
-            if chunk is None:
-                return
-            yield chunk
+        yield from _chunks(stream)
     finally:
         if not stream.finished:
             stream.cancel()

@@ -1,60 +1,170 @@
-"""Command line: ``tts say``, ``tts voices``, ``tts serve``."""
+"""Command line: ``tts say``, ``tts voices``, ``tts serve``.
+
+    tts say "Hello there."                       # plays on the sound device while it is generated
+    tts say "Hello there." -o hello.mp3          # format from the suffix: wav mp3 ogg opus flac aac pcm raw
+    echo "Hello." | tts say - -o - > hello.wav   # text from stdin, audio to stdout
+    tts say -i chapter1.txt -i chapter2.txt -o book.ogg --subtitles book.vtt
+"""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import json
 import os
+import re
+import signal
 import sys
-import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
+EXIT_CODES = """exit codes:
+  0    done
+  1    internal error (a bug: please report it)
+  2    bad input: empty or unspeakable text, unknown voice, bad speed, unknown format, bad flags
+  3    a file could not be read or written
+  4    no sound device or playback package (write a file with -o instead)
+  5    the server could not be reached, or refused for lack of capacity
+  130  interrupted (Ctrl-C): nothing partial is left behind"""
+UTTERANCE_CHARS = 1500  # longer paragraphs are spoken as several utterances, split between sentences
+_SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+")
 
 
-def write_wav(path: Path, audio: np.ndarray, sample_rate: int) -> None:
-    """Write a 16-bit mono WAV atomically: a temp file in the same folder, then rename."""
-    import soundfile as sf
+class InputError(ValueError):
+    """Text that cannot be read as asked (no text given, not UTF-8)."""
 
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(suffix=".wav", dir=path.parent or ".")
-    os.close(fd)
+
+# ---- text in ----------------------------------------------------------------------------------------
+def read_texts(text: str | None, files: list[str]) -> list[str]:
+    """The positional text ("-": standard input), then each ``-i`` file, as UTF-8 strings."""
+    if text is None and not files:
+        raise InputError("no text: give it as an argument, '-' to read standard input, or -i FILE")
+    texts = []
+    if text is not None:
+        texts.append(sys.stdin.buffer.read().decode("utf-8") if text == "-" else text)
+    for name in files:
+        try:
+            texts.append(Path(name).read_bytes().decode("utf-8"))
+        except UnicodeDecodeError:
+            raise InputError(f"{name} is not UTF-8 text") from None
+    return texts
+
+
+def utterances(text: str, limit: int = UTTERANCE_CHARS) -> list[str]:
+    """Paragraphs (split at blank lines, lines joined); a paragraph longer than ``limit`` is cut into runs of
+    whole sentences of at most ``limit`` characters (a sentence longer than that stays whole).
+    Example, limit 30: "One. Two.\\n\\nA long first sentence. And more." ->
+    ["One. Two.", "A long first sentence.", "And more."]"""
+    out = []
+    for paragraph in re.split(r"\n\s*\n", text):
+        paragraph = " ".join(paragraph.split())
+        run = ""
+        for sentence in _SENTENCE_END.split(paragraph) if len(paragraph) > limit else [paragraph]:
+            if run and len(run) + 1 + len(sentence) > limit:
+                out.append(run)
+                run = ""
+            run = f"{run} {sentence}" if run else sentence
+        if run:
+            out.append(run)
+    return out
+
+
+# ---- audio out --------------------------------------------------------------------------------------
+def local_chunks(parts: list[str], voice: str | None, speed: float) -> Iterator:
+    """Chunks of each utterance from the in-process engine, ``None`` after each utterance."""
+    from tts.api import synthesize_stream
+    for text in parts:
+        yield from synthesize_stream(text, voice, speed)
+        yield None
+
+
+async def _server_chunks(url: str, parts: list[str], voice: str | None, speed: float):
+    from tts.client import connect
+    async with connect(url) as client:
+        for text in parts:
+            async for chunk in client.speak(text, voice, speed):
+                yield chunk
+            yield None
+
+
+def server_chunks(url: str, parts: list[str], voice: str | None, speed: float) -> Iterator:
+    """The same from a running server over one WebSocket, driven one chunk at a time on a private loop."""
+    loop, chunks = asyncio.new_event_loop(), _server_chunks(url, parts, voice, speed)
     try:
-        sf.write(tmp, audio, sample_rate, subtype="PCM_16")
-        os.replace(tmp, path)
+        while True:
+            try:
+                yield loop.run_until_complete(anext(chunks))
+            except StopAsyncIteration:
+                return
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        with contextlib.suppress(RuntimeError):  # still running if Ctrl-C interrupted it: the loop closes anyway
+            loop.run_until_complete(chunks.aclose())
+        loop.close()
 
 
-def play(audio: np.ndarray, sample_rate: int) -> bool:
-    try:
-        import sounddevice
-        sounddevice.play(audio, sample_rate)
-        sounddevice.wait()
-        return True
-    except Exception:  # no sounddevice package, no PortAudio, or no output device
-        return False
+def open_sink(output: str | None, fmt: str | None, sample_rate: int):
+    from tts.output import Player, file_sink, stdout_sink
+    if output is None:
+        return Player(sample_rate)
+    return stdout_sink(fmt) if output == "-" else file_sink(output, fmt)
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
 
 
 def cmd_say(args) -> int:
-    if args.server:
-        from tts.client import say_via_server
-        say_via_server(args.server, args.text, voice=args.voice, out=args.output, speed=args.speed)
-        return 0
-    from tts import SAMPLE_RATE
-    from tts.api import synthesize
-    audio = synthesize(args.text, voice=args.voice, speed=args.speed)
-    if args.output:
-        write_wav(args.output, audio, SAMPLE_RATE)
-        print(f"wrote {args.output} ({len(audio) / SAMPLE_RATE:.2f} s)", file=sys.stderr)
-    elif not play(audio, SAMPLE_RATE):
-        print("no sound device here; write a file instead: tts say \"...\" -o out.wav", file=sys.stderr)
-        return 2
+    from tqdm import tqdm
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` cleans up like Ctrl-C: no partial file
+
+    from tts import SAMPLE_RATE, subtitles
+    from tts.output import format_for
+    fmt = format_for(args.output, args.format) if args.output else None
+    if args.subtitles:
+        subtitles.subtitle_format(args.subtitles)
+        if args.server:
+            raise InputError("--subtitles needs word timings, which only local synthesis gives (drop --server)")
+    parts = [u for text in read_texts(args.text, args.input) for u in utterances(text)]
+    if not parts:
+        from tts.text import TextError
+        raise TextError("text is empty")
+    source = server_chunks(args.server, parts, args.voice, args.speed) if args.server else \
+        local_chunks(parts, args.voice, args.speed)
+    started, samples, offset, words = time.perf_counter(), 0, 0.0, []
+    with contextlib.closing(source), open_sink(args.output, fmt, SAMPLE_RATE) as write, \
+            tqdm(total=sum(map(len, parts)), unit="char", disable=True if len(parts) < 2 or args.quiet else None,
+                 file=sys.stderr) as progress:
+        spoken = iter(parts)
+        for chunk in source:
+            if chunk is None:  # an utterance ended: the next one's clock starts where its audio ends
+                offset = samples / SAMPLE_RATE
+                progress.update(len(next(spoken)))
+                continue
+            write(chunk)
+            samples += len(chunk)
+            words += [{**w, "start": w["start"] + offset, "end": w["end"] + offset}
+                      for w in getattr(chunk, "words", ())]
+    if args.subtitles:
+        subtitles.write(args.subtitles, words)
+    if not args.quiet:
+        where = "played" if args.output is None else "wrote stdout" if args.output == "-" else f"wrote {args.output}"
+        print(f"{where}: {samples / SAMPLE_RATE:.2f} s of audio in {time.perf_counter() - started:.2f} s",
+              file=sys.stderr)
     return 0
 
 
-def cmd_voices(_args) -> int:
+# ---- other commands ---------------------------------------------------------------------------------
+def cmd_voices(args) -> int:
     from tts.voices import voice_presets
     presets = voice_presets()
+    if args.json:
+        from server import VOICE_KEYS  # the same listing as GET /v1/voices
+        from tts import SAMPLE_RATE
+        default = next((n for n, v in presets.items() if v.get("default")), next(iter(presets)))
+        listed = [{k: v.get(k) for k in VOICE_KEYS} for v in presets.values()]
+        print(json.dumps({"default": default, "sample_rate": SAMPLE_RATE, "voices": listed}, indent=2))
+        return 0
     name_width, teacher_width = (max(len(p[key]) for p in presets.values()) for key in ("name", "teacher"))
     for name, preset in presets.items():
         mark = " (default)" if preset.get("default") else ""
@@ -62,39 +172,96 @@ def cmd_voices(_args) -> int:
     return 0
 
 
+LIMIT_FLAGS = {  # serve(**limits) fields (server.Limits); unset flags keep the server's defaults
+    "max_connections": (int, "open WebSockets plus speech requests in flight, together"),
+    "max_text_chars": (int, "characters of text in one utterance"),
+    "idle_timeout_s": (float, "seconds a WebSocket may stay idle before it is closed"),
+    "send_buffer_bytes": (int, "kernel send buffer of each connection"),
+    "max_message_bytes": (int, "largest client message or request body"),
+}
+
+
 def cmd_serve(args) -> int:
     from server import serve
-    serve(host=args.host, port=args.port, compile=not args.no_compile)
+    limits = {name: value for name in LIMIT_FLAGS if (value := getattr(args, name)) is not None}
+    serve(host=args.host, port=args.port, compile=not args.no_compile, **limits)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tts", description="Streaming text-to-speech.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    say = sub.add_parser("say", help="speak text to a WAV file or the sound device")
-    say.add_argument("text")
+# ---- parsing and errors -----------------------------------------------------------------------------
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="tts", description="Streaming text-to-speech.", epilog=EXIT_CODES,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = root.add_subparsers(dest="command", required=True)
+    say = sub.add_parser("say", help="speak text to the sound device, a file or stdout", epilog=EXIT_CODES,
+                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    say.add_argument("text", nargs="?", help="the text; '-' reads standard input")
+    say.add_argument("-i", "--input", action="append", default=[], metavar="FILE",
+                     help="read text from FILE (UTF-8; repeatable); long texts are spoken paragraph by paragraph")
+    say.add_argument("-o", "--output", help="write audio here, the format from the suffix; '-' is stdout "
+                                            "(WAV unless --format); without -o, play it")
+    say.add_argument("--format", choices=["wav", "mp3", "opus", "flac", "aac", "pcm"],
+                     help="the output format, whatever the suffix (pcm: 16-bit little-endian, 24 kHz mono)")
     say.add_argument("--voice", default=None, help="voice name (see `tts voices`); default: the default voice")
     say.add_argument("--speed", type=float, default=1.0,
                      help="speaking rate, 0.25 to 4.0, times the voice's pace (voices.json)")
-    say.add_argument("-o", "--output", type=Path, help="write a 24 kHz mono WAV here")
+    say.add_argument("--subtitles", metavar="FILE", help="also write subtitles from word timings (.srt or .vtt)")
     say.add_argument("--server", help="stream from a running server, e.g. ws://127.0.0.1:8000")
+    say.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
     say.set_defaults(run=cmd_say)
-    sub.add_parser("voices", help="list the voices").set_defaults(run=cmd_voices)
-    serve = sub.add_parser("serve", help="run the WebSocket/HTTP server")
+    voices = sub.add_parser("voices", help="list the voices")
+    voices.add_argument("--json", action="store_true", help="as JSON, the same as GET /v1/voices")
+    voices.set_defaults(run=cmd_voices)
+    serve = sub.add_parser("serve", help="run the WebSocket/HTTP server", epilog=EXIT_CODES,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--no-compile", action="store_true",
-                       help="skip compiling the decode step at start-up (starts seconds sooner, steps slower)")
+                       help="do not build a faster decode step in the background (TTS_NO_COMPILE=1 does the same)")
+    for name, (kind, help_text) in LIMIT_FLAGS.items():
+        serve.add_argument("--" + name.replace("_", "-"), type=kind, metavar=kind.__name__.upper(),
+                           help=help_text + " (default: the server's)")
     serve.set_defaults(run=cmd_serve)
-    args = parser.parse_args(argv)
-    from streaming.engine import EngineError
-    from tts.client import ClientError
-    from tts.text import TextError
+    return root
+
+
+def exit_code(err: Exception) -> int | None:
+    """The documented exit code of a failure (EXIT_CODES); None for a bug."""
+    from tts.client import ClientError, ServerError
+    from tts.output import PlaybackError
+    if isinstance(err, ServerError):
+        return 5 if err.code == "server_full" else 2
+    if isinstance(err, ClientError):
+        return 5
+    if isinstance(err, PlaybackError):
+        return 4
+    if isinstance(err, ValueError):  # TextError, UnknownVoice, InputError, a bad speed or format
+        return 2
+    if isinstance(err, OSError):
+        return 3
+    if "streaming.engine" in sys.modules:  # only loaded (with torch) by commands that use the engine
+        from streaming.engine import EngineError
+        return 1 if isinstance(err, EngineError) else None
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     try:
         return args.run(args)
-    except (TextError, EngineError, ClientError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:  # the outputs are already discarded (their with-blocks have unwound)
+        print("interrupted", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)  # not a normal exit: the engine's daemon threads may be inside a native op, and
+        # interpreter shutdown under them aborts the process (SIGABRT) instead of exiting 130
+    except Exception as err:
+        code = exit_code(err)
+        if code is None:
+            raise
+        named = isinstance(err, OSError) and err.filename and err.strerror
+        print(f"error: {f'{err.filename}: {err.strerror}' if named else err}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":
