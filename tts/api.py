@@ -6,7 +6,9 @@
 """
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -16,6 +18,9 @@ from streaming.engine import Engine
 from tts.text import TextError
 
 from tts import SAMPLE_RATE  # noqa: F401  (re-exported: tts.api.SAMPLE_RATE)
+
+DEFAULT_STREAMS = 8  # callers that can speak at once; idle slots cost nothing per step
+log = logging.getLogger("tts")
 _engine: Engine | None = None
 _engine_lock = threading.Lock()
 
@@ -53,18 +58,45 @@ class Chunk(np.ndarray):
         return self.start + len(self) / self.sample_rate
 
 
-def get_engine(max_streams: int = 4, compile: bool = False) -> Engine:
-    """The process-wide engine on the shipped voices, loaded on first use. Every step computes all
-    ``max_streams`` slots, so on 2 CPU cores 4 slots is the measured sweet spot (bench/latency.py).
-    ``compile`` compiles the decode step first (seconds; long-lived processes such as the server)."""
+def get_engine(max_streams: int | None = None, compile: bool = True) -> Engine:
+    """The process-wide engine on the shipped voices, loaded on first use (about a second).
+
+    Its decode step is the fastest one ready now (`kernels.auto`: ONNX Runtime when its export is cached,
+    else the lean eager step while the export is built in a background process, swapped in when ready,
+    without dropping a stream). A step costs what its active slots cost, so ``max_streams`` (default
+    DEFAULT_STREAMS) only bounds how many callers can speak at once. ``compile=False`` (or TTS_NO_COMPILE=1) keeps the plain eager step."""
     global _engine
     with _engine_lock:
         if _engine is None:
+            from kernels import enabled
+            from kernels.auto import default_step_factory
             from tts.voices import load_shipped
+            started, max_streams = time.perf_counter(), max_streams or DEFAULT_STREAMS
             torch.set_flush_denormal(True)
             model, codec, presets = load_shipped()
-            _engine = Engine(model, codec, presets, max_streams=max_streams, compile=compile)
+            factory = default_step_factory() if compile and enabled("compile") else None
+            _engine = Engine(model, codec, presets, max_streams=max_streams, step_factory=factory)
+            log.info("engine ready in %.2f s: %d slots, step %s", time.perf_counter() - started, max_streams,
+                     _engine.step_kind)
+            faster = getattr(factory, "faster", None)  # a Future: the faster factory, or None if none will come
+            if faster is None:
+                log.info("step in use: %s", _engine.step_kind)
+            else:
+                faster.add_done_callback(_swap_in(_engine, started))
         return _engine
+
+
+def _swap_in(engine: Engine, started: float):
+    """A callback for the future of a faster step factory: hand it to the engine, which switches at a tick
+    boundary without dropping a stream. Logs the step that is then final, for the start-up timeline."""
+    def swap(faster) -> None:
+        if faster.result() is None:
+            log.info("step in use: %s (nothing faster to build)", engine.step_kind)
+            return
+        engine.set_step_factory(faster.result())
+        log.info("step in use: %s (built in the background, swapped in %.2f s after loading began)",
+                 getattr(faster.result(), "kind", "?"), time.perf_counter() - started)
+    return swap
 
 
 def _feed(stream, pieces: Iterable[str]) -> None:
@@ -75,7 +107,7 @@ def _feed(stream, pieces: Iterable[str]) -> None:
             stream.push_text(piece)
         stream.end()
     except Exception as err:  # a failing text source ends the utterance with its error
-        stream._finish(err)
+        stream.finish(err)
         stream.cancel()
 
 

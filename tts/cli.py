@@ -158,12 +158,14 @@ def cmd_say(args) -> int:
 def cmd_voices(args) -> int:
     from tts.voices import voice_presets
     presets = voice_presets()
-    if args.json:
-        from server import VOICE_KEYS  # the same listing as GET /v1/voices
+    if args.json:  # what GET /v1/voices answers
+        from streaming.http_api import VOICE_KEYS
         from tts import SAMPLE_RATE
+        from tts.voices import voice_aliases
         default = next((n for n, v in presets.items() if v.get("default")), next(iter(presets)))
         listed = [{k: v.get(k) for k in VOICE_KEYS} for v in presets.values()]
-        print(json.dumps({"default": default, "sample_rate": SAMPLE_RATE, "voices": listed}, indent=2))
+        print(json.dumps({"default": default, "sample_rate": SAMPLE_RATE, "voices": listed,
+                          "aliases": voice_aliases()}, indent=2))
         return 0
     name_width, teacher_width = (max(len(p[key]) for p in presets.values()) for key in ("name", "teacher"))
     for name, preset in presets.items():
@@ -172,20 +174,39 @@ def cmd_voices(args) -> int:
     return 0
 
 
-LIMIT_FLAGS = {  # serve(**limits) fields (server.Limits); unset flags keep the server's defaults
-    "max_connections": (int, "open WebSockets plus speech requests in flight, together"),
-    "max_text_chars": (int, "characters of text in one utterance"),
-    "idle_timeout_s": (float, "seconds a WebSocket may stay idle before it is closed"),
-    "send_buffer_bytes": (int, "kernel send buffer of each connection"),
-    "max_message_bytes": (int, "largest client message or request body"),
-}
-
-
 def cmd_serve(args) -> int:
+    """Loads the engine (about a second: its step is the fastest one ready, a faster one is built in the
+    background and swapped in), then listens."""
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")  # uvicorn's look
     from server import serve
-    limits = {name: value for name in LIMIT_FLAGS if (value := getattr(args, name)) is not None}
-    serve(host=args.host, port=args.port, compile=not args.no_compile, **limits)
+    from streaming.admission import limits_from
+    from tts.api import get_engine
+    engine = get_engine(max_streams=args.max_streams, compile=not args.no_compile)
+    serve(host=args.host, port=args.port, engine=engine, api_keys=args.api_key, allow_origins=args.allow_origin,
+          **limits_from(args))
     return 0
+
+
+def serve_parser(sub) -> None:
+    from streaming.admission import add_arguments
+    serve = sub.add_parser("serve", help="run the WebSocket/HTTP server", epilog=EXIT_CODES,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-streams", type=int, metavar="INT",
+                       help="utterances the engine speaks at once (its slots; default 8); more wait in the queue")
+    serve.add_argument("--api-key", action="append", metavar="KEY",
+                       default=[k for k in os.environ.get("TTS_API_KEYS", "").split(",") if k],
+                       help="require this key on every /v1 endpoint (repeatable; or TTS_API_KEYS=k1,k2, "
+                            "which keeps keys out of the process list)")
+    serve.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                       help="a browser origin, besides the server's own, that may use the API and gets CORS "
+                            "headers (repeatable; '*' allows any)")
+    serve.add_argument("--no-compile", action="store_true",
+                       help="do not build a faster decode step in the background (TTS_NO_COMPILE=1 does the same)")
+    add_arguments(serve)  # the server's limits, one flag each: --max-connections, --queue-timeout-s, ...
+    serve.set_defaults(run=cmd_serve)
 
 
 # ---- parsing and errors -----------------------------------------------------------------------------
@@ -212,16 +233,7 @@ def parser() -> argparse.ArgumentParser:
     voices = sub.add_parser("voices", help="list the voices")
     voices.add_argument("--json", action="store_true", help="as JSON, the same as GET /v1/voices")
     voices.set_defaults(run=cmd_voices)
-    serve = sub.add_parser("serve", help="run the WebSocket/HTTP server", epilog=EXIT_CODES,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--no-compile", action="store_true",
-                       help="do not build a faster decode step in the background (TTS_NO_COMPILE=1 does the same)")
-    for name, (kind, help_text) in LIMIT_FLAGS.items():
-        serve.add_argument("--" + name.replace("_", "-"), type=kind, metavar=kind.__name__.upper(),
-                           help=help_text + " (default: the server's)")
-    serve.set_defaults(run=cmd_serve)
+    serve_parser(sub)
     return root
 
 

@@ -110,7 +110,7 @@ class Player:
 
     def _play(self) -> None:
         try:
-            for chunk in iter(self._queue.get, None):
+            while (chunk := self._queue.get()) is not None:  # not iter(get, None): arrays compare elementwise
                 self._device.write(chunk[:, None])
         except Exception as err:  # the device went away: tell the generating side, stop taking audio
             self._error = err
