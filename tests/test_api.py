@@ -7,15 +7,14 @@ import sys
 import numpy as np
 import pytest
 
-from streaming.engine import Engine
 from tts.api import Chunk, synthesize, synthesize_stream
 
 TEXT = "Hello there, Dr. Smith. It costs $5 today!"
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return Engine.tiny_random(max_streams=2)
+@pytest.fixture
+def engine(tiny_engine):  # conftest: the tiny random-weight engine
+    return tiny_engine
 
 
 def test_chunks_are_float32_arrays_with_rate_start_and_words(engine):

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -28,7 +27,6 @@ EXIT_CODES = """exit codes:
   5    the server could not be reached, or refused for lack of capacity
   130  interrupted (Ctrl-C): nothing partial is left behind"""
 UTTERANCE_CHARS = 1500  # longer paragraphs are spoken as several utterances, split between sentences
-_SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+")
 
 
 class InputError(ValueError):
@@ -52,21 +50,22 @@ def read_texts(text: str | None, files: list[str]) -> list[str]:
 
 
 def utterances(text: str, limit: int = UTTERANCE_CHARS) -> list[str]:
-    """Paragraphs (split at blank lines, lines joined); a paragraph longer than ``limit`` is cut into runs of
-    whole sentences of at most ``limit`` characters (a sentence longer than that stays whole).
-    Example, limit 30: "One. Two.\\n\\nA long first sentence. And more." ->
+    """Paragraphs (ended by a blank line); a paragraph longer than ``limit`` characters is cut into runs of
+    whole sentences of at most ``limit`` (a longer sentence stays whole). Sentences are the text front end's
+    (`tts.normalize.split_sentences`: "Dr. Li" does not end one). Markup stays as written.
+    Example, limit 30: "One. Two.\n\nA long first sentence. And more." ->
     ["One. Two.", "A long first sentence.", "And more."]"""
-    out = []
-    for paragraph in re.split(r"\n\s*\n", text):
-        paragraph = " ".join(paragraph.split())
-        run = ""
-        for sentence in _SENTENCE_END.split(paragraph) if len(paragraph) > limit else [paragraph]:
-            if run and len(run) + 1 + len(sentence) > limit:
-                out.append(run)
-                run = ""
-            run = f"{run} {sentence}" if run else sentence
-        if run:
-            out.append(run)
+    from tts.normalize import split_sentences, tokenize
+    tokens = tokenize(text)
+    out, first = [], None  # first: the token the utterance being gathered starts at
+    for start, stop, _ in split_sentences(tokens, final=True):
+        if first is not None and tokens[stop - 1].end - tokens[first].start > limit:
+            out.append(text[tokens[first].start:tokens[start - 1].end])
+            first = None
+        first = start if first is None else first
+        if tokens[stop - 1].para_end or stop == len(tokens):
+            out.append(text[tokens[first].start:tokens[stop - 1].end])
+            first = None
     return out
 
 

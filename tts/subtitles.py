@@ -13,19 +13,20 @@ from tts.output import atomic_file
 
 MAX_CUE_WORDS = 7
 MAX_CUE_S = 3.5
-SENTENCE_END = (".", "!", "?", ";", ":")
 
 
 def cues(words: list[dict]) -> list[tuple[float, float, str]]:
-    """Words -> (start s, end s, text) cues.
+    """Words -> (start s, end s, text) cues. Sentence ends are the text front end's ("Dr. Li" is not one).
     Example: [Hello 0.0-0.4] [there. 0.4-0.9] [How 1.2-1.4] ... -> (0.0, 0.9, "Hello there.") (1.2, ...)"""
+    from tts.normalize import Token, split_sentences
+    ends = {stop - 1 for _, stop, _ in split_sentences([Token(w["word"], 0, 0) for w in words], final=True)}
     out, current = [], []
-    for word in words:
+    for i, word in enumerate(words):
         if current and (len(current) == MAX_CUE_WORDS or word["end"] - current[0]["start"] > MAX_CUE_S):
             out.append(current)
             current = []
         current.append(word)
-        if word["word"].rstrip("\"')]").endswith(SENTENCE_END):
+        if i in ends:
             out.append(current)
             current = []
     if current:
