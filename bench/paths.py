@@ -14,6 +14,8 @@ then where it matters again with the caches that first run left (every later sta
   wall time over the total audio, ``first_chunk_ms`` the p50/p99 of call-to-first-chunk, ``step_kinds`` the
   decode step the engine ran after each sentence (the faster one is swapped in when its build ends).
 * ``cli_file``: ``tts say SENTENCE -o out.wav`` (as ``python -m tts.cli``), the wall time of the whole process.
+* ``cli_play``: ``tts say SENTENCE`` to the sound device (ALSA's default pointed at a file): process start to
+  the first audio handed to the device, and to the end (skipped, saying why, without PortAudio).
 * ``server``: ``tts serve`` from process start to the first ``/health`` and ``/v1/voices`` answers and to
   the first audio byte of a first ``POST /v1/audio/speech``; ``timeline`` lists what the server printed,
   stamped with seconds since its start, until the final step is in use (or ``--swap-wait`` s pass).
@@ -35,8 +37,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.common import ROOT, harvard, percentiles
-
+ROOT = Path(__file__).resolve().parent.parent  # nothing here imports torch: the API row times that itself
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river."
 CACHE_VARS = ("TTS_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME")
 
@@ -49,7 +50,7 @@ def child_env(cache: Path) -> dict:
 
 # ---- the API, inside a fresh process ----------------------------------------------------------------
 def api_child(sentences: int, launched: float) -> dict:
-    """Runs in the child: one first call, then ``sentences`` calls one after another."""
+    """Runs in the child: import, one first call, then ``sentences`` calls one after another."""
     imported = time.time()
     from tts.api import get_engine, synthesize_stream
     imported = time.time() - imported
@@ -64,6 +65,7 @@ def api_child(sentences: int, launched: float) -> dict:
 
     called = time.time()
     first, wall, audio = speak(SENTENCE)
+    from bench.common import harvard, percentiles
     row = {"import_s": round(imported, 3), "first_chunk_s": round(first, 3),
            "process_to_first_chunk_s": round(called + first - launched, 3), "first_call_rtf": round(wall / audio, 3),
            "step_kinds": [get_engine().step_kind]}
@@ -98,6 +100,27 @@ def cli_file(cache: Path, out: Path) -> dict:
         raise RuntimeError(f"tts say failed ({done.returncode}): {done.stderr[-2000:]}")
     import soundfile
     return {"wall_s": round(wall, 3), "audio_s": round(soundfile.info(out).duration, 3)}
+
+
+def cli_play(cache: Path, tmp: Path) -> dict:
+    """``tts say SENTENCE`` to the sound device: ALSA's default device is pointed at a file (HOME/.asoundrc),
+    so the first sound is the first audio PortAudio hands over. Needs the PortAudio library."""
+    played = tmp / "played.raw"
+    played.unlink(missing_ok=True)
+    (tmp / ".asoundrc").write_text(f'pcm.!default {{ type file; slave.pcm "null"; file "{played}"; format "raw" }}\n')
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "tts.cli", "say", SENTENCE, "-q"], cwd=ROOT,
+                            env={**child_env(cache), "HOME": str(tmp)}, stderr=subprocess.PIPE, text=True)
+    first = None
+    while proc.poll() is None and first is None:
+        if played.exists() and played.stat().st_size:
+            first = time.perf_counter() - start
+        time.sleep(0.01)
+    stderr = proc.communicate(timeout=600)[1]
+    if proc.returncode:
+        return {"skipped": stderr.strip().splitlines()[-1]}
+    return {"first_sound_s": round(first, 3) if first else None, "wall_s": round(time.perf_counter() - start, 3),
+            "audio_s": round(played.stat().st_size / 4 / 24_000, 3)}
 
 
 # ---- the server -----------------------------------------------------------------------------------------
@@ -181,6 +204,7 @@ def main() -> None:
             runs = 1 if args.quick else 2
             result["cli_file"] = {"empty_cache": cli_file(tmp / "cli", tmp / "out.wav"),
                                   "warm_cache": [cli_file(tmp / "cli", tmp / "out.wav") for _ in range(runs)]}
+            result["cli_play"] = cli_play(tmp / "cli", tmp)
         if "server" in args.only:
             result["server"] = {"empty_cache": server(tmp / "server", args.swap_wait),
                                 "warm_cache": server(tmp / "server", args.swap_wait)}

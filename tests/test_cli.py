@@ -71,6 +71,16 @@ def test_files_become_utterances_with_subtitles(tmp_path):
     assert result.returncode == 0 and vtt.read_text().startswith("WEBVTT\n\n00:00:0")
 
 
+def test_say_through_a_running_server(server, tmp_path):
+    """`--server`: the same outputs, the audio streamed from the server (conftest: a real one, tiny engine)."""
+    out = tmp_path / "served.flac"
+    result = tts("say", "Hello over the wire.", "--server", server.ws_url, "-o", str(out), "--voice", "slt")
+    assert result.returncode == 0, result.stderr
+    assert sf.info(out).samplerate == SAMPLE_RATE and sf.info(out).frames > SAMPLE_RATE // 4
+    result = tts("say", "Hello.", "--server", server.ws_url, "--voice", "nobody", "-o", str(out))
+    assert result.returncode == 2 and b"unknown_voice" in result.stderr
+
+
 def test_every_failure_has_its_exit_code_and_leaves_no_file(tmp_path):
     out = tmp_path / "never.wav"
     cases = {2: [["say", "Hi.", "--voice", "nobody"], ["say", "   "], ["say", "Hi.", "--speed", "9"], ["say"],

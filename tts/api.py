@@ -19,7 +19,6 @@ from tts.text import TextError
 
 from tts import SAMPLE_RATE  # noqa: F401  (re-exported: tts.api.SAMPLE_RATE)
 
-DEFAULT_STREAMS = 8  # callers that can speak at once; idle slots cost nothing per step
 log = logging.getLogger("tts")
 _engine: Engine | None = None
 _engine_lock = threading.Lock()
@@ -63,21 +62,25 @@ def get_engine(max_streams: int | None = None, compile: bool = True) -> Engine:
 
     Its decode step is the fastest one ready now (`kernels.auto`: ONNX Runtime when its export is cached,
     else the lean eager step while the export is built in a background process, swapped in when ready,
-    without dropping a stream). A step costs what its active slots cost, so ``max_streams`` (default
-    DEFAULT_STREAMS) only bounds how many callers can speak at once. ``compile=False`` (or TTS_NO_COMPILE=1) keeps the plain eager step."""
+    without dropping a stream). A step costs what its active slots cost, so ``max_streams`` (default: the
+    engine's, 8 on a CPU) only bounds how many callers can speak at once. ``compile=False`` (or TTS_NO_COMPILE=1) keeps the plain eager step."""
     global _engine
     with _engine_lock:
         if _engine is None:
             from kernels import enabled
             from kernels.auto import default_step_factory
             from tts.voices import load_shipped
-            started, max_streams = time.perf_counter(), max_streams or DEFAULT_STREAMS
+            from tts.text import phonemize
+            started = time.perf_counter()
             torch.set_flush_denormal(True)
+            front_end = threading.Thread(target=phonemize, args=("Hello.",))  # espeak's start-up (0.2-0.5 s),
+            front_end.start()  # on the other core while the weights load
             model, codec, presets = load_shipped()
+            front_end.join()  # before the engine's text thread can use espeak, which is not thread-safe
             factory = default_step_factory() if compile and enabled("compile") else None
             _engine = Engine(model, codec, presets, max_streams=max_streams, step_factory=factory)
-            log.info("engine ready in %.2f s: %d slots, step %s", time.perf_counter() - started, max_streams,
-                     _engine.step_kind)
+            log.info("engine ready in %.2f s: %d slots, step %s", time.perf_counter() - started,
+                     _engine.max_streams, _engine.step_kind)
             faster = getattr(factory, "faster", None)  # a Future: the faster factory, or None if none will come
             if faster is None:
                 log.info("step in use: %s", _engine.step_kind)
@@ -91,7 +94,7 @@ def _swap_in(engine: Engine, started: float):
     boundary without dropping a stream. Logs the step that is then final, for the start-up timeline."""
     def swap(faster) -> None:
         if faster.result() is None:
-            log.info("step in use: %s (nothing faster to build)", engine.step_kind)
+            log.info("step in use: the fastest there is (nothing faster to build)")
             return
         engine.set_step_factory(faster.result())
         log.info("step in use: %s (built in the background, swapped in %.2f s after loading began)",
