@@ -3,10 +3,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
 
+from streaming.engine import ServerFull
 from tts.api import Chunk, synthesize, synthesize_stream
 
 TEXT = "Hello there, Dr. Smith. It costs $5 today!"
@@ -30,6 +33,25 @@ def test_chunks_are_float32_arrays_with_rate_start_and_words(engine):
     starts = [w["start"] for w in words]
     assert starts == sorted(starts) and all(w["end"] >= w["start"] for w in words)
     assert starts[0] < chunks[0].end + 1e-6
+
+
+def test_a_seed_repeats_the_speech_and_busy_slots_make_callers_wait(engine):
+    first = synthesize("The same words again.", engine=engine, seed=7)
+    assert np.array_equal(first, synthesize("The same words again.", engine=engine, seed=7))
+    busy = [synthesize_stream(f"Caller {i} talks for a while here.", engine=engine) for i in range(engine.max_streams)]
+    for chunks in busy:
+        next(chunks)  # every slot speaking
+    with pytest.raises(ServerFull):
+        next(synthesize_stream("No room.", engine=engine, wait_s=0))
+    spoken = {}
+    waiter = threading.Thread(target=lambda: spoken.update(audio=synthesize("Room soon.", engine=engine, wait_s=30)))
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive()  # queued for a slot, not refused
+    for chunks in busy:
+        chunks.close()  # the callers stop: their slots free, and the waiting call gets one
+    waiter.join(timeout=60)
+    assert len(spoken["audio"]) > 0
 
 
 def test_plain_arrays_stay_available(engine):

@@ -120,14 +120,15 @@ def test_playback_streams_to_the_sound_device_or_says_there_is_none(tmp_path):
         result = tts("say", "Hello.")
         assert result.returncode == 4 and b"-o out.wav" in result.stderr
         return
-    played = tmp_path / "played.raw"
+    played, written = tmp_path / "played.raw", tmp_path / "written.wav"
     (tmp_path / ".asoundrc").write_text(f'pcm.!default {{ type file; slave.pcm "null"; file "{played}"; '
                                         'format "raw" }\n')
-    result = tts("say", "Hello there, this goes to the speaker.", env={"HOME": str(tmp_path)})
+    text = "Hello there, this goes to the speaker."
+    result = tts("say", text, "--seed", "3", env={"HOME": str(tmp_path)})
     assert result.returncode == 0, result.stderr
-    audio = np.fromfile(played, dtype="<f4")
-    reported = float(result.stderr.decode().split("played: ")[1].split(" s")[0])
-    assert abs(len(audio) / SAMPLE_RATE - reported) < 0.1 and np.abs(audio).max() > 0.05
+    assert tts("say", text, "--seed", "3", "-o", str(written)).returncode == 0
+    audio, reference = np.fromfile(played, dtype="<f4"), sf.read(written, dtype="float32")[0]
+    assert len(audio) == len(reference) and np.abs(audio - reference).max() < 1e-4  # all of it, as generated
 
 
 def test_voices_lists_every_voice():
@@ -209,8 +210,8 @@ WORDS = [{"word": "Hello", "start": 0.05, "end": 0.4}, {"word": "there.", "start
 def test_srt_and_vtt_from_a_word_list():
     assert subtitles.render(WORDS, "srt") == (
         "1\n00:00:00,050 --> 00:00:00,900\nHello there.\n\n"
-        "2\n00:00:01,200 --> 00:00:03,000\nIt costs $5 and it is worth\n\n"  # at most 7 words a cue
-        "3\n00:00:03,000 --> 00:00:03,600\nevery cent!\n")
+        "2\n00:00:01,200 --> 00:00:02,600\nIt costs $5 and it\n\n"  # 9 words: two even cues of at most 7
+        "3\n00:00:02,600 --> 00:00:03,600\nis worth every cent!\n")
     assert subtitles.timestamp(3725.5, ",") == "01:02:05,500" and subtitles.timestamp(-0.01, ".") == "00:00:00.000"
     assert subtitles.render(WORDS[:2], "vtt") == "WEBVTT\n\n00:00:00.050 --> 00:00:00.900\nHello there.\n"
     assert subtitles.render([], "srt") == "" and subtitles.render([], "vtt") == "WEBVTT\n\n"

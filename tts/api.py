@@ -19,6 +19,7 @@ from tts.text import TextError
 
 from tts import SAMPLE_RATE  # noqa: F401  (re-exported: tts.api.SAMPLE_RATE)
 
+WAIT_S = 30.0  # how long a call waits for a free engine slot while other threads speak
 log = logging.getLogger("tts")
 _engine: Engine | None = None
 _engine_lock = threading.Lock()
@@ -131,13 +132,17 @@ def _chunks(stream) -> Iterator[Chunk]:
 
 
 def synthesize_stream(text: str | Iterable[str], voice: str | None = None, speed: float = 1.0,
-                      engine: Engine | None = None) -> Iterator[Chunk]:
+                      engine: Engine | None = None, *, seed: int | None = None,
+                      wait_s: float = WAIT_S) -> Iterator[Chunk]:
     """Yield `Chunk`s (float32 mono numpy arrays with ``sample_rate``, ``start`` and ``words``) as they are
     decoded.
 
     ``text`` is a string, or an iterable of text pieces (an LLM's tokens): speaking starts once enough
-    text has arrived, without waiting for the end. Raises ``TextError`` for empty, unspeakable or too
-    long text, ``UnknownVoice`` for a voice that is not shipped, ``ValueError`` for a bad speed.
+    text has arrived, without waiting for the end. ``seed`` makes the speech repeatable (the same seed and
+    text give the same audio). When every engine slot is busy (other threads speaking), the call waits up to
+    ``wait_s`` seconds for one, first come first served. Raises ``TextError`` for empty, unspeakable or too
+    long text, ``UnknownVoice`` for a voice that is not shipped, ``ValueError`` for a bad speed or seed,
+    ``ServerFull`` when no slot freed in time.
     """
     engine = engine or get_engine()
     if isinstance(text, str):
@@ -148,7 +153,7 @@ def synthesize_stream(text: str | Iterable[str], voice: str | None = None, speed
         pieces: Iterable[str] = [text]
     else:
         pieces = text
-    stream = engine.open(voice, speed)
+    stream = engine.open(voice, speed, seed=seed, wait_s=wait_s)
     feeder = threading.Thread(target=_feed, args=(stream, pieces), daemon=True)
     feeder.start()
     try:
@@ -159,7 +164,7 @@ def synthesize_stream(text: str | Iterable[str], voice: str | None = None, speed
 
 
 def synthesize(text: str | Iterable[str], voice: str | None = None, speed: float = 1.0,
-               engine: Engine | None = None) -> np.ndarray:
-    """The whole utterance as one float32 array."""
-    chunks = list(synthesize_stream(text, voice, speed, engine))
+               engine: Engine | None = None, *, seed: int | None = None, wait_s: float = WAIT_S) -> np.ndarray:
+    """The whole utterance as one float32 array (the arguments as for `synthesize_stream`)."""
+    chunks = list(synthesize_stream(text, voice, speed, engine, seed=seed, wait_s=wait_s))
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)

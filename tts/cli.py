@@ -18,6 +18,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tts import SAMPLE_RATE
+
 EXIT_CODES = """exit codes:
   0    done
   1    internal error (a bug: please report it)
@@ -70,11 +72,11 @@ def utterances(text: str, limit: int = UTTERANCE_CHARS) -> list[str]:
 
 
 # ---- audio out --------------------------------------------------------------------------------------
-def local_chunks(parts: list[str], voice: str | None, speed: float) -> Iterator:
+def local_chunks(parts: list[str], voice: str | None, speed: float, seed: int | None) -> Iterator:
     """Chunks of each utterance from the in-process engine, ``None`` after each utterance."""
     from tts.api import synthesize_stream
-    for text in parts:
-        yield from synthesize_stream(text, voice, speed)
+    for i, text in enumerate(parts):
+        yield from synthesize_stream(text, voice, speed, seed=None if seed is None else seed + i)
         yield None
 
 
@@ -102,10 +104,11 @@ def server_chunks(url: str, parts: list[str], voice: str | None, speed: float) -
         loop.close()
 
 
-def open_sink(output: str | None, fmt: str | None, sample_rate: int):
+def open_sink(output: str | None, fmt: str | None):
+    """Where the audio goes: the sound device (no ``output``), stdout ("-"), or a file."""
     from tts.output import Player, file_sink, stdout_sink
     if output is None:
-        return Player(sample_rate)
+        return Player(SAMPLE_RATE)
     return stdout_sink(fmt) if output == "-" else file_sink(output, fmt)
 
 
@@ -113,28 +116,14 @@ def _interrupt(*_) -> None:
     raise KeyboardInterrupt
 
 
-def cmd_say(args) -> int:
+def speak(source: Iterator, parts: list[str], write, quiet: bool) -> tuple[int, list[dict]]:
+    """Send every chunk of ``source`` to ``write`` as it comes, with a progress bar over ``parts`` (two or
+    more utterances, on a terminal). Returns the samples written and the words, each utterance's words
+    moved to where its audio starts."""
     from tqdm import tqdm
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` cleans up like Ctrl-C: no partial file
-
-    from tts import SAMPLE_RATE, subtitles
-    from tts.output import format_for
-    fmt = format_for(args.output, args.format) if args.output else None
-    if args.subtitles:
-        subtitles.subtitle_format(args.subtitles)
-        if args.server:
-            raise InputError("--subtitles needs word timings, which only local synthesis gives (drop --server)")
-    parts = [u for text in read_texts(args.text, args.input) for u in utterances(text)]
-    if not parts:
-        from tts.text import TextError
-        raise TextError("text is empty")
-    source = server_chunks(args.server, parts, args.voice, args.speed) if args.server else \
-        local_chunks(parts, args.voice, args.speed)
-    started, samples, offset, words = time.perf_counter(), 0, 0.0, []
-    with contextlib.closing(source), open_sink(args.output, fmt, SAMPLE_RATE) as write, \
-            tqdm(total=sum(map(len, parts)), unit="char", disable=True if len(parts) < 2 or args.quiet else None,
-                 file=sys.stderr) as progress:
-        spoken = iter(parts)
+    samples, offset, words, spoken = 0, 0.0, [], iter(parts)
+    with tqdm(total=sum(map(len, parts)), unit="char", file=sys.stderr,
+              disable=True if len(parts) < 2 or quiet else None) as progress:  # None: off unless a terminal
         for chunk in source:
             if chunk is None:  # an utterance ended: the next one's clock starts where its audio ends
                 offset = samples / SAMPLE_RATE
@@ -144,6 +133,27 @@ def cmd_say(args) -> int:
             samples += len(chunk)
             words += [{**w, "start": w["start"] + offset, "end": w["end"] + offset}
                       for w in getattr(chunk, "words", ())]
+    return samples, words
+
+
+def cmd_say(args) -> int:
+    from tts import subtitles
+    from tts.output import format_for
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` cleans up like Ctrl-C: no partial file
+    fmt = format_for(args.output, args.format) if args.output else None
+    if args.subtitles:
+        subtitles.subtitle_format(args.subtitles)
+    if args.server and (args.subtitles or args.seed is not None):
+        raise InputError("--subtitles and --seed work with local synthesis only (drop --server)")
+    parts = [u for text in read_texts(args.text, args.input) for u in utterances(text)]
+    if not parts:
+        from tts.text import TextError
+        raise TextError("text is empty")
+    source = server_chunks(args.server, parts, args.voice, args.speed) if args.server else \
+        local_chunks(parts, args.voice, args.speed, args.seed)
+    started = time.perf_counter()
+    with contextlib.closing(source), open_sink(args.output, fmt) as write:
+        samples, words = speak(source, parts, write, args.quiet)
     if args.subtitles:
         subtitles.write(args.subtitles, words)
     if not args.quiet:
@@ -159,7 +169,6 @@ def cmd_voices(args) -> int:
     presets = voice_presets()
     if args.json:  # what GET /v1/voices answers
         from streaming.http_api import VOICE_KEYS
-        from tts import SAMPLE_RATE
         from tts.voices import voice_aliases
         default = next((n for n, v in presets.items() if v.get("default")), next(iter(presets)))
         listed = [{k: v.get(k) for k in VOICE_KEYS} for v in presets.values()]
@@ -225,6 +234,7 @@ def parser() -> argparse.ArgumentParser:
     say.add_argument("--voice", default=None, help="voice name (see `tts voices`); default: the default voice")
     say.add_argument("--speed", type=float, default=1.0,
                      help="speaking rate, 0.25 to 4.0, times the voice's pace (voices.json)")
+    say.add_argument("--seed", type=int, help="repeatable speech: the same seed and text give the same audio")
     say.add_argument("--subtitles", metavar="FILE", help="also write subtitles from word timings (.srt or .vtt)")
     say.add_argument("--server", help="stream from a running server, e.g. ws://127.0.0.1:8000")
     say.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")

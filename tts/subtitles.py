@@ -1,9 +1,10 @@
 """Subtitles from word timings: SRT and WebVTT files for `tts say --subtitles`.
 
 Words are ``{"word", "start", "end"}`` dicts (seconds on the audio's clock), as `Stream.take_word_timings()`
-gives them. They are grouped into cues that a reader can follow: a cue ends after a sentence's last word,
-after MAX_CUE_WORDS words, or before it would run past MAX_CUE_S seconds. The two formats differ only in
-their header and the decimal mark of the time stamps, so both are written here rather than by two libraries.
+gives them. They are grouped into cues that a reader can follow: a cue ends with its sentence, holds at most
+MAX_CUE_WORDS words and lasts at most MAX_CUE_S seconds (unless one word alone is longer). The two formats
+differ only in their header and the decimal mark of the time stamps, so both are written here rather than
+by two libraries.
 """
 from __future__ import annotations
 
@@ -16,22 +17,28 @@ MAX_CUE_S = 3.5
 
 
 def cues(words: list[dict]) -> list[tuple[float, float, str]]:
-    """Words -> (start s, end s, text) cues. Sentence ends are the text front end's ("Dr. Li" is not one).
-    Example: [Hello 0.0-0.4] [there. 0.4-0.9] [How 1.2-1.4] ... -> (0.0, 0.9, "Hello there.") (1.2, ...)"""
+    """Words -> (start s, end s, text) cues. Each sentence (the text front end's: "Dr. Li" does not end one)
+    is cut into the fewest cues of at most MAX_CUE_WORDS words, as even as can be, and a cue that would run
+    past MAX_CUE_S seconds is cut before the word that would take it there.
+    Example: "Hello there." + a 9-word sentence -> "Hello there." | first 5 words | last 4 words."""
     from tts.normalize import Token, split_sentences
-    ends = {stop - 1 for _, stop, _ in split_sentences([Token(w["word"], 0, 0) for w in words], final=True)}
-    out, current = [], []
-    for i, word in enumerate(words):
-        if current and (len(current) == MAX_CUE_WORDS or word["end"] - current[0]["start"] > MAX_CUE_S):
-            out.append(current)
-            current = []
-        current.append(word)
-        if i in ends:
-            out.append(current)
-            current = []
-    if current:
-        out.append(current)
+    out = []
+    for start, stop, _ in split_sentences([Token(w["word"], 0, 0) for w in words], final=True):
+        count = -(-(stop - start) // MAX_CUE_WORDS)
+        sizes = [(stop - start) // count + (i < (stop - start) % count) for i in range(count)]
+        for size in sizes:
+            out += _within_duration(words[start:start + size])
+            start += size
     return [(c[0]["start"], max(c[-1]["end"], c[0]["start"]), " ".join(w["word"] for w in c)) for c in out]
+
+
+def _within_duration(words: list[dict]) -> list[list[dict]]:
+    runs = [[]]
+    for word in words:
+        if runs[-1] and word["end"] - runs[-1][0]["start"] > MAX_CUE_S:
+            runs.append([])
+        runs[-1].append(word)
+    return runs
 
 
 def timestamp(seconds: float, mark: str) -> str:
