@@ -64,7 +64,8 @@ def get_engine(max_streams: int | None = None, compile: bool = True) -> Engine:
     Its decode step is the fastest one ready now (`kernels.auto`: ONNX Runtime when its export is cached,
     else the lean eager step while the export is built in a background process, swapped in when ready,
     without dropping a stream). A step costs what its active slots cost, so ``max_streams`` (default: the
-    engine's, 8 on a CPU) only bounds how many callers can speak at once. ``compile=False`` (or TTS_NO_COMPILE=1) keeps the plain eager step."""
+    engine's, 8 on a CPU) only bounds how many callers can speak at once. ``compile=False`` (or
+    TTS_NO_COMPILE=1) keeps the plain eager step."""
     global _engine
     with _engine_lock:
         if _engine is None:

@@ -1,4 +1,4 @@
-"""Command line: ``tts say``, ``tts voices``, ``tts serve``.
+"""Command line: ``tts say``, ``tts voices``, ``tts serve``, ``tts wyoming``.
 
     tts say "Hello there."                       # plays on the sound device while it is generated
     tts say "Hello there." -o hello.mp3          # format from the suffix: wav mp3 ogg opus flac aac pcm raw
@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -175,10 +176,12 @@ def cmd_voices(args) -> int:
         print(json.dumps({"default": default, "sample_rate": SAMPLE_RATE, "voices": listed,
                           "aliases": voice_aliases()}, indent=2))
         return 0
-    name_width, teacher_width = (max(len(p[key]) for p in presets.values()) for key in ("name", "teacher"))
+    name_width, teacher_width, license_width = (
+        max(len(p.get(key, "")) for p in presets.values()) for key in ("name", "teacher", "license"))
     for name, preset in presets.items():
         mark = " (default)" if preset.get("default") else ""
-        print(f"{name:{name_width}s}  {preset['teacher']:{teacher_width}s}  {preset['description']}{mark}")
+        print(f"{name:{name_width}s}  {preset['teacher']:{teacher_width}s}  "
+              f"{preset.get('license', ''):{license_width}s}  {preset['description']}{mark}")
     return 0
 
 
@@ -191,8 +194,25 @@ def cmd_serve(args) -> int:
     from streaming.admission import limits_from
     from tts.api import get_engine
     engine = get_engine(max_streams=args.max_streams, compile=not args.no_compile)
-    serve(host=args.host, port=args.port, engine=engine, api_keys=args.api_key, allow_origins=args.allow_origin,
-          **limits_from(args))
+    with contextlib.ExitStack() as also:
+        if args.wyoming_uri:  # one engine for both servers
+            from streaming.wyoming import WyomingServer
+            also.enter_context(WyomingServer(engine, args.wyoming_uri, args.zeroconf))
+        serve(host=args.host, port=args.port, engine=engine, api_keys=args.api_key, allow_origins=args.allow_origin,
+              **limits_from(args))
+    return 0
+
+
+def cmd_wyoming(args) -> int:
+    from streaming.wyoming import WyomingServer
+    from tts.api import get_engine
+    engine = get_engine(compile=not args.no_compile)
+    with WyomingServer(engine, args.uri, args.zeroconf):
+        print(f"Wyoming server on {args.uri}; Ctrl-C stops it", file=sys.stderr)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            pass
     return 0
 
 
@@ -213,8 +233,21 @@ def serve_parser(sub) -> None:
                             "headers (repeatable; '*' allows any)")
     serve.add_argument("--no-compile", action="store_true",
                        help="do not build a faster decode step in the background (TTS_NO_COMPILE=1 does the same)")
+    serve.add_argument("--wyoming-uri", help="also serve Home Assistant's Wyoming protocol, e.g. tcp://0.0.0.0:10200")
+    serve.add_argument("--zeroconf", nargs="?", const="", metavar="NAME",
+                       help="announce the Wyoming server on the local network (mDNS), optionally under NAME")
     add_arguments(serve)  # the server's limits, one flag each: --max-connections, --queue-timeout-s, ...
     serve.set_defaults(run=cmd_serve)
+
+
+def wyoming_parser(sub) -> None:
+    wyoming = sub.add_parser("wyoming", help="run a Wyoming server for Home Assistant")
+    wyoming.add_argument("--uri", default="tcp://0.0.0.0:10200", help="tcp://HOST:PORT or unix://PATH")
+    wyoming.add_argument("--zeroconf", nargs="?", const="", metavar="NAME",
+                         help="announce the server on the local network (mDNS), optionally under NAME")
+    wyoming.add_argument("--no-compile", action="store_true",
+                         help="do not build a faster decode step in the background (TTS_NO_COMPILE=1 does the same)")
+    wyoming.set_defaults(run=cmd_wyoming)
 
 
 # ---- parsing and errors -----------------------------------------------------------------------------
@@ -243,6 +276,7 @@ def parser() -> argparse.ArgumentParser:
     voices.add_argument("--json", action="store_true", help="as JSON, the same as GET /v1/voices")
     voices.set_defaults(run=cmd_voices)
     serve_parser(sub)
+    wyoming_parser(sub)
     return root
 
 
