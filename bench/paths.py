@@ -11,7 +11,9 @@ then where it matters again with the caches that first run left (every later sta
 * ``api``: ``synthesize_stream()`` with the default engine. ``first_chunk_s``: from the call to the first
   chunk, the model load included; ``process_to_first_chunk_s`` adds starting Python and importing. Then
   after that first call, each of ``sentences`` Harvard sentences is spoken on its own: ``rtf`` is the total
-  wall time over the total audio, ``first_chunk_ms`` the p50/p99 of call-to-first-chunk, ``step_kinds`` the
+  wall time over the total audio (``cpu_s_per_audio_s``: the process's CPU seconds per second of audio, both
+  its busy threads together: an idle 2-core machine's RTF lies between half this and this),
+  ``first_chunk_ms`` the p50/p99 of call-to-first-chunk, ``step_kinds`` the
   decode step the engine ran after each sentence (the faster one is swapped in when its build ends).
 * ``cli_file``: ``tts say SENTENCE -o out.wav`` (as ``python -m tts.cli``), the wall time of the whole process.
 * ``cli_play``: ``tts say SENTENCE`` to the sound device (ALSA's default pointed at a file): process start to
@@ -19,6 +21,10 @@ then where it matters again with the caches that first run left (every later sta
 * ``server``: ``tts serve`` from process start to the first ``/health`` and ``/v1/voices`` answers and to
   the first audio byte of a first ``POST /v1/audio/speech``; ``timeline`` lists what the server printed,
   stamped with seconds since its start, until the final step is in use (or ``--swap-wait`` s pass).
+
+On a shared machine wall times stretch with the load (``load_avg_*``); the ``*cpu_s`` figures, CPU seconds
+the process itself used up to that point (all its threads), stretch much less and estimate what an idle
+machine would take.
 
 Targets (issue 22, 2 cores): API RTF <= 0.25, first chunk p50 <= 80 ms from the second call, first call
 <= 3 s; server to /v1/voices <= 5 s, to first audio <= 10 s.
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -51,25 +58,27 @@ def child_env(cache: Path) -> dict:
 # ---- the API, inside a fresh process ----------------------------------------------------------------
 def api_child(sentences: int, launched: float) -> dict:
     """Runs in the child: import, one first call, then ``sentences`` calls one after another."""
-    imported = time.time()
+    row, imported = {}, time.time()
     from tts.api import get_engine, synthesize_stream
     imported = time.time() - imported
 
-    def speak(text: str) -> tuple[float, float, float]:
+    def speak(text: str, cpu: bool = False) -> tuple[float, float, float]:
         start = time.perf_counter()
         first, samples = None, 0
         for chunk in synthesize_stream(text):
+            if first is None and cpu:
+                row["process_cpu_to_first_chunk_s"] = round(time.process_time(), 3)  # all threads, since start
             first = first or time.perf_counter() - start
             samples += len(chunk)
         return first, time.perf_counter() - start, samples / chunk.sample_rate
 
     called = time.time()
-    first, wall, audio = speak(SENTENCE)
+    first, wall, audio = speak(SENTENCE, cpu=True)
     from bench.common import harvard, percentiles
-    row = {"import_s": round(imported, 3), "first_chunk_s": round(first, 3),
-           "process_to_first_chunk_s": round(called + first - launched, 3), "first_call_rtf": round(wall / audio, 3),
-           "step_kinds": [get_engine().step_kind]}
-    firsts, walls, audios = [], [], []
+    row.update(import_s=round(imported, 3), first_chunk_s=round(first, 3),
+               process_to_first_chunk_s=round(called + first - launched, 3), first_call_rtf=round(wall / audio, 3),
+               step_kinds=[get_engine().step_kind])
+    firsts, walls, audios, cpu = [], [], [], time.process_time()
     for text in harvard(sentences):
         first, wall, audio = speak(text)
         firsts.append(first * 1000)
@@ -77,6 +86,7 @@ def api_child(sentences: int, launched: float) -> dict:
         audios.append(audio)
         row["step_kinds"].append(get_engine().step_kind)
     row.update(sentences=sentences, rtf=round(sum(walls) / sum(audios), 3), first_chunk_ms=percentiles(firsts),
+               cpu_s_per_audio_s=round((time.process_time() - cpu) / sum(audios), 3),
                audio_s=round(sum(audios), 2))
     return row
 
@@ -91,7 +101,19 @@ def api(cache: Path, sentences: int) -> dict:
 
 
 # ---- the CLI --------------------------------------------------------------------------------------------
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (all threads) a running process has used: /proc/PID/stat's utime + stime."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cli_file(cache: Path, out: Path) -> dict:
+    cpu = children_cpu_s()
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "tts.cli", "say", SENTENCE, "-o", str(out), "-q"], cwd=ROOT,
                           env=child_env(cache), capture_output=True, text=True, timeout=600)
@@ -99,7 +121,8 @@ def cli_file(cache: Path, out: Path) -> dict:
     if done.returncode:
         raise RuntimeError(f"tts say failed ({done.returncode}): {done.stderr[-2000:]}")
     import soundfile
-    return {"wall_s": round(wall, 3), "audio_s": round(soundfile.info(out).duration, 3)}
+    return {"wall_s": round(wall, 3), "cpu_s": round(children_cpu_s() - cpu, 3),
+            "audio_s": round(soundfile.info(out).duration, 3)}
 
 
 def cli_play(cache: Path, tmp: Path) -> dict:
@@ -169,8 +192,10 @@ def server(cache: Path, swap_wait_s: float) -> dict:
     try:
         row = {"health_s": round(first_ok(f"{base}/health", started, 300), 3),
                "voices_s": round(first_ok(f"{base}/v1/voices", started, 300), 3)}
+        row["voices_cpu_s"] = process_cpu_s(proc.pid)
         first, last = first_audio(f"{base}/v1/audio/speech", started)
-        row.update(first_audio_s=round(first, 3), first_request_done_s=round(last, 3))
+        row.update(first_audio_s=round(first, 3), first_audio_cpu_s=process_cpu_s(proc.pid),
+                   first_request_done_s=round(last, 3))
         deadline = time.perf_counter() + swap_wait_s
         while time.perf_counter() < deadline and not any("step in use:" in line for _, line in timeline):
             time.sleep(0.1)
