@@ -232,7 +232,7 @@ def serve_parser(sub) -> None:
                        help="a browser origin, besides the server's own, that may use the API and gets CORS "
                             "headers (repeatable; '*' allows any)")
     serve.add_argument("--no-compile", action="store_true",
-                       help="do not build a faster decode step in the background (TTS_NO_COMPILE=1 does the same)")
+                       help="run the plain eager decode step, no faster one (TTS_NO_COMPILE=1 does the same)")
     serve.add_argument("--wyoming-uri", help="also serve Home Assistant's Wyoming protocol, e.g. tcp://0.0.0.0:10200")
     serve.add_argument("--zeroconf", nargs="?", const="", metavar="NAME",
                        help="announce the Wyoming server on the local network (mDNS), optionally under NAME")
@@ -246,7 +246,7 @@ def wyoming_parser(sub) -> None:
     wyoming.add_argument("--zeroconf", nargs="?", const="", metavar="NAME",
                          help="announce the server on the local network (mDNS), optionally under NAME")
     wyoming.add_argument("--no-compile", action="store_true",
-                         help="do not build a faster decode step in the background (TTS_NO_COMPILE=1 does the same)")
+                         help="run the plain eager decode step, no faster one (TTS_NO_COMPILE=1 does the same)")
     wyoming.set_defaults(run=cmd_wyoming)
 
 
