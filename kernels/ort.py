@@ -55,7 +55,7 @@ def cache_dir() -> Path:
 
 def onnx_path(model: TTSModel) -> Path:
     """Where the export of ``model``'s step lives. The key changes with the weights, the config, the
-    graph's source, torch (the exporter) and onnxruntime (the runner). Computed once per model (hashing
+    graph's source, torch (the exporter), onnxruntime (the runner) and the ring capacities. Computed once per model (hashing
     the shipped model's 46 MB takes about 0.1 s)."""
     import onnxruntime
     if model not in _keys:
@@ -63,8 +63,9 @@ def onnx_path(model: TTSModel) -> Path:
         for name, tensor in model.state_dict().items():
             weights.update(name.encode())
             weights.update(tensor.detach().cpu().contiguous().numpy())
+        rings = StepCaches.empty(model.cfg, 1)  # ring capacities are baked into the graph's shapes
         key = "\n".join([weights.hexdigest(), repr(model.cfg), inspect.getsource(lean), torch.__version__,
-                         onnxruntime.__version__])
+                         onnxruntime.__version__, f"rings {rings.text_capacity} {rings.audio[0].capacity}"])
         _keys[model] = hashlib.sha256(key.encode()).hexdigest()[:24]
     return cache_dir() / f"step-{_keys[model]}.onnx"
 

@@ -592,13 +592,14 @@ class Engine:
         """The step for bucket ``n``, built by the step factory on first use (eager if it cannot be built)."""
         step = self._steps.get(n)
         if step is None:
-            step = decode_step
+            step, kind = decode_step, "eager"
             if self._factory is not None:
                 try:
                     step = self._factory(self.model, self._view(n), n, self.device)
+                    kind = getattr(step, "kind", _kind(self._factory))  # what was built, not what was hoped for
                 except Exception as err:  # no compiler, say: serve eagerly rather than not at all
                     warnings.warn(f"{self.step_kind} step for {n} slots unavailable, running eagerly: {err}")
-            self.step_kind = getattr(step, "kind", "eager")  # what was built, not what the factory hoped for
+            self.step_kind = kind
             self._steps[n] = step
         return step
 
