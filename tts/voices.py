@@ -14,6 +14,11 @@ def voice_presets(folder: Path = VOICES_DIR) -> dict[str, dict]:
     return {v["name"]: v for v in manifest["voices"]}
 
 
+def voice_aliases(folder: Path = VOICES_DIR) -> dict[str, str]:
+    """OpenAI voice name -> shipped voice name (voices.json "aliases"), so OpenAI clients' voices work as is."""
+    return dict(json.loads((folder / "voices.json").read_text()).get("aliases", {}))
+
+
 def load_shipped(folder: Path = VOICES_DIR, device: str = "cpu"):
     """(model, codec, presets) from the shipped safetensors files; nothing is downloaded."""
     from tts.codec import load_codec
