@@ -12,222 +12,42 @@ Endpoints (the WebSocket protocol and the HTTP API are specified in docs/protoco
 Starlette routes the requests and uvicorn serves them; uvicorn's WebSocket side is the `websockets`
 package (its sans-I/O protocol, which waits for the socket to drain before each send: that wait is
 the backpressure that stops a slow reader from making the server buffer audio without bound).
-Admission (connection caps, the FIFO queue for engine slots, per-client caps) is `streaming.admission`.
+Here: the WebSocket sessions, the app and running it. Admission (connection caps, the FIFO queue for engine
+slots, per-client caps) is `streaming.admission`; what connections share, `streaming.hub`; the HTTP endpoints and
+the access checks, `streaming.http_api`.
 """
 from __future__ import annotations
 
 import asyncio
 import base64
-import functools
-import hmac
 import json
 import logging
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
 
 import uvicorn
 from pydantic import ValidationError
 from starlette.applications import Starlette
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Match, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
-from streaming.admission import Admission, Limits, retry_after_header
-from streaming.containers import MEDIA_TYPES, Encoder
-from streaming.engine import EngineError, ServerFull, UnknownVoice
-from streaming.protocol import (CLIENT_MESSAGE, Cancel, End, Flush, ProtocolError, SpeechRequest, Start, Text,
-                                check_text, validation_error)
+from streaming import http_api
+from streaming.admission import Limits
+from streaming.containers import Encoder
+from streaming.hub import Hub, clients_of
+from streaming.protocol import CLIENT_MESSAGE, Cancel, End, Flush, ProtocolError, Start, Text, check_text, validation_error
 from tts import SAMPLE_RATE
-from tts.text import TextError, text_to_sentences
+from tts.text import TextError
 
 __all__ = ["Limits", "ServerThread", "create_app", "serve"]
 log = logging.getLogger("tts.server")
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
-POLL_S = 0.05  # how long one blocking engine read may wait; bounds how late a cancelled read notices
-VOICE_KEYS = ("name", "description", "teacher", "sample_rate", "default")
-MODELS = ("tts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # listed for clients that pick one; all speak alike
-FRAME_RATE = 50  # codec frames per second: the "output tokens" of an SSE done event's usage
-
-
-# ---- shared state -------------------------------------------------------------------------------
-class Hub:
-    """What every connection shares: the engine, the limits, admission, the voice aliases, the API keys and
-    a thread pool for the engine's blocking calls (so no connection waits for another's)."""
-
-    def __init__(self, engine, limits: Limits, aliases: dict[str, str] | None = None,
-                 api_keys: tuple[str, ...] = (), allow_origins: tuple[str, ...] = ()):
-        self.limits, self._engine, self._aliases = limits, engine, aliases
-        self.api_keys, self.allow_origins = tuple(api_keys), tuple(allow_origins)
-        self.admission = Admission(limits, slots=None if engine is None else engine.max_streams)
-        self.pool = ThreadPoolExecutor(2 * limits.max_connections + 2, thread_name_prefix="tts-io")
-        self.sessions: set[Session] = set()
-        self.streams: set = set()  # engine streams open for clients, WebSocket and HTTP
-
-    async def call(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
-
-    async def engine(self):
-        if self._engine is None:
-            from tts.api import get_engine
-            self._engine = await self.call(get_engine)
-            self.admission.slots = self._engine.max_streams
-        return self._engine
-
-    @property
-    def aliases(self) -> dict[str, str]:
-        """OpenAI voice name -> one of the engine's voices (voices/voices.json "aliases"; those whose voice
-        the engine has)."""
-        if self._aliases is None:
-            from tts.voices import voice_aliases
-            self._aliases = voice_aliases()
-        return {alias: voice for alias, voice in self._aliases.items() if voice in self._engine.voices}
-
-    def resolve_voice(self, name: str | None, param: str = "voice") -> str | None:
-        """A voice name or OpenAI alias -> the engine's voice; None -> None (the default voice).
-        Example: "alloy" -> "joe"; "" -> unknown_voice (an empty name is a mistake, not the default)."""
-        if name is None or name in self._engine.voices:
-            return name
-        if (voice := self.aliases.get(name.lower())) is not None:
-            return voice
-        raise ProtocolError("unknown_voice", f"unknown voice {name!r}; choose one of {sorted(self._engine.voices)} "
-                            f"or an alias {sorted(self.aliases)}", param)
-
-    def check_length(self, chars: int, what: str, param: str = "text") -> None:
-        """text_too_long past max_text_chars, or past the engine's own limit if that is lower."""
-        limit = min(self.limits.max_text_chars, getattr(self._engine, "max_chars", self.limits.max_text_chars))
-        if chars > limit:
-            raise ProtocolError("text_too_long", f"{what} {chars} characters; the limit is {limit}", param)
-
-    async def open(self, clients: tuple, voice: str | None, speed: float, seed: int | None, on_queued=None):
-        """(ticket, engine stream): a slot from admission (waiting in its queue if need be), then the stream.
-        The caller hands both back to `close`."""
-        engine = await self.engine()
-        ticket = await self.admission.stream(clients, on_queued)
-        try:
-            stream = await self._open_stream(engine, voice, speed, seed)
-        except BaseException:
-            ticket.release()
-            raise
-        self.streams.add(stream)
-        return ticket, stream
-
-    def close(self, ticket, stream) -> None:
-        """End an opened stream (a no-op once it has finished; else its engine slot frees) and free its slot
-        in admission."""
-        stream.cancel()
-        self.streams.discard(stream)
-        ticket.release()
-
-    async def _open_stream(self, engine, voice, speed, seed):
-        # Admission has granted a slot; the engine's own FIFO wait covers the tick until a just-ended
-        # stream's slot is free, and other users of the engine in this process.
-        opening = asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(
-            engine.open, voice, speed, seed=seed, wait_s=self.limits.queue_timeout_s))
-        try:
-            return await asyncio.shield(opening)
-        except asyncio.CancelledError:  # the client left while the engine was opening: end what it opens
-            opening.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().cancel())
-            raise
-        except ServerFull as err:
-            raise ProtocolError(err.code, str(err), retry_after=self.admission.retry_after_s) from None
-        except UnknownVoice as err:
-            raise ProtocolError(err.code, str(err), "voice") from None
-        except ValueError as err:
-            raise ProtocolError("bad_value", str(err)) from None
-
-    async def chunks(self, stream):
-        """The stream's audio chunks as they are decoded; a read waits in the pool, never in the event loop.
-        A failure of this stream alone (its text, or the engine) raises ProtocolError."""
-        while True:
-            try:
-                chunk = await self.call(stream.read, POLL_S)
-            except TimeoutError:
-                continue
-            except TextError as err:  # nothing speakable, or text the front end refused
-                raise ProtocolError("bad_text", str(err)) from None
-            except Exception as err:  # EngineError, or whatever else the engine attributed to this stream
-                raise ProtocolError("engine_error", f"speech generation failed: {err}") from None
-            if chunk is None:
-                return
-            yield chunk
-
-    def stats(self) -> dict:
-        figures = {"status": "ok", "sample_rate": SAMPLE_RATE, **self.admission.stats(),
-                   "max_connections": self.limits.max_connections, "max_queue": self.limits.max_queue}
-        if self._engine is not None:
-            figures["slots"] = self._engine.max_streams
-            if callable(stats := getattr(self._engine, "stats", None)):
-                figures["engine"] = stats()
-        return figures
-
-
-# ---- access: API keys, origins, client identity ---------------------------------------------------
-def _api_key(scope) -> str | None:
-    """The key a request presents: `Authorization: Bearer KEY`, `X-API-Key: KEY`, or on a WebSocket (browsers
-    cannot set its headers) the query parameter `api_key`."""
-    headers = Headers(scope=scope)
-    scheme, _, token = headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        return token.strip()
-    if key := headers.get("x-api-key"):
-        return key
-    if scope["type"] == "websocket":
-        return (parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key") or [None])[0]
-    return None
-
-
-def clients_of(scope, hub: Hub) -> tuple:
-    """The identities one connection counts against: its remote address, and its API key when keys are set."""
-    address = (scope.get("client") or ("unknown",))[0]
-    key = _api_key(scope) if hub.api_keys else None
-    return (("addr", address),) + ((("key", key),) if key else ())
-
-
-def _origin_allowed(origin: str | None, host: str | None, allowed: tuple[str, ...]) -> bool:
-    """No Origin (SDKs, CLIs), the server's own origin, or one on the allow-list ("*": any). "null" (a sandboxed
-    page or a file) is refused unless listed. Example: Host 127.0.0.1:8000 allows http://127.0.0.1:8000."""
-    if origin is None or origin in allowed or "*" in allowed:
-        return True
-    parts = urlsplit(origin)
-    return parts.scheme in ("http", "https") and bool(host) and parts.netloc.lower() == host.lower()
-
-
-class AccessMiddleware:
-    """Refuses, before any endpoint runs: a foreign Origin on the API or the WebSocket (403 origin_not_allowed),
-    and, when API keys are set, a missing or wrong key (401 invalid_api_key). A refused WebSocket gets the HTTP
-    answer instead of the upgrade. /health and the demo's static files are open."""
-
-    def __init__(self, app, hub: Hub):
-        self.app, self.hub = app, hub
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] not in ("http", "websocket") or not scope["path"].startswith("/v1/"):
-            return await self.app(scope, receive, send)
-        headers = Headers(scope=scope)
-        refusal = None
-        if not _origin_allowed(headers.get("origin"), headers.get("host"), self.hub.allow_origins):
-            refusal = ProtocolError("origin_not_allowed", f"origin {headers.get('origin')!r} may not use this "
-                                    "server; start it with --allow-origin to allow it")
-        elif self.hub.api_keys and not any(hmac.compare_digest((_api_key(scope) or "").encode(), k.encode())
-                                           for k in self.hub.api_keys):
-            refusal = ProtocolError("invalid_api_key", "a valid API key is required: Authorization: Bearer KEY "
-                                    "(or X-API-Key: KEY; on the WebSocket also ?api_key=KEY)")
-        if refusal is None:
-            return await self.app(scope, receive, send)
-        if scope["type"] == "websocket":
-            await receive()  # websocket.connect; the answer below replaces the upgrade
-        extra = {"WWW-Authenticate": "Bearer"} if refusal.status == 401 else {}
-        await error_response(refusal, extra)(scope, receive, send)
 
 
 # ---- WebSocket sessions -------------------------------------------------------------------------
@@ -520,192 +340,6 @@ async def stream_endpoint(ws: WebSocket) -> None:
         hub.admission.disconnect(clients)
 
 
-# ---- HTTP -----------------------------------------------------------------------------------------
-def error_response(err: ProtocolError, headers: dict | None = None) -> JSONResponse:
-    """OpenAI's error shape and status for a typed error; Retry-After on refusals a retry may get past."""
-    return JSONResponse(err.openai(), status_code=err.status, headers={**retry_after_header(err), **(headers or {})})
-
-
-async def _http_exception(request: Request, exc: HTTPException) -> JSONResponse:
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "bad_message")
-    err = ProtocolError(code, f"{request.method} {request.url.path}: {exc.detail}")
-    response = error_response(err, dict(exc.headers or {}))
-    response.status_code = exc.status_code
-    return response
-
-
-async def _server_error(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(ProtocolError("internal", "internal server error"))
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    body = b""
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise ProtocolError("body_too_large", f"the request body is over {limit} bytes")
-    return body
-
-
-async def _speech_request(request: Request, hub: Hub) -> SpeechRequest:
-    """The validated request: JSON, voice, text characters and length, and the whole text through the front end
-    (empty or unspeakable text is a 400 now, not an empty 200)."""
-    body = await _read_body(request, hub.limits.max_message_bytes)
-    try:
-        req = SpeechRequest.model_validate_json(body)
-    except ValidationError as err:
-        raise validation_error(err) from None
-    req.voice = hub.resolve_voice(req.voice_name)
-    check_text(req.input, "input")
-    hub.check_length(len(req.input), "input is", "input")
-    try:
-        await hub.call(text_to_sentences, req.input)
-    except TextError as err:
-        raise ProtocolError("bad_text", str(err), "input") from None
-    except Exception as err:  # the front end must only raise TextError; whatever else it does is this text's fault
-        log.exception("the text front end failed on a request's input")
-        raise ProtocolError("bad_text", f"this input cannot be read aloud ({type(err).__name__})", "input") from None
-    return req
-
-
-async def _until_disconnect(request: Request, awaitable):
-    """``awaitable``'s result, or CancelledError should the client disconnect first (a queued request whose
-    client has gone leaves the queue)."""
-    task = asyncio.ensure_future(awaitable)
-
-    async def watch():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        task.cancel()
-
-    watcher = asyncio.create_task(watch())
-    try:
-        return await task
-    finally:
-        watcher.cancel()
-
-
-class SpeechResponse(StreamingResponse):
-    """The speech body, streamed as it is generated: raw audio, or OpenAI's SSE events. A failure after the
-    status line is visible: SSE sends an error event; raw audio ends the chunked body without its terminating
-    chunk, so the client reads an incomplete body rather than a short file. The slot and the connection are
-    released however the response ends."""
-
-    def __init__(self, hub: Hub, req: SpeechRequest, ticket, stream, clients: tuple):
-        self._hub, self._req, self._ticket, self._stream, self._clients = hub, req, ticket, stream, clients
-        self._encoder = Encoder("pcm_s16le" if req.response_format == "pcm" else req.response_format,
-                                req.sample_rate)
-        self._failed = False
-        sse = req.stream_format == "sse"
-        media = "text/event-stream" if sse else MEDIA_TYPES[req.response_format]
-        headers = {"X-Sample-Rate": str(self._encoder.rate)} | ({"Cache-Control": "no-cache"} if sse else {})
-        super().__init__(self._sse() if sse else self._audio(), media_type=media, headers=headers)
-
-    async def _encoded(self):
-        async for chunk in self._hub.chunks(self._stream):
-            if data := self._encoder.encode(chunk):
-                yield data
-        if tail := self._encoder.finish():
-            yield tail
-
-    async def _audio(self):
-        try:
-            async for data in self._encoded():
-                yield data
-        except ProtocolError as err:
-            log.error("speech request failed mid-stream (%s): %s", err.code, err.message)
-            self._failed = True
-
-    async def _sse(self):
-        def event(payload: dict) -> bytes:
-            return f"data: {json.dumps(payload)}\n\n".encode()
-
-        try:
-            async for data in self._encoded():
-                yield event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
-        except ProtocolError as err:
-            log.error("speech request failed mid-stream (%s): %s", err.code, err.message)
-            yield event({"type": "error", **err.openai()})
-            return
-        frames = round(self._stream.stats["audio_seconds"] * FRAME_RATE)
-        yield event({"type": "speech.audio.done", "usage": {
-            "input_tokens": len(self._req.input), "output_tokens": frames, "total_tokens": len(self._req.input) + frames}})
-
-    async def stream_response(self, send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        async for data in self.body_iterator:
-            await send({"type": "http.response.body", "body": data, "more_body": True})
-        if not self._failed:  # else: returning without the last chunk makes the server abort the body
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-            self._hub.close(self._ticket, self._stream)
-            self._encoder.close()
-            self._hub.admission.disconnect(self._clients)
-
-
-async def speech(request: Request):
-    hub: Hub = request.app.state.hub
-    clients = clients_of(request.scope, hub)
-    try:
-        await hub.engine()
-        req = await _speech_request(request, hub)
-        hub.admission.connect(clients)
-    except ProtocolError as err:
-        return error_response(err)
-    opened = None
-    try:
-        opened = await _until_disconnect(request, hub.open(clients, req.voice, req.speed, req.seed))
-        opened[1].push_text(req.input)
-        opened[1].end()
-    except BaseException as err:
-        hub.admission.disconnect(clients)
-        if opened is not None:
-            hub.close(*opened)
-        if isinstance(err, ProtocolError):
-            return error_response(err)
-        if isinstance(err, TextError):  # pre-validated, so only an engine limit below ours
-            return error_response(ProtocolError("bad_text", str(err), "input"))
-        raise
-    return SpeechResponse(hub, req, *opened, clients)
-
-
-async def voices(request: Request) -> JSONResponse:
-    hub: Hub = request.app.state.hub
-    engine = await hub.engine()
-    listed = [{k: v.get(k) for k in VOICE_KEYS} for v in engine.voices.values()]
-    return JSONResponse({"default": engine.default_voice, "sample_rate": SAMPLE_RATE, "voices": listed,
-                         "aliases": hub.aliases})
-
-
-async def audio_voices(request: Request) -> JSONResponse:
-    """{"voices": [{"id", "name", ...}]}: the voices, then the aliases, as Open WebUI reads them."""
-    hub: Hub = request.app.state.hub
-    engine = await hub.engine()
-    own = [{"id": name, "name": name, "description": v.get("description"), "default": bool(v.get("default")),
-            "alias_of": None} for name, v in engine.voices.items()]
-    aliases = [{"id": alias, "name": alias, "description": f"OpenAI voice name for {voice}", "default": False,
-                "alias_of": voice} for alias, voice in hub.aliases.items()]
-    return JSONResponse({"voices": own + aliases})
-
-
-async def models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "tts"}
-                                                    for m in MODELS]})
-
-
-async def audio_models(request: Request) -> JSONResponse:
-    return JSONResponse({"models": [{"id": m} for m in MODELS]})
-
-
-async def health(request: Request) -> JSONResponse:
-    return JSONResponse(request.app.state.hub.stats())
-
-
 class _DemoRoute(Route):
     """The demo's static files, at every path outside the API: a Route, not a Mount, and never matching /v1/, so
     a wrong method on an API path gets that path's 405 (PUT /v1/audio/speech: Allow: POST), not the files' own."""
@@ -724,18 +358,19 @@ def create_app(engine=None, limits: Limits | None = None, *, api_keys=(), allow_
     names -> voices (default: voices/voices.json)."""
     hub = Hub(engine, limits or Limits(), aliases, tuple(api_keys), tuple(allow_origins))
     demo = StaticFiles(directory=DEMO_DIR, html=True)
-    routes = [Route("/health", health), Route("/v1/voices", voices), Route("/v1/audio/voices", audio_voices),
-              Route("/v1/models", models), Route("/v1/audio/models", audio_models),
-              Route("/v1/audio/speech", speech, methods=["POST"]), WebSocketRoute("/v1/stream", stream_endpoint),
+    api = http_api
+    routes = [Route("/health", api.health), Route("/v1/voices", api.voices), Route("/v1/audio/voices", api.audio_voices),
+              Route("/v1/models", api.models), Route("/v1/audio/models", api.audio_models),
+              Route("/v1/audio/speech", api.speech, methods=["POST"]), WebSocketRoute("/v1/stream", stream_endpoint),
               _DemoRoute("/{path:path}", demo, methods=["GET", "HEAD"])]
-    middleware = [Middleware(AccessMiddleware, hub=hub)]
+    middleware = [Middleware(api.AccessMiddleware, hub=hub)]
     if hub.allow_origins:
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(hub.allow_origins),
                                         allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type",
                                                                                       "X-API-Key"],
                                         expose_headers=["X-Sample-Rate", "Retry-After"]))
     app = Starlette(routes=routes, middleware=middleware,
-                    exception_handlers={HTTPException: _http_exception, Exception: _server_error})
+                    exception_handlers={HTTPException: api.http_exception, Exception: api.server_error})
     app.state.hub = hub
     return app
 
