@@ -38,10 +38,11 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
 from streaming import http_api
-from streaming.admission import Limits
+from streaming.limits import Limits
 from streaming.containers import Encoder
 from streaming.hub import Hub, clients_of
-from streaming.protocol import CLIENT_MESSAGE, Cancel, End, Flush, ProtocolError, Start, Text, check_text, validation_error
+from streaming.protocol import (CLIENT_MESSAGE, Cancel, End, Flush, ProtocolError, Start, Text, check_text,
+                                validation_error)
 from tts import SAMPLE_RATE
 from tts.text import TextError
 
@@ -359,8 +360,9 @@ def create_app(engine=None, limits: Limits | None = None, *, api_keys=(), allow_
     hub = Hub(engine, limits or Limits(), aliases, tuple(api_keys), tuple(allow_origins))
     demo = StaticFiles(directory=DEMO_DIR, html=True)
     api = http_api
-    routes = [Route("/health", api.health), Route("/v1/voices", api.voices), Route("/v1/audio/voices", api.audio_voices),
-              Route("/v1/models", api.models), Route("/v1/audio/models", api.audio_models),
+    routes = [Route("/health", api.health), Route("/v1/voices", api.voices),
+              Route("/v1/audio/voices", api.audio_voices), Route("/v1/models", api.models),
+              Route("/v1/audio/models", api.audio_models),
               Route("/v1/audio/speech", api.speech, methods=["POST"]), WebSocketRoute("/v1/stream", stream_endpoint),
               _DemoRoute("/{path:path}", demo, methods=["GET", "HEAD"])]
     middleware = [Middleware(api.AccessMiddleware, hub=hub)]

@@ -9,7 +9,6 @@ import soxr
 
 from tts import SAMPLE_RATE
 
-OUTPUT_RATES = (16_000, 22_050, 24_000, 44_100)  # what a client may ask for; the engine speaks at SAMPLE_RATE
 ULAW_RATE = 8_000  # telephony: G.711 mu-law is 8 kHz by definition
 OPUS_RATE = 48_000  # Ogg Opus always decodes at 48 kHz, whatever was encoded
 # format -> (FFmpeg muxer, codec); `None` for the raw formats numpy writes

@@ -162,9 +162,9 @@ class SpeechResponse(StreamingResponse):
             log.error("speech request failed mid-stream (%s): %s", err.code, err.message)
             yield event({"type": "error", **err.openai()})
             return
-        frames = round(self._stream.stats["audio_seconds"] * FRAME_RATE)
-        yield event({"type": "speech.audio.done", "usage": {
-            "input_tokens": len(self._req.input), "output_tokens": frames, "total_tokens": len(self._req.input) + frames}})
+        chars, frames = len(self._req.input), round(self._stream.stats["audio_seconds"] * FRAME_RATE)
+        yield event({"type": "speech.audio.done",
+                     "usage": {"input_tokens": chars, "output_tokens": frames, "total_tokens": chars + frames}})
 
     async def stream_response(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})

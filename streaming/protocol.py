@@ -13,8 +13,6 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from streaming.containers import OUTPUT_RATES
-
 # code -> HTTP status. Over WebSocket the same codes come as {"type": "error", "code": ...}.
 ERRORS = {
     "bad_json": 400, "bad_message": 400, "unknown_type": 400, "unknown_key": 400, "unsupported_format": 400,
@@ -46,6 +44,7 @@ class ProtocolError(Exception):
         return {"error": {"message": self.message, "type": kind, "code": self.code, "param": self.param}}
 
 
+OUTPUT_RATES = (16_000, 22_050, 24_000, 44_100)  # what a client may ask for; the engine speaks at 24 kHz
 WS_FORMATS = ("pcm_s16le", "f32le", "wav", "mp3", "opus", "aac", "flac", "ulaw_8000")
 HTTP_FORMATS = ("wav", "pcm", "mp3", "opus", "aac", "flac")
 ContextId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]

@@ -25,8 +25,7 @@ import websockets
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from streaming.containers import OUTPUT_RATES
-from streaming.protocol import ERRORS, WS_FORMATS
+from streaming.protocol import ERRORS, OUTPUT_RATES, WS_FORMATS
 
 EXAMPLES = int(os.environ.get("TTS_FUZZ_EXAMPLES", "15"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=EXAMPLES <= 100,
@@ -251,8 +250,9 @@ def test_fuzzed_websocket_messages(fuzzed, messages):
 
 
 SPEECH_BODY = st.fixed_dictionaries({}, optional={
-    "input": st.one_of(TEXT, JUNK), "voice": st.one_of(st.sampled_from(["joe", "alloy", "", "nobody"]),
-                                                      st.fixed_dictionaries({"id": st.sampled_from(["slt", "x"])}), JUNK),
+    "input": st.one_of(TEXT, JUNK),
+    "voice": st.one_of(st.sampled_from(["joe", "alloy", "", "nobody"]),
+                       st.fixed_dictionaries({"id": st.sampled_from(["slt", "x"])}), JUNK),
     "model": st.one_of(st.just("tts-1"), JUNK),
     "response_format": st.one_of(st.sampled_from(["mp3", "opus", "aac", "flac", "wav", "pcm", "ogg"]), JUNK),
     "stream_format": st.one_of(st.sampled_from(["audio", "sse", "raw"]), JUNK),
