@@ -306,8 +306,10 @@ class Utterance:
             del self.session.utterances[self.context_id]
 
     async def _finish(self, failed: bool = False) -> None:
-        """The utterance's one `done`."""
+        """The utterance's one `done`, once its context and its slot are free (a client answering it at once
+        with the next start is served without waiting)."""
         self._leave()
+        self._close_opened()
         ttfa = None
         if self.first_text_at is not None and self.first_audio_at is not None:
             ttfa = round((self.first_audio_at - self.first_text_at) * 1000, 1)
