@@ -14,7 +14,7 @@ import math
 import time
 from collections import Counter, deque
 
-from streaming.limits import Limits
+from streaming.limits import Limits, add_arguments, limits_from  # noqa: F401 (the command line's flags)
 from streaming.protocol import ProtocolError
 
 

@@ -1073,7 +1073,8 @@ def test_tts_serve_and_tts_say_through_it(shipped_engine, tmp_path):
         out = tmp_path / "cli.wav"
         say = [sys.executable, "-m", "tts.cli", "say", "Hello from the server.", "--server", f"ws://127.0.0.1:{port}",
                "-o", str(out)]
-        assert subprocess.run(say, timeout=120, capture_output=True).returncode == 2  # no key: refused
+        refused = subprocess.run(say, timeout=120, capture_output=True, text=True)
+        assert refused.returncode != 0 and "API key" in refused.stderr and not out.exists()
         said = subprocess.run(say, timeout=120, env={**os.environ, "TTS_API_KEY": "sekrit"})
         assert said.returncode == 0
         info = sf.info(out)

@@ -64,9 +64,7 @@ def cmd_voices(_args) -> int:
 
 def cmd_serve(args) -> int:
     from server import serve
-    from streaming.limits import limits_from
-    serve(host=args.host, port=args.port, compile=not args.no_compile, api_keys=args.api_key,
-          allow_origins=args.allow_origin, **limits_from(args))
+    serve(host=args.host, port=args.port, compile=not args.no_compile)
     return 0
 
 
@@ -87,13 +85,6 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--no-compile", action="store_true",
                        help="skip compiling the decode step at start-up (starts seconds sooner, steps slower)")
-    serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                       help="require this API key on every /v1 endpoint and the WebSocket (repeat for several)")
-    serve.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
-                       help="a browser origin that may use the API and the WebSocket besides the server's own, "
-                            "with CORS ('*': any; repeatable)")
-    from streaming.limits import add_arguments
-    add_arguments(serve)  # --max-connections, --queue-timeout-s, ...: the server's limits (docs/protocol.md)
     serve.set_defaults(run=cmd_serve)
     args = parser.parse_args(argv)
     from streaming.engine import EngineError
