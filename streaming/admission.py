@@ -67,8 +67,7 @@ class Admission:
 
     def disconnect(self, clients: tuple) -> None:
         self.connections -= 1
-        self._connections_of.subtract(clients)
-        self._drop_zeros(self._connections_of)
+        _uncount(self._connections_of, clients)
 
     # ---- streams -------------------------------------------------------------------------------------
     async def stream(self, clients: tuple, on_queued=None) -> Ticket:
@@ -127,14 +126,12 @@ class Admission:
 
     def _release(self, clients: tuple) -> None:
         self.active -= 1
-        self._streams_of.subtract(clients)
-        self._drop_zeros(self._streams_of)
+        _uncount(self._streams_of, clients)
         self._grant()
 
     def _leave_queue(self, waiter: _Waiter) -> None:
         self._queue.remove(waiter)
-        self._streams_of.subtract(waiter.clients)
-        self._drop_zeros(self._streams_of)
+        _uncount(self._streams_of, waiter.clients)
         self._grant()
 
     def _grant(self) -> None:
@@ -154,14 +151,17 @@ class Admission:
                                     f"open, the most one client may have; try again when one ends",
                                     retry_after=self.retry_after_s)
 
-    @staticmethod
-    def _drop_zeros(counts: Counter) -> None:
-        for key in [k for k, n in counts.items() if n <= 0]:
-            del counts[key]
-
     def stats(self) -> dict:
         return {"connections": self.connections, "streams": self.active, "queued": len(self._queue),
                 "clients": len(self._connections_of)}
+
+
+def _uncount(counts: Counter, clients: tuple) -> None:
+    """One less for each client; a client at zero is forgotten (memory stays flat however many come and go)."""
+    counts.subtract(clients)
+    for client in clients:
+        if counts[client] <= 0:
+            del counts[client]
 
 
 def _describe(client: tuple) -> str:

@@ -283,16 +283,21 @@ def test_connection_limit_answers_server_full(make_server, tiny_engine):
     assert frames
 
 
+async def queue_behind(a, b) -> dict:
+    """On a one-slot server: `a` opens an utterance, `b`'s start queues behind it. b's queued event."""
+    await send(a, type="start")
+    assert json.loads(await a.recv())["type"] == "ready"
+    await send(b, type="start")
+    return await event(b)
+
+
 def test_a_start_on_a_busy_engine_waits_in_the_queue_then_speaks(make_server):
     from streaming.engine import Engine
     server = make_server(Engine.tiny_random(max_streams=1))
 
     async def go():
         async with websockets.connect(server.ws_url) as a, websockets.connect(server.ws_url) as b:
-            await send(a, type="start")
-            await a.recv()
-            await send(b, type="start")
-            queued = await event(b)
+            queued = await queue_behind(a, b)
             await send(b, type="text", text="My turn now.")  # text sent while queued is kept
             await send(b, type="end")
             await asyncio.sleep(0.3)
@@ -315,10 +320,7 @@ def test_a_queued_start_past_the_deadline_gets_server_full_and_a_cancel_leaves_t
 
     async def go():
         async with websockets.connect(server.ws_url) as a, websockets.connect(server.ws_url) as b:
-            await send(a, type="start")
-            await a.recv()
-            await send(b, type="start")
-            queued = await event(b)
+            queued = await queue_behind(a, b)
             refused = await event(b, timeout=10)
             await send(b, type="start", context_id="again")
             await event(b)  # queued
@@ -901,34 +903,38 @@ def test_http_sample_rate_extension(client):
     assert rate == 16_000 and len(samples) > 8000
 
 
-def test_word_timings_come_before_the_audio_they_describe(server):
-    text = "Timing each word, please, for the captions."
+async def timing_events(ws, text: str, **start) -> tuple[list[tuple[dict, float]], float]:
+    """Speak `text` in pcm_s16le: ([(timing event, seconds of audio received before it)], seconds in all)."""
+    await send(ws, type="start", format="pcm_s16le", **start)
+    assert json.loads(await ws.recv())["type"] == "ready"
+    await send(ws, type="text", text=text)
+    await send(ws, type="end")
+    timings, received_s = [], 0.0
+    async with asyncio.timeout(60):
+        while True:
+            message = await ws.recv()
+            if isinstance(message, bytes):
+                received_s += len(message) / 2 / SR
+                continue
+            event_ = json.loads(message)
+            if event_["type"] == "done":
+                return timings, received_s
+            assert event_["type"] == "timing", event_
+            timings.append((event_, received_s))
 
+
+def test_word_timings_come_before_the_audio_they_describe(server):
     async def go():
         async with websockets.connect(server.ws_url) as ws:
-            await send(ws, type="start", format="pcm_s16le", word_timings=True)
-            assert json.loads(await ws.recv())["type"] == "ready"
-            await send(ws, type="text", text=text)
-            await send(ws, type="end")
-            words, received_s = [], 0.0
-            async with asyncio.timeout(60):
-                while True:
-                    message = await ws.recv()
-                    if isinstance(message, bytes):
-                        received_s += len(message) / 2 / SR
-                        continue
-                    event_ = json.loads(message)
-                    if event_["type"] == "done":
-                        return words, received_s
-                    assert event_["type"] == "timing" and "phonemes" not in event_
-                    for word in event_["words"]:
-                        assert received_s <= word["end"] + 1e-3  # sent before (or with) its audio
-                        words.append(word)
+            return await timing_events(ws, "Timing each word, please, for the captions.", word_timings=True)
 
-    words, total_s = run(go())
-    assert [w["word"] for w in words] == ["Timing", "each", "word", "please", "for", "the", "captions"]
-    assert all(0 <= w["start"] < w["end"] <= total_s + 0.05 for w in words)
-    assert all(a["start"] <= b["start"] for a, b in zip(words, words[1:]))
+    timings, total_s = run(go())
+    words = [(word, before) for event_, before in timings for word in event_["words"]]
+    assert all("phonemes" not in event_ for event_, _ in timings)
+    assert [w["word"] for w, _ in words] == ["Timing", "each", "word", "please", "for", "the", "captions"]
+    assert all(before <= w["end"] + 1e-3 for w, before in words)  # sent before (or with) its audio
+    assert all(0 <= w["start"] < w["end"] <= total_s + 0.05 for w, _ in words)
+    assert all(a["start"] <= b["start"] for (a, _), (b, _) in zip(words, words[1:]))
 
 
 def test_several_contexts_on_one_socket(make_server, tiny_engine):
@@ -1094,22 +1100,9 @@ def _healthy(port: int) -> bool:
 def test_phoneme_timings_on_request(server):
     async def go():
         async with websockets.connect(server.ws_url) as ws:
-            await send(ws, type="start", timings=True)
-            assert json.loads(await ws.recv())["type"] == "ready"
-            await send(ws, type="text", text="Timing, please.")
-            await send(ws, type="end")
-            phonemes, samples = [], 0
-            async with asyncio.timeout(60):
-                while True:
-                    message = await ws.recv()
-                    if isinstance(message, bytes):
-                        samples += len(message) // 2
-                        continue
-                    event = json.loads(message)
-                    if event["type"] == "done":
-                        return phonemes, samples
-                    assert event["type"] == "timing"
-                    phonemes += event["phonemes"]
-    phonemes, samples = run(go())
+            return await timing_events(ws, "Timing, please.", timings=True)
+
+    timings, total_s = run(go())
+    phonemes = [p for event_, _ in timings for p in event_["phonemes"]]
     assert phonemes and all(len(p) == 3 and p[1] < p[2] for p in phonemes)
-    assert phonemes[-1][2] <= samples / 24_000 + 0.2
+    assert phonemes[-1][2] <= total_s + 0.2
