@@ -163,8 +163,8 @@ def _serve(port: int, tiny: bool) -> None:
     from server import serve
     engine = None
     if tiny:
-        from streaming.engine import Engine
-        engine = Engine.tiny_random(max_streams=4)
+        from tests.helpers import tiny_random
+        engine = tiny_random(max_streams=4)
     serve(port=port, engine=engine, log_level="warning")
 
 

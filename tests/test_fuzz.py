@@ -41,8 +41,8 @@ LIMITS = {"max_text_chars": 600, "max_contexts": 3, "queue_timeout_s": 1.0, "idl
 def fuzzed():
     """A server of its own (the fuzz must not share its engine with other tests' timing), 3 slots."""
     from server import ServerThread
-    from streaming.engine import Engine
-    engine = Engine.tiny_random(max_streams=3)
+    from helpers import tiny_random
+    engine = tiny_random(max_streams=3)
     with ServerThread(engine, **LIMITS) as server:
         yield server, engine
 

@@ -28,6 +28,13 @@ SR = 24_000
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 
 
+@pytest.fixture(scope="module")
+def one_slot_engine():
+    """A tiny engine with one slot: the second utterance has to wait."""
+    from helpers import tiny_random
+    return tiny_random(max_streams=1)
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, timeout=120))
 
@@ -291,9 +298,8 @@ async def queue_behind(a, b) -> dict:
     return await event(b)
 
 
-def test_a_start_on_a_busy_engine_waits_in_the_queue_then_speaks(make_server):
-    from streaming.engine import Engine
-    server = make_server(Engine.tiny_random(max_streams=1))
+def test_a_start_on_a_busy_engine_waits_in_the_queue_then_speaks(make_server, one_slot_engine):
+    server = make_server(one_slot_engine)
 
     async def go():
         async with websockets.connect(server.ws_url) as a, websockets.connect(server.ws_url) as b:
@@ -314,9 +320,9 @@ def test_a_start_on_a_busy_engine_waits_in_the_queue_then_speaks(make_server):
     assert ready["type"] == "ready" and frames and done["type"] == "done" and not done["cancelled"]
 
 
-def test_a_queued_start_past_the_deadline_gets_server_full_and_a_cancel_leaves_the_queue(make_server):
-    from streaming.engine import Engine
-    server = make_server(Engine.tiny_random(max_streams=1), queue_timeout_s=0.5)
+def test_a_queued_start_past_its_deadline_gets_server_full_and_cancel_leaves_the_queue(make_server,
+                                                                                    one_slot_engine):
+    server = make_server(one_slot_engine, queue_timeout_s=0.5)
 
     async def go():
         async with websockets.connect(server.ws_url) as a, websockets.connect(server.ws_url) as b:
@@ -600,11 +606,11 @@ def test_models_and_voice_listings_have_the_shapes_clients_read(client, server):
     assert set(listing["aliases"].values()) <= {v["name"] for v in listing["voices"]}
 
 
-def test_a_failure_mid_stream_is_visible_to_the_client(make_server):
+def test_a_failure_mid_stream_is_visible_to_the_client(make_server, one_slot_engine):
     """After the status line, a failure must not look like a short success: the raw body is cut off (the SDK
     raises on the incomplete read) and SSE says error."""
-    from streaming.engine import Engine, EngineError
-    server = make_server(Engine.tiny_random(max_streams=1))
+    from streaming.engine import EngineError
+    server = make_server(one_slot_engine)
 
     def fail_the_stream():
         assert wait_until(lambda: server.hub.streams)
@@ -1023,9 +1029,8 @@ def test_client_speaks_llm_pieces_and_stops_early(server):
     assert stopped["cancelled"] is True and after
 
 
-def test_client_waits_in_the_server_queue_and_sends_its_api_key(make_server):
-    from streaming.engine import Engine
-    server = make_server(Engine.tiny_random(max_streams=1), api_keys=("k",))
+def test_client_waits_in_the_server_queue_and_sends_its_api_key(make_server, one_slot_engine):
+    server = make_server(one_slot_engine, api_keys=("k",))
 
     async def go():
         async with websockets.connect(server.ws_url + "?api_key=k") as holder:
