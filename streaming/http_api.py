@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from streaming.admission import retry_after_header
 from streaming.containers import MEDIA_TYPES, Encoder
@@ -104,18 +104,25 @@ async def _speech_request(request: Request, hub: Hub) -> SpeechRequest:
 
 
 async def _until_disconnect(request: Request, awaitable):
-    """``awaitable``'s result, or CancelledError should the client disconnect first (a queued request whose
-    client has gone leaves the queue)."""
+    """``awaitable``'s result, or None should the client disconnect first (it is then cancelled: a queued
+    request whose client has gone leaves the queue)."""
     task = asyncio.ensure_future(awaitable)
+    gone = False
 
     async def watch():
+        nonlocal gone
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        gone = True
         task.cancel()
 
     watcher = asyncio.create_task(watch())
     try:
         return await task
+    except asyncio.CancelledError:
+        if gone and not asyncio.current_task().cancelling():
+            return None
+        raise
     finally:
         watcher.cancel()
 
@@ -195,6 +202,9 @@ async def speech(request: Request):
     opened = None
     try:
         opened = await _until_disconnect(request, hub.open(clients, req.voice, req.speed, req.seed))
+        if opened is None:  # the client left while queued; nobody reads this answer
+            hub.admission.disconnect(clients)
+            return Response(status_code=204)
         opened[1].push_text(req.input)
         opened[1].end()
     except BaseException as err:

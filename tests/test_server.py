@@ -606,6 +606,24 @@ def test_models_and_voice_listings_have_the_shapes_clients_read(client, server):
     assert set(listing["aliases"].values()) <= {v["name"] for v in listing["voices"]}
 
 
+def test_a_request_whose_client_leaves_while_queued_leaves_the_queue(make_server, one_slot_engine):
+    server = make_server(one_slot_engine)
+
+    async def go():
+        async with websockets.connect(server.ws_url) as holder:
+            await open_long_utterance(holder, sentences=2)  # takes the only slot
+            request = asyncio.to_thread(httpx.post, server.url + "/v1/audio/speech", timeout=2.0,
+                                        json={"input": "Hi.", "response_format": "pcm"})
+            request = asyncio.ensure_future(request)
+            queued = await asyncio.to_thread(wait_until, lambda: server.hub.admission.queued == 1)
+            with pytest.raises(httpx.TimeoutException):
+                await request  # the client gives up and closes its connection
+            return queued, await asyncio.to_thread(wait_until, lambda: server.hub.admission.queued == 0
+                                                   and server.hub.admission.connections == 1)
+
+    assert run(go()) == (True, True), server.hub.stats()
+
+
 def test_a_failure_mid_stream_is_visible_to_the_client(make_server, one_slot_engine):
     """After the status line, a failure must not look like a short success: the raw body is cut off (the SDK
     raises on the incomplete read) and SSE says error."""
