@@ -23,7 +23,7 @@ from tts import SAMPLE_RATE
 from tts.text import TextError, text_to_sentences
 
 log = logging.getLogger("tts.server")
-VOICE_KEYS = ("name", "description", "teacher", "sample_rate", "default")
+VOICE_KEYS = ("name", "description", "teacher", "license", "sample_rate", "default")
 MODELS = ("tts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # listed for clients that pick one; all speak alike
 FRAME_RATE = 50  # codec frames per second: the "output tokens" of an SSE done event's usage
 

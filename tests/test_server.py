@@ -445,7 +445,7 @@ def test_health_and_voices(server):
     listing = json.loads(get(server.url + "/v1/voices")[1])
     names = [v["name"] for v in listing["voices"]]
     assert listing["default"] in names and len(names) >= 4
-    assert set(listing["voices"][0]) == {"name", "description", "teacher", "sample_rate", "default"}
+    assert set(listing["voices"][0]) == {"name", "description", "teacher", "license", "sample_rate", "default"}
 
 
 def test_demo_page_is_served(server):
