@@ -611,7 +611,8 @@ def test_a_request_whose_client_leaves_while_queued_leaves_the_queue(make_server
 
     async def go():
         async with websockets.connect(server.ws_url) as holder:
-            await open_long_utterance(holder, sentences=2)  # takes the only slot
+            await send(holder, type="start")  # takes the only slot, and holds it: no text, no end
+            assert json.loads(await holder.recv())["type"] == "ready"
             request = asyncio.to_thread(httpx.post, server.url + "/v1/audio/speech", timeout=2.0,
                                         json={"input": "Hi.", "response_format": "pcm"})
             request = asyncio.ensure_future(request)
@@ -701,9 +702,10 @@ NASTY_TEXTS = ["Hello\u0000 world.", "The number is " + "7" * 400 + ".", "\x1b[3
                "Supercalifragilistic" * 50 + "."]
 
 
-async def speak_and_collect(ws, text: str, **start) -> tuple[list[dict], int]:
-    """Start, send `text`, end: (every JSON event up to done, audio bytes received)."""
-    await send(ws, type="start", **start)
+async def speak_until_audio(ws, text: str) -> tuple[list[dict], int]:
+    """Start, send `text`, end, and cancel once audio comes (a 400-digit number read out is minutes long):
+    (every JSON event up to done, audio bytes received)."""
+    await send(ws, type="start")
     events, audio = [json.loads(await ws.recv())], 0
     for message in ({"type": "text", "text": text}, {"type": "end"}):
         await ws.send(json.dumps(message))
@@ -712,6 +714,8 @@ async def speak_and_collect(ws, text: str, **start) -> tuple[list[dict], int]:
             message = await ws.recv()
             if isinstance(message, bytes):
                 audio += len(message)
+                if audio == len(message):
+                    await send(ws, type="cancel")
             else:
                 events.append(json.loads(message))
     return events, audio
@@ -720,18 +724,25 @@ async def speak_and_collect(ws, text: str, **start) -> tuple[list[dict], int]:
 def test_nasty_text_fails_that_utterance_alone_and_a_concurrent_one_completes(server):
     """A NUL byte, an escape sequence, a 400-digit number, a 1000-letter word: each gets a typed answer on its
     own connection (or is spoken), while another client's utterance, running all along, completes."""
+    async def all_of(ws) -> tuple[int, dict]:
+        received = 0
+        async with asyncio.timeout(120):
+            while isinstance(message := await ws.recv(), bytes):
+                received += len(message)
+        return received, json.loads(message)
+
     async def go():
         async with websockets.connect(server.ws_url) as other:
-            await open_long_utterance(other, sentences=6)
+            await send(other, type="start", format="f32le")
+            assert json.loads(await other.recv())["type"] == "ready"
+            await send(other, type="text", text=SENTENCE * 4)  # its text ends only after the nasty ones
+            reading = asyncio.create_task(all_of(other))
             answers = []
             for text in NASTY_TEXTS:
                 async with websockets.connect(server.ws_url) as ws:
-                    answers.append(await speak_and_collect(ws, text))
-            received, done = 0, None
-            async with asyncio.timeout(120):
-                while isinstance(message := await other.recv(), bytes):
-                    received += len(message)
-            return answers, received, json.loads(message)
+                    answers.append(await speak_until_audio(ws, text))
+            await send(other, type="end")
+            return answers, *await reading
 
     answers, received, done = run(go())
     for text, (events, _) in zip(NASTY_TEXTS, answers):
@@ -745,7 +756,9 @@ def test_nasty_text_fails_that_utterance_alone_and_a_concurrent_one_completes(se
 @pytest.mark.parametrize("text", NASTY_TEXTS, ids=["nul", "400 digits", "escape", "huge word"])
 def test_nasty_text_over_http_is_a_400_or_audio_never_a_500(client, text):
     try:
-        audio = client.audio.speech.create(model="tts-1", voice="joe", input=text, response_format="pcm").content
+        with client.audio.speech.with_streaming_response.create(model="tts-1", voice="joe", input=text,
+                                                                response_format="pcm") as response:
+            audio = next(response.iter_bytes())  # enough: a 400-digit number read out is minutes long
     except openai.APIStatusError as failure:
         assert failure.status_code == 400 and failure.body["code"] == "bad_text"
         assert failure.body["param"] == "input" and failure.body["type"] == "invalid_request_error"
@@ -948,14 +961,16 @@ async def timing_events(ws, text: str, **start) -> tuple[list[tuple[dict, float]
 
 
 def test_word_timings_come_before_the_audio_they_describe(server):
+    text = "Timing each word, please, for the captions."
+
     async def go():
         async with websockets.connect(server.ws_url) as ws:
-            return await timing_events(ws, "Timing each word, please, for the captions.", word_timings=True)
+            return await timing_events(ws, text, word_timings=True)
 
     timings, total_s = run(go())
     words = [(word, before) for event_, before in timings for word in event_["words"]]
     assert all("phonemes" not in event_ for event_, _ in timings)
-    assert [w["word"] for w, _ in words] == ["Timing", "each", "word", "please", "for", "the", "captions"]
+    assert [w["word"] for w, _ in words] == text.split()  # every word of the input, as written
     assert all(before <= w["end"] + 1e-3 for w, before in words)  # sent before (or with) its audio
     assert all(0 <= w["start"] < w["end"] <= total_s + 0.05 for w, _ in words)
     assert all(a["start"] <= b["start"] for (a, _), (b, _) in zip(words, words[1:]))
