@@ -5,9 +5,10 @@ slowly. One JSON object, per minute and overall.
     python -m bench.soak --minutes 2 --tiny    # the tiny random-weight engine (no shipped voices needed)
 
 The server runs in a child process (`tts serve`'s own `serve()`, default limits), so its RSS is the server's
-alone. As many clients as the engine has slots loop without pause; each utterance is, at random, a WebSocket
-utterance or an OpenAI-style HTTP request (half each), and with 5 % chance aborted after its first audio, with
-5 % chance read slowly (half real time: the server must pause that stream and serve the rest as usual).
+alone. Every slot is used twice at once before the clock starts (warm-up: steps built on first use). Then as
+many clients as the engine has slots loop without pause; each utterance is, at random, a WebSocket utterance
+or an OpenAI-style HTTP request (half each), and with 5 % chance aborted after its first audio, with 5 %
+chance read slowly (half real time: the server must pause that stream and serve the rest as usual).
 Per minute: utterances served, aborted and read slowly, errors by code (the server's typed errors, HTTP
 statuses, dropped connections; aborts are not errors), first audio p50/p99 in ms (request sent to first audio
 byte, utterances that were not aborted) and the server's RSS at the minute's end.
@@ -132,7 +133,19 @@ async def client(base: str, index: int, until: float, minutes: list[Tally], star
                 tally.errors[type(err).__name__] += 1
 
 
+async def warm_up(base: str, clients: int) -> float:
+    """Every slot busy at once, twice, before the clock starts: a step built on first use (a compiled step, a
+    batch size met for the first time) is start-up, not the steady state the soak measures. Seconds taken."""
+    started = time.monotonic()
+    async with httpx.AsyncClient(base_url=base, timeout=600) as http:
+        for _ in range(2):
+            await asyncio.gather(*(http_utterance(http, SENTENCES[0], False, False, Tally())
+                                   for _ in range(clients)))
+    return time.monotonic() - started
+
+
 async def soak(base: str, minutes: int, clients: int, server: psutil.Process) -> dict:
+    warm_up_s = await warm_up(base, clients)
     started = time.monotonic()
     tallies = [Tally() for _ in range(minutes)]
     rss_start = server.memory_info().rss / 2**20
@@ -145,8 +158,8 @@ async def soak(base: str, minutes: int, clients: int, server: psutil.Process) ->
     await asyncio.gather(*tasks)
     errors = sum((Counter(r["errors"]) for r in reports), Counter())
     rss = [r["rss_mb"] for r in reports]
-    return {"minutes": reports, "clients": clients, "served": sum(r["served"] for r in reports),
-            "aborted": sum(r["aborted"] for r in reports), "slow_readers": sum(r["slow_readers"] for r in reports),
+    return {"minutes": reports, "clients": clients, "warm_up_s": round(warm_up_s, 1),
+            "served": sum(r["served"] for r in reports), "aborted": sum(r["aborted"] for r in reports), "slow_readers": sum(r["slow_readers"] for r in reports),
             "errors": dict(errors), "rss_mb_start": round(rss_start, 1), "rss_mb_end": rss[-1],
             "rss_growth_after_minute_1_mb": round(rss[-1] - rss[0], 1),
             "worst_p99_over_p50": max((r["p99_over_p50"] or 0) for r in reports)}
