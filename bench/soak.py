@@ -161,7 +161,8 @@ async def soak(base: str, minutes: int, clients: int, server: psutil.Process) ->
     return {"minutes": reports, "clients": clients, "warm_up_s": round(warm_up_s, 1),
             "served": sum(r["served"] for r in reports), "aborted": sum(r["aborted"] for r in reports),
             "slow_readers": sum(r["slow_readers"] for r in reports), "errors": dict(errors),
-            "rss_mb_start": round(rss_start, 1), "rss_mb_end": rss[-1], "rss_growth_after_minute_1_mb": round(rss[-1] - rss[0], 1),
+            "rss_mb_start": round(rss_start, 1), "rss_mb_end": rss[-1],
+            "rss_growth_after_minute_1_mb": round(rss[-1] - rss[0], 1),
             "worst_p99_over_p50": max((r["p99_over_p50"] or 0) for r in reports)}
 
 
