@@ -13,7 +13,7 @@ Starlette routes the requests and uvicorn serves them; uvicorn's WebSocket side 
 package (its sans-I/O protocol, which waits for the socket to drain before each send: that wait is
 the backpressure that stops a slow reader from making the server buffer audio without bound).
 Here: the WebSocket sessions, the app and running it. Admission (connection caps, the FIFO queue for engine
-slots, per-client caps) is `streaming.admission`; what connections share, `streaming.hub`; the HTTP endpoints and
+slots, per-client caps) is `streaming.server_admission`; what connections share, `streaming.hub`; the HTTP endpoints and
 the access checks, `streaming.http_api`.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from streaming.admission import retry_after_header
+from streaming.server_admission import retry_after_header
 from streaming.containers import MEDIA_TYPES, Encoder
 from streaming.hub import Hub, api_key, clients_of, origin_allowed
 from streaming.protocol import ProtocolError, SpeechRequest, check_text, validation_error

@@ -10,7 +10,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from starlette.datastructures import Headers
 
-from streaming.admission import Admission
+from streaming.server_admission import Admission
 from streaming.limits import Limits
 from streaming.engine import ServerFull, UnknownVoice
 from streaming.protocol import ProtocolError

@@ -141,6 +141,9 @@ async def _audio_until_done(ws) -> tuple[dict, int]:
     return json.loads(message), audio
 
 
+SYNC = {"type": "flush", "context_id": "fuzz-sync"}  # never started: always answered with bad_state
+
+
 class Transcript:
     """What the server said to the fuzzed client, checked as it arrives."""
 
@@ -193,6 +196,11 @@ async def _fuzz_socket(url: str, messages: list) -> Transcript:
             for message in messages:
                 await ws.send(_raw(message))
                 await _drain(ws, transcript, 0.02)
+            # the server answers messages in order: once it refuses this one, every earlier answer is in
+            await ws.send(json.dumps(SYNC))
+            async with asyncio.timeout(30):
+                while not any(e.get("context_id") == SYNC["context_id"] for e in transcript.events):
+                    transcript.add(await ws.recv())
             # every started utterance must end: end what is open (its text is spoken), then cancel what is
             # still open (a flushed utterance waits for more text); each says done
             for close in ("end", "cancel"):

@@ -1,11 +1,13 @@
-"""Who may connect, and who gets an engine slot next: the server's limits and its admission queue.
+"""Who may connect to the server, and who gets an engine slot next: its connection caps and its queue.
 
 Connections and active streams are separate limits. A connection (an open WebSocket, or an HTTP speech request
 in flight) is admitted or refused at once. A stream (one utterance, holding one engine slot) that finds every
 slot busy waits in a bounded FIFO queue, up to a deadline, instead of failing. Each client (its remote address,
 and its API key when keys are set) has its own caps on both, so one client cannot take everything.
 
-Pure asyncio and no engine: the server (server.py) asks `Admission` first, then opens the engine stream.
+Pure asyncio and no engine: the server asks `Admission` first, then opens the engine stream (whose own
+admission, streaming/admission.py, also serves callers outside the server, in threads). Here the waiting costs
+no thread, a WebSocket is told its place, a client that leaves leaves the queue, and caps count per client.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import math
 import time
 from collections import Counter, deque
 
-from streaming.limits import Limits, add_arguments, limits_from  # noqa: F401 (the command line's flags)
+from streaming.limits import Limits
 from streaming.protocol import ProtocolError
 
 
