@@ -33,7 +33,7 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize
                                        HealthCheck.data_too_large])
 EVENTS = {"ready", "queued", "timing", "audio", "done", "error"}
 CLOSE_CODES = {1000, 1009, 1013}  # idle_timeout, message too big, server full / client limit
-LIMITS = {"max_text_chars": 600, "max_contexts": 3, "queue_timeout_s": 1.0, "idle_timeout_s": 10.0,
+LIMITS = {"max_text_chars": 600, "max_contexts": 3, "queue_timeout_s": 1.0, "idle_timeout_s": 60.0,
           "max_message_bytes": 16384}
 
 
@@ -162,11 +162,6 @@ class Transcript:
             assert event["code"] in ERRORS and isinstance(event["message"], str) and event["message"], event
         self.events.append(event)
 
-    def progressing(self) -> bool:
-        """Whether anything arrived since the last call (an utterance still speaking)."""
-        seen, self._seen = getattr(self, "_seen", 0), len(self.events) + self.audio
-        return self._seen != seen
-
     def open_contexts(self) -> set:
         """Contexts whose utterance started (queued or ready) and has not ended yet."""
         open_ = set()
@@ -201,16 +196,14 @@ async def _fuzz_socket(url: str, messages: list) -> Transcript:
             async with asyncio.timeout(30):
                 while not any(e.get("context_id") == SYNC["context_id"] for e in transcript.events):
                     transcript.add(await ws.recv())
-            # every started utterance must end: end what is open (its text is spoken), then cancel what is
-            # still open (a flushed utterance waits for more text); each says done
-            for close in ("end", "cancel"):
+            # every started utterance must end: end what is open (its text is spoken, for a few seconds: a
+            # 400-digit number read out takes minutes), then cancel what is still open; each says done
+            for close, seconds in (("end", 5), ("cancel", 30)):
                 for context in transcript.open_contexts():
                     await ws.send(json.dumps(_message(close, context, {})))
-                deadline = time.monotonic() + 30
+                deadline = time.monotonic() + seconds
                 while transcript.open_contexts() and time.monotonic() < deadline:
                     await _drain(ws, transcript, 0.1)
-                    if close == "end" and not transcript.progressing():
-                        break
             assert not transcript.open_contexts(), transcript.events
     except websockets.ConnectionClosed as closed:
         transcript.closed = closed.rcvd.code if closed.rcvd else None
