@@ -236,6 +236,16 @@ class Utterance:
 
     async def _run(self) -> None:
         try:
+            await self._speak()
+        except (WebSocketDisconnect, WebSocketDisconnected, OSError, TimeoutError):
+            pass  # the client has gone or stalled (also while being told of a failure); the session ends
+        finally:
+            self._leave()
+            self._close_opened()
+            self.encoder.close()
+
+    async def _speak(self) -> None:
+        try:
             try:
                 _, self.stream = await self.opening
             except asyncio.CancelledError:
@@ -261,15 +271,11 @@ class Utterance:
                 await self.session.send_error(err, self.context_id)
                 await self._finish(failed=True)
         except (WebSocketDisconnect, WebSocketDisconnected, OSError, TimeoutError):
-            pass  # the client has gone or stalled; the session ends
+            raise
         except Exception as err:  # a bug ends this utterance, not the connection
             log.exception("utterance failed")
             await self.session.send_error(ProtocolError("internal", f"internal error: {err}"), self.context_id)
             await self._finish(failed=True)
-        finally:
-            self._leave()
-            self._close_opened()
-            self.encoder.close()
 
     async def _queued(self, position: int) -> None:
         await self._event({"type": "queued", "position": position})

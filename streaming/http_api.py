@@ -30,8 +30,9 @@ FRAME_RATE = 50  # codec frames per second: the "output tokens" of an SSE done e
 
 class AccessMiddleware:
     """Refuses, before any endpoint runs: a foreign Origin on the API or the WebSocket (403 origin_not_allowed),
-    and, when API keys are set, a missing or wrong key (401 invalid_api_key). A refused WebSocket gets the HTTP
-    answer instead of the upgrade. /health and the demo's static files are open."""
+    and, when API keys are set, a missing or wrong key (401 invalid_api_key). A refused WebSocket upgrade gets
+    HTTP 403, either way (uvicorn's empty answer to a close before accept: its answer to a custom HTTP response
+    there logs a spurious error for every refusal). /health and the demo's static files are open."""
 
     def __init__(self, app, hub: Hub):
         self.app, self.hub = app, hub
@@ -51,7 +52,9 @@ class AccessMiddleware:
         if refusal is None:
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
-            await receive()  # websocket.connect; the answer below replaces the upgrade
+            log.info("WebSocket refused: %s", refusal.message)
+            await receive()  # websocket.connect
+            return await send({"type": "websocket.close", "code": 1008, "reason": refusal.code})
         extra = {"WWW-Authenticate": "Bearer"} if refusal.status == 401 else {}
         await error_response(refusal, extra)(scope, receive, send)
 

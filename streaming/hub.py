@@ -73,11 +73,7 @@ class Hub:
         The caller hands both back to `close`."""
         engine = await self.engine()
         ticket = await self.admission.stream(clients, on_queued)
-        try:
-            stream = await self._open_stream(engine, voice, speed, seed)
-        except BaseException:
-            ticket.release()
-            raise
+        stream = await self._open_stream(engine, ticket, voice, speed, seed)
         self.streams.add(stream)
         return ticket, stream
 
@@ -88,22 +84,28 @@ class Hub:
         self.streams.discard(stream)
         ticket.release()
 
-    async def _open_stream(self, engine, voice, speed, seed):
-        # Admission has granted a slot; the engine's own FIFO wait covers the tick until a just-ended
-        # stream's slot is free, and other users of the engine in this process.
+    async def _open_stream(self, engine, ticket, voice, speed, seed):
+        """The engine stream for a granted ticket; on any failure the ticket is released, but only once the
+        engine has answered (a caller still waiting in the engine's queue keeps its slot in ours, so the server
+        never sends the engine more callers than it has slots)."""
+        # The engine's own FIFO wait covers the tick until a just-ended stream's slot is free, and other users
+        # of the engine in this process.
         opening = asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(
             engine.open, voice, speed, seed=seed, wait_s=self.limits.queue_timeout_s))
         try:
             return await asyncio.shield(opening)
         except asyncio.CancelledError:  # the client left while the engine was opening: end what it opens
-            opening.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().cancel())
+            opening.add_done_callback(functools.partial(_abandon, ticket))
             raise
-        except ServerFull as err:
-            raise ProtocolError(err.code, str(err), retry_after=self.admission.retry_after_s) from None
-        except UnknownVoice as err:
-            raise ProtocolError(err.code, str(err), "voice") from None
-        except ValueError as err:
-            raise ProtocolError("bad_value", str(err)) from None
+        except BaseException as err:
+            ticket.release()
+            if isinstance(err, ServerFull):
+                raise ProtocolError(err.code, str(err), retry_after=self.admission.retry_after_s) from None
+            if isinstance(err, UnknownVoice):
+                raise ProtocolError(err.code, str(err), "voice") from None
+            if isinstance(err, ValueError):
+                raise ProtocolError("bad_value", str(err)) from None
+            raise
 
     async def chunks(self, stream):
         """The stream's audio chunks as they are decoded; a read waits in the pool, never in the event loop.
@@ -129,6 +131,13 @@ class Hub:
             if callable(stats := getattr(self._engine, "stats", None)):
                 figures["engine"] = stats()
         return figures
+
+
+def _abandon(ticket, opening) -> None:
+    """The engine answered a caller that has gone: end the stream it opened, then free the caller's slot."""
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().cancel()
+    ticket.release()
 
 
 # ---- access: API keys, origins, client identity ---------------------------------------------------

@@ -680,7 +680,7 @@ def test_api_key_is_required_on_every_endpoint_when_set(make_server, tiny_engine
         return no_key.value.response.status_code, by_query, by_header
 
     status, by_query, by_header = run(ws_attempts())
-    assert status == 401 and by_query["type"] == by_header["type"] == "done"
+    assert status == 403 and by_query["type"] == by_header["type"] == "done"
 
 
 def test_cors_is_opt_in(make_server, tiny_engine):

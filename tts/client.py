@@ -162,8 +162,9 @@ async def connect(url: str, api_key: str | None = None, **kwargs) -> AsyncIterat
         ws = await websockets.connect(target, **kwargs)
     except websockets.InvalidStatus as err:
         status = err.response.status_code
-        hint = {401: "it wants an API key (api_key=, or TTS_API_KEY)", 403: "it refused this origin"}.get(status, "")
-        raise ClientError(f"the tts server at {target} refused the connection: HTTP {status} {hint}") from None
+        hint = " (a wrong or missing API key: api_key=, or TTS_API_KEY; or an origin it does not allow)"
+        raise ClientError(f"the tts server at {target} refused the connection: HTTP {status}"
+                          f"{hint if status == 403 else ''}") from None
     except (OSError, websockets.InvalidHandshake, websockets.InvalidURI) as err:
         raise ClientError(f"cannot reach the tts server at {target}: {err}") from None
     try:
