@@ -20,7 +20,7 @@ from streaming.containers import MEDIA_TYPES, Encoder
 from streaming.hub import Hub, api_key, clients_of, origin_allowed
 from streaming.protocol import ProtocolError, SpeechRequest, check_text, validation_error
 from tts import SAMPLE_RATE
-from tts.text import TextError, text_to_sentences
+from tts.text import TextError
 
 log = logging.getLogger("tts.server")
 VOICE_KEYS = ("name", "description", "teacher", "license", "sample_rate", "default")
@@ -86,8 +86,8 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 async def _speech_request(request: Request, hub: Hub) -> SpeechRequest:
-    """The validated request: JSON, voice, text characters and length, and the whole text through the front end
-    (empty or unspeakable text is a 400 now, not an empty 200)."""
+    """The validated request: JSON, voice, text characters and length. What the text front end makes of the
+    text is known with the first audio, before the status line (`speech`)."""
     body = await _read_body(request, hub.limits.max_message_bytes)
     try:
         req = SpeechRequest.model_validate_json(body)
@@ -96,18 +96,16 @@ async def _speech_request(request: Request, hub: Hub) -> SpeechRequest:
     req.voice = hub.resolve_voice(req.voice_name)
     check_text(req.input, "input")
     hub.check_length(len(req.input), "input is", "input")
-    try:
-        await hub.call(text_to_sentences, req.input)
-    except TextError as err:
-        raise ProtocolError("bad_text", str(err), "input") from None
-    except Exception as err:  # the front end must only raise TextError; whatever else it does is this text's fault
-        log.exception("the text front end failed on a request's input")
-        raise ProtocolError("bad_text", f"this input cannot be read aloud ({type(err).__name__})", "input") from None
+    if not req.input.strip():
+        raise ProtocolError("bad_text", "input is empty", "input")
     return req
 
 
+GONE = object()  # what `_until_disconnect` returns when the client has left
+
+
 async def _until_disconnect(request: Request, awaitable):
-    """``awaitable``'s result, or None should the client disconnect first (it is then cancelled: a queued
+    """``awaitable``'s result, or GONE should the client disconnect first (it is then cancelled: a queued
     request whose client has gone leaves the queue)."""
     task = asyncio.ensure_future(awaitable)
     gone = False
@@ -124,7 +122,7 @@ async def _until_disconnect(request: Request, awaitable):
         return await task
     except asyncio.CancelledError:
         if gone and not asyncio.current_task().cancelling():
-            return None
+            return GONE
         raise
     finally:
         watcher.cancel()
@@ -134,10 +132,12 @@ class SpeechResponse(StreamingResponse):
     """The speech body, streamed as it is generated: raw audio, or OpenAI's SSE events. A failure after the
     status line is visible: SSE sends an error event; raw audio ends the chunked body without its terminating
     chunk, so the client reads an incomplete body rather than a short file. The slot and the connection are
-    released however the response ends."""
+    released however the response ends. ``chunks`` are the stream's (`Hub.chunks`), ``first`` the first of them,
+    read before the status line."""
 
-    def __init__(self, hub: Hub, req: SpeechRequest, ticket, stream, clients: tuple):
+    def __init__(self, hub: Hub, req: SpeechRequest, ticket, stream, clients: tuple, chunks, first):
         self._hub, self._req, self._ticket, self._stream, self._clients = hub, req, ticket, stream, clients
+        self._chunks, self._first = chunks, first
         self._encoder = Encoder("pcm_s16le" if req.response_format == "pcm" else req.response_format,
                                 req.sample_rate)
         self._failed = False
@@ -147,9 +147,11 @@ class SpeechResponse(StreamingResponse):
         super().__init__(self._sse() if sse else self._audio(), media_type=media, headers=headers)
 
     async def _encoded(self):
-        async for chunk in self._hub.chunks(self._stream):
+        chunk = self._first
+        while chunk is not None:
             if data := self._encoder.encode(chunk):
                 yield data
+            chunk = await anext(self._chunks, None)
         if tail := self._encoder.finish():
             yield tail
 
@@ -188,6 +190,7 @@ class SpeechResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            await self._chunks.aclose()
             self._hub.close(self._ticket, self._stream)
             self._encoder.close()
             self._hub.admission.disconnect(self._clients)
@@ -202,24 +205,37 @@ async def speech(request: Request):
         hub.admission.connect(clients)
     except ProtocolError as err:
         return error_response(err)
-    opened = None
+    opened = chunks = first = None
     try:
         opened = await _until_disconnect(request, hub.open(clients, req.voice, req.speed, req.seed))
-        if opened is None:  # the client left while queued; nobody reads this answer
-            hub.admission.disconnect(clients)
-            return Response(status_code=204)
-        opened[1].push_text(req.input)
-        opened[1].end()
+        if opened is not GONE:
+            opened[1].push_text(req.input)
+            opened[1].end()
+            chunks = hub.chunks(opened[1])
+            # The status line waits for the first audio, so text the front end cannot speak is still a 400
+            # (no second pass over the text to find out first: the first audio comes as soon as it can).
+            first = await _until_disconnect(request, anext(chunks, None))
     except BaseException as err:
-        hub.admission.disconnect(clients)
-        if opened is not None:
-            hub.close(*opened)
+        await _abandon(hub, clients, opened, chunks)
+        if isinstance(err, TextError):  # the engine's own text limit, if lower than ours
+            err = ProtocolError("bad_text", str(err), "input")
         if isinstance(err, ProtocolError):
+            err.param = err.param or ("input" if err.code == "bad_text" else None)
             return error_response(err)
-        if isinstance(err, TextError):  # pre-validated, so only an engine limit below ours
-            return error_response(ProtocolError("bad_text", str(err), "input"))
         raise
-    return SpeechResponse(hub, req, *opened, clients)
+    if opened is GONE or first is GONE:  # the client has left; nobody reads this answer
+        await _abandon(hub, clients, opened, chunks)
+        return Response(status_code=204)
+    return SpeechResponse(hub, req, *opened, clients, chunks, first)
+
+
+async def _abandon(hub: Hub, clients: tuple, opened, chunks) -> None:
+    """Undo what `speech` had done when it cannot answer with audio."""
+    if chunks is not None:
+        await chunks.aclose()
+    if opened is not None and opened is not GONE:
+        hub.close(*opened)
+    hub.admission.disconnect(clients)
 
 
 async def voices(request: Request) -> JSONResponse:
