@@ -1,6 +1,6 @@
 """What every connection of the server shares: the engine, the limits and admission, the voice aliases, the API
 keys, and a thread pool for the engine's blocking calls; and who a connection is (its address, its API key).
-server.py and streaming/http_api.py use it; it knows neither sockets nor HTTP."""
+server.py (the WebSocket) and streaming/http_api.py (HTTP) use it; it serves no endpoint itself."""
 from __future__ import annotations
 
 import asyncio
@@ -10,10 +10,10 @@ from urllib.parse import parse_qs, urlsplit
 
 from starlette.datastructures import Headers
 
-from streaming.server_admission import Admission
-from streaming.limits import Limits
 from streaming.engine import ServerFull, UnknownVoice
+from streaming.limits import Limits
 from streaming.protocol import ProtocolError
+from streaming.server_admission import Admission
 from tts import SAMPLE_RATE
 from tts.text import TextError
 
