@@ -1,170 +1,117 @@
 """The tts server: streams speech to many clients at once from one shared engine.
 
-Endpoints (the WebSocket protocol is specified in docs/protocol.md):
-  WS   /v1/stream          JSON control messages in, binary audio frames out, several utterances a connection
-  POST /v1/audio/speech    OpenAI-compatible speech API; the body streams while the audio is generated
-  GET  /v1/voices          the shipped voices
-  GET  /health             liveness and load
+Endpoints (the WebSocket protocol and the HTTP API are specified in docs/protocol.md):
+  WS   /v1/stream          JSON control messages in, audio out; several utterances (contexts) on one socket
+  POST /v1/audio/speech    OpenAI-compatible speech API; the body (raw audio or SSE) streams as it is generated
+  GET  /v1/models          OpenAI's model list;  GET /v1/audio/models  the same in Open WebUI's shape
+  GET  /v1/voices          the shipped voices and their OpenAI aliases
+  GET  /v1/audio/voices    the same in the shape Open WebUI and Kokoro-FastAPI clients read
+  GET  /health             liveness, load and the engine's live figures
   GET  /                   the browser demo (static files of demo/)
 
 Starlette routes the requests and uvicorn serves them; uvicorn's WebSocket side is the `websockets`
 package (its sans-I/O protocol, which waits for the socket to drain before each send: that wait is
 the backpressure that stops a slow reader from making the server buffer audio without bound).
+Here: the WebSocket sessions, the app and running it. Admission (connection caps, the FIFO queue for engine
+slots, per-client caps) is `streaming.server_admission`; what connections share, `streaming.hub`; the HTTP endpoints and
+the access checks, `streaming.http_api`.
 """
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
 from pydantic import ValidationError
 from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
-from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import Match, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
-from streaming.containers import MEDIA_TYPES, Encoder
-from streaming.engine import EngineError, ServerFull, UnknownVoice
-from streaming.protocol import (CLIENT_MESSAGE, Cancel, End, Flush, ProtocolError, SpeechRequest, Start, Text,
+from streaming import http_api
+from streaming.limits import Limits
+from streaming.containers import Encoder
+from streaming.hub import Hub, clients_of
+from streaming.protocol import (CLIENT_MESSAGE, Cancel, End, Flush, ProtocolError, Start, Text, check_text,
                                 validation_error)
 from tts import SAMPLE_RATE
-from tts.text import TextError, text_to_sentences
+from tts.text import TextError
 
+__all__ = ["Limits", "ServerThread", "create_app", "serve"]
 log = logging.getLogger("tts.server")
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
-POLL_S = 0.05  # how long one blocking engine read may wait; bounds how late a cancelled read notices
-START_WAIT_S = 0.5  # how long a start may wait for a free engine slot
-VOICE_KEYS = ("name", "description", "teacher", "license", "sample_rate", "default")
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Resource limits, all configurable through `serve(**limits)` and `tts serve`."""
-    max_connections: int = 16       # open WebSockets plus speech requests in flight, together
-    max_text_chars: int = 4096      # text of one utterance (OpenAI's own limit is 4096)
-    idle_timeout_s: float = 30.0    # a WebSocket with no message and no audio sent for this long is closed
-    send_buffer_bytes: int = 65536  # kernel send buffer of each connection; audio beyond it waits in the engine
-    max_message_bytes: int = 65536  # largest client message or request body
-
-    def __post_init__(self):
-        for name, value in vars(self).items():
-            if not value > 0:
-                raise ValueError(f"limit {name} must be positive, not {value!r}")
-
-
-# ---- shared state -------------------------------------------------------------------------------
-class Hub:
-    """What every connection shares: the engine, the limits, the admission count and a thread pool for
-    the engine's blocking calls (two per connection at most, so no connection waits for another's)."""
-
-    def __init__(self, engine, limits: Limits):
-        self.limits, self._engine = limits, engine
-        self.pool = ThreadPoolExecutor(2 * limits.max_connections + 2, thread_name_prefix="tts-io")
-        self.sessions: set[Session] = set()
-        self.admitted = 0
-
-    def admit(self) -> bool:
-        if self.admitted >= self.limits.max_connections:
-            return False
-        self.admitted += 1
-        return True
-
-    def leave(self) -> None:
-        self.admitted -= 1
-
-    async def call(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
-
-    async def engine(self):
-        if self._engine is None:
-            from tts.api import get_engine
-            self._engine = await self.call(get_engine)
-        return self._engine
-
-    def check_length(self, chars: int, what: str) -> None:
-        """text_too_long past max_text_chars, or past the engine's own limit if that is lower."""
-        limit = min(self.limits.max_text_chars, getattr(self._engine, "max_chars", self.limits.max_text_chars))
-        if chars > limit:
-            raise ProtocolError("text_too_long", f"{what} {chars} characters; the limit is {limit}")
-
-    async def open(self, voice: str | None, speed: float):
-        """A new engine stream. When every slot is busy it waits up to START_WAIT_S for one (a cancelled
-        stream's slot frees on the engine's next tick) before answering server_full."""
-        engine = await self.engine()
-        deadline = time.monotonic() + START_WAIT_S
-        while True:
-            try:
-                return await self.call(engine.open, voice, speed)
-            except ServerFull as err:
-                if time.monotonic() > deadline:
-                    raise ProtocolError(err.code, str(err)) from None
-            except UnknownVoice as err:
-                raise ProtocolError(err.code, str(err)) from None
-            except ValueError as err:
-                raise ProtocolError("bad_value", str(err)) from None
-            await asyncio.sleep(0.02)
-
-    async def chunks(self, stream):
-        """The stream's audio chunks as they are decoded; a read waits in the pool, never in the event loop."""
-        while True:
-            try:
-                chunk = await self.call(stream.read, POLL_S)
-            except TimeoutError:
-                continue
-            except TextError as err:  # the utterance ended with nothing speakable in it
-                raise ProtocolError("bad_text", str(err)) from None
-            except EngineError as err:
-                raise ProtocolError("engine_error", f"speech generation failed: {err}") from None
-            if chunk is None:
-                return
-            yield chunk
 
 
 # ---- WebSocket sessions -------------------------------------------------------------------------
 class Session:
-    """One WebSocket connection: a loop over client messages, and at most one audio pump at a time.
-    States: idle -> (start) -> open -> (end) -> ending -> (all audio sent: done) -> idle."""
+    """One WebSocket connection: a loop over client messages and up to max_contexts utterances, each with
+    its own audio pump. Messages name their utterance by context_id (none: the default one)."""
 
-    def __init__(self, ws: WebSocket, hub: Hub):
-        self.ws, self.hub, self.limits = ws, hub, hub.limits
-        self.state, self.stream, self.pump = "idle", None, None
+    def __init__(self, ws: WebSocket, hub: Hub, clients: tuple):
+        self.ws, self.hub, self.limits, self.clients = ws, hub, hub.limits, clients
+        self.utterances: dict[str | None, Utterance] = {}
         self.last_active = time.monotonic()
         self.sent_bytes = 0
+
+    @property
+    def stream(self):
+        """The default utterance's engine stream, if any (tests watch it)."""
+        utterance = self.utterances.get(None)
+        return utterance.stream if utterance else None
 
     async def run(self) -> None:
         while (message := await self._receive()) is not None:
             try:
                 await self._handle(message)
             except ProtocolError as err:
-                await self.send_error(err.code, err.message)
+                await self.send_error(err, getattr(err, "context_id", None))
 
     async def close(self) -> None:
-        await self._stop_pump()
+        for utterance in list(self.utterances.values()):
+            await utterance.stop()
 
     async def send_json(self, message: dict) -> None:
         """Send an event. A client that reads nothing for idle_timeout_s raises TimeoutError: it is dropped."""
         await asyncio.wait_for(self.ws.send_text(json.dumps(message)), self.limits.idle_timeout_s)
 
-    async def send_error(self, code: str, message: str) -> None:
-        await self.send_json({"type": "error", "code": code, "message": message})
+    async def send_event(self, event: dict, context_id: str | None) -> None:
+        await self.send_json(event if context_id is None else {**event, "context_id": context_id})
+
+    async def send_error(self, err: ProtocolError, context_id: str | None = None) -> None:
+        await self.send_event({"type": "error", "code": err.code, "message": err.message}, context_id)
+
+    async def send_audio(self, data: bytes, context_id: str | None) -> None:
+        """Audio of the default utterance goes as binary frames; of a named context, as JSON with base64
+        (a binary frame cannot say which utterance it belongs to)."""
+        if context_id is None:
+            await asyncio.wait_for(self.ws.send_bytes(data), self.limits.idle_timeout_s)
+        else:
+            await self.send_json({"type": "audio", "context_id": context_id,
+                                  "audio": base64.b64encode(data).decode("ascii")})
+        self.sent_bytes += len(data)
+        self.last_active = time.monotonic()
 
     async def _receive(self) -> dict | None:
-        """The next client message, or None when the client has gone or has been idle too long."""
+        """The next client message, or None when the client has gone or has been idle too long. Idle means no
+        text received and no audio sent; other messages do not count, and waiting in the queue is not idle."""
         while True:
             wait = self.limits.idle_timeout_s - (time.monotonic() - self.last_active)
+            if wait <= 0 and any(u.state == "queued" for u in self.utterances.values()):
+                self.last_active, wait = time.monotonic(), self.limits.idle_timeout_s
             if wait <= 0:
-                await self._stop_pump()
+                await self.close()
                 async with asyncio.timeout(1.0):  # a client that reads nothing gets no goodbye
-                    await self.send_error("idle_timeout", f"no message and no audio for {self.limits.idle_timeout_s} s")
+                    await self.send_error(ProtocolError(
+                        "idle_timeout", f"no text and no audio for {self.limits.idle_timeout_s:g} s"))
                     await self.ws.close(1000, "idle_timeout")
                 return None
             try:
@@ -173,7 +120,6 @@ class Session:
                 continue  # audio may have been sent meanwhile: check again
             if message["type"] == "websocket.disconnect":
                 return None
-            self.last_active = time.monotonic()
             return message
 
     async def _handle(self, message: dict) -> None:
@@ -183,111 +129,213 @@ class Session:
             parsed = CLIENT_MESSAGE.validate_json(message["text"])
         except ValidationError as err:
             raise validation_error(err) from None
-        await getattr(self, f"_on_{parsed.type}")(parsed)
+        try:
+            await getattr(self, f"_on_{parsed.type}")(parsed)
+        except ProtocolError as err:
+            err.context_id = parsed.context_id  # the error belongs to the utterance the message named
+            raise
 
-    def _require(self, state: str, what: str) -> None:
-        if self.state != state:
-            hint = "send start first" if self.state == "idle" else f"the utterance is {self.state}"
-            raise ProtocolError("bad_state", f"{what} is not allowed now: {hint}")
+    def _utterance(self, context_id: str | None, what: str) -> "Utterance":
+        utterance = self.utterances.get(context_id)
+        if utterance is None:
+            raise ProtocolError("bad_state", f"{what} is not allowed now: send start first")
+        if utterance.state == "ending":
+            raise ProtocolError("bad_state", f"{what} is not allowed now: the utterance is ending")
+        return utterance
 
     async def _on_start(self, msg: Start) -> None:
-        if self.state != "idle":
-            raise ProtocolError("bad_state", f"an utterance is {self.state}: end or cancel it and wait for done")
-        self.stream = await self.hub.open(msg.voice, msg.speed)
-        self.state, self.chars, self.first_text_at = "open", 0, None
-        self.utterance_samples, self.first_audio_at = 0, None
-        await self.send_json({"type": "ready", "sample_rate": SAMPLE_RATE, "format": msg.format,
-                              "voice": self.stream.voice, "speed": msg.speed})
-        self.pump = asyncio.create_task(self._pump(self.stream, Encoder(msg.format), msg.timings))
+        if (current := self.utterances.get(msg.context_id)) is not None:
+            raise ProtocolError("bad_state", f"an utterance is {current.state} here: end or cancel it and wait "
+                                "for done, or use another context_id")
+        if len(self.utterances) >= self.limits.max_contexts:
+            raise ProtocolError("too_many_contexts", f"{len(self.utterances)} utterances are open on this socket, "
+                                f"the most one may have; end one first")
+        await self.hub.engine()
+        voice = self.hub.resolve_voice(msg.voice)
+        self.utterances[msg.context_id] = Utterance(self, msg, voice)
 
     async def _on_text(self, msg: Text) -> None:
-        self._require("open", "text")
-        self.hub.check_length(self.chars + len(msg.text), "this text would make the utterance")
+        utterance = self._utterance(msg.context_id, "text")
+        check_text(msg.text)
+        self.hub.check_length(utterance.chars + len(msg.text), "this text would make the utterance")
         if msg.text.strip():
-            self.first_text_at = self.first_text_at or time.perf_counter()
-        try:
-            self.stream.push_text(msg.text)  # thread-safe and cheap: the engine thread phonemises
-        except TextError as err:
-            raise ProtocolError("bad_text", str(err)) from None
-        self.chars += len(msg.text)
+            self.last_active = time.monotonic()  # text is activity; an empty piece is not
+        utterance.push("text", msg.text)
 
     async def _on_flush(self, msg: Flush) -> None:
-        self._require("open", "flush")
-        self.stream.flush()
+        self._utterance(msg.context_id, "flush").push("flush")
 
     async def _on_end(self, msg: End) -> None:
-        self._require("open", "end")
-        self.stream.end()
-        self.state = "ending"
+        self._utterance(msg.context_id, "end").push("end")
 
     async def _on_cancel(self, msg: Cancel) -> None:
-        if self.pump is None:
-            return  # nothing to cancel: the cancel crossed a done on the wire
-        stream, sent = self.stream, self.utterance_samples
-        await self._stop_pump()
-        await self.send_json(self._done(stream, sent, cancelled=True))
+        utterance = self.utterances.get(msg.context_id)
+        if utterance is not None:  # none: the cancel crossed a done on the wire
+            await utterance.cancel()
 
-    async def _stop_pump(self) -> None:
+
+class Utterance:
+    """One utterance on a socket: queued (waiting for a slot; its text is kept) -> open -> ending (end received)
+    -> gone. It ends with exactly one `done`, or, refused before `ready`, with one `error` alone. Only its own
+    task sends those, so a cancel never cuts one in half: a cancel ends the wait or the engine stream, and the
+    task then says `done`."""
+
+    def __init__(self, session: Session, start: Start, voice: str | None):
+        self.session, self.start, self.voice, self.context_id = session, start, voice, start.context_id
+        self.state, self.stream, self.pending = "queued", None, []
+        self.chars, self.samples, self.cancelled = 0, 0, False
+        self.first_text_at = self.first_audio_at = None
+        self.encoder = Encoder(start.format, start.sample_rate)
+        self.opening = asyncio.ensure_future(session.hub.open(session.clients, voice, start.speed, start.seed,
+                                                              self._queued))
+        self.task = asyncio.create_task(self._run())
+
+    def push(self, kind: str, text: str = "") -> None:
+        """text / flush / end: to the engine stream, or kept until the stream opens."""
+        if kind == "text":
+            self.chars += len(text)
+            if text.strip():
+                self.first_text_at = self.first_text_at or time.perf_counter()
+        elif kind == "end":
+            self.state = "ending"
+        if self.stream is None:
+            self.pending.append((kind, text))
+        else:
+            self._apply(kind, text)
+
+    def _apply(self, kind: str, text: str) -> None:
+        try:
+            {"text": lambda: self.stream.push_text(text), "flush": self.stream.flush, "end": self.stream.end}[kind]()
+        except TextError as err:
+            raise ProtocolError("bad_text", str(err), "text") from None
+
+    async def cancel(self) -> None:
+        """Stop at once: the wait in the queue ends, or generation stops and queued audio is dropped; then
+        `done` with cancelled true. Returns once the utterance is gone."""
+        self.cancelled = True
         if self.stream is not None:
             self.stream.cancel()
-        if self.pump is not None:
-            self.pump.cancel()
-            await asyncio.gather(self.pump, return_exceptions=True)
-        self.pump, self.stream, self.state = None, None, "idle"
+        else:
+            self.opening.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
 
-    async def _pump(self, stream, encoder: Encoder, timings: bool = False) -> None:
+    async def stop(self) -> None:
+        """The connection is going: end everything, say nothing."""
+        if self.stream is not None:
+            self.stream.cancel()
+        self.opening.cancel()
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        self._close_opened()  # should the task have been cancelled before it took the stream
+        self.encoder.close()
+
+    def _close_opened(self) -> None:
+        opening = self.opening
+        if opening.done() and not opening.cancelled() and opening.exception() is None:
+            self.session.hub.close(*opening.result())  # idempotent
+
+    async def _run(self) -> None:
+        try:
+            await self._speak()
+        except (WebSocketDisconnect, WebSocketDisconnected, OSError, TimeoutError):
+            pass  # the client has gone or stalled (also while being told of a failure); the session ends
+        finally:
+            self._leave()
+            self._close_opened()
+            self.encoder.close()
+
+    async def _speak(self) -> None:
+        try:
+            try:
+                _, self.stream = await self.opening
+            except asyncio.CancelledError:
+                if not self.cancelled or asyncio.current_task().cancelling():
+                    raise  # the connection is going
+                return await self._finish()  # cancelled while queued
+            if self.cancelled:
+                return await self._finish()
+            if self.state == "queued":
+                self.state = "open"
+            for kind, text in self.pending:
+                self._apply(kind, text)
+            self.pending = []
+            seed = {} if self.start.seed is None else {"seed": self.start.seed}
+            await self._event({"type": "ready", "sample_rate": self.encoder.rate, "format": self.start.format,
+                               "voice": self.stream.voice, "speed": self.start.speed, **seed})
+            await self._pump()
+        except ProtocolError as err:
+            if self.stream is None:  # refused before ready: no utterance was opened
+                self._leave()
+                await self.session.send_error(err, self.context_id)
+            else:  # nothing speakable, or the engine failed
+                await self.session.send_error(err, self.context_id)
+                await self._finish(failed=True)
+        except (WebSocketDisconnect, WebSocketDisconnected, OSError, TimeoutError):
+            raise
+        except Exception as err:  # a bug ends this utterance, not the connection
+            log.exception("utterance failed")
+            await self.session.send_error(ProtocolError("internal", f"internal error: {err}"), self.context_id)
+            await self._finish(failed=True)
+
+    async def _queued(self, position: int) -> None:
+        await self._event({"type": "queued", "position": position})
+
+    async def _pump(self) -> None:
         """Engine -> socket. Each send waits while the socket is backed up, and no read happens meanwhile,
         so the engine's queue fills and it pauses this stream's generation."""
-        try:
-            async for chunk in self.hub.chunks(stream):
-                scheduled = stream.take_timings()  # phonemes are scheduled just ahead of their audio
-                if timings and scheduled:
-                    await self.send_json({"type": "timing", "phonemes": scheduled})
-                await self._send_audio(encoder.encode(chunk), len(chunk))
-            await self._send_audio(encoder.finish(), 0)
-            await self.send_json(self._done(stream, self.utterance_samples, cancelled=False))
-        except ProtocolError as err:  # nothing speakable, or the engine failed
-            await self._fail(stream, err.code, err.message)
-        except (WebSocketDisconnect, WebSocketDisconnected, OSError, TimeoutError):
-            return  # the client has gone or stalled; the session ends it
-        except Exception as err:  # a bug ends this utterance, not the connection
-            log.exception("audio pump failed")
-            await self._fail(stream, "internal", f"internal error: {err}")
-        finally:
-            encoder.close()
-        self.pump, self.stream, self.state = None, None, "idle"
-
-    async def _fail(self, stream, code: str, message: str) -> None:
-        """Report a failure of the utterance, then end it with a done marked cancelled."""
-        await self.send_error(code, message)
-        await self.send_json(self._done(stream, self.utterance_samples, cancelled=True))
+        stream, start = self.stream, self.start
+        async for chunk in self.session.hub.chunks(stream):
+            timing = {}
+            if start.timings and (phonemes := stream.take_timings()):
+                timing["phonemes"] = phonemes  # scheduled just ahead of their audio
+            if start.word_timings and (words := stream.take_word_timings()):
+                timing["words"] = words
+            if timing:
+                await self._event({"type": "timing", **timing})
+            await self._send_audio(self.encoder.encode(chunk), len(chunk))
+        if not self.cancelled:
+            await self._send_audio(self.encoder.finish(), 0)
+        await self._finish()
 
     async def _send_audio(self, data: bytes, samples: int) -> None:
-        self.utterance_samples += samples  # an encoder may hold a chunk back, but it is in the utterance
-        if not data:
-            return
-        await self.ws.send_bytes(data)
-        self.sent_bytes += len(data)
-        self.last_active = time.monotonic()
-        self.first_audio_at = self.first_audio_at or time.perf_counter()
+        self.samples += samples  # an encoder may hold a chunk back, but it is in the utterance
+        if data:
+            await self.session.send_audio(data, self.context_id)
+            self.first_audio_at = self.first_audio_at or time.perf_counter()
 
-    def _done(self, stream, samples: int, cancelled: bool) -> dict:
+    async def _event(self, event: dict) -> None:
+        await self.session.send_event(event, self.context_id)
+
+    def _leave(self) -> None:
+        """Free the context for the next start (before the last event goes, so a client answering it is served)."""
+        if self.session.utterances.get(self.context_id) is self:
+            del self.session.utterances[self.context_id]
+
+    async def _finish(self, failed: bool = False) -> None:
+        """The utterance's one `done`, once its context and its slot are free (a client answering it at once
+        with the next start is served without waiting)."""
+        self._leave()
+        self._close_opened()
         ttfa = None
         if self.first_text_at is not None and self.first_audio_at is not None:
             ttfa = round((self.first_audio_at - self.first_text_at) * 1000, 1)
-        return {"type": "done", "cancelled": cancelled, "audio_seconds": round(samples / SAMPLE_RATE, 3),
-                "ttfa_ms": ttfa, "rtf": stream.stats["rtf"], "engine_ttfa_ms": stream.stats["ttfa_ms"]}
+        stats = self.stream.stats if self.stream is not None else {"rtf": None, "ttfa_ms": None}
+        await self._event({"type": "done", "cancelled": self.cancelled or failed,
+                           "audio_seconds": round(self.samples / SAMPLE_RATE, 3), "ttfa_ms": ttfa,
+                           "rtf": stats["rtf"], "engine_ttfa_ms": stats["ttfa_ms"]})
 
 
 async def stream_endpoint(ws: WebSocket) -> None:
     hub: Hub = ws.app.state.hub
+    clients = clients_of(ws.scope, hub)
     await ws.accept()
-    if not hub.admit():
-        await ws.send_text(json.dumps({"type": "error", "code": "server_full", "message":
-                                       f"the server has {hub.limits.max_connections} connections; try again shortly"}))
-        await ws.close(1013, "server_full")
+    try:
+        hub.admission.connect(clients)
+    except ProtocolError as err:
+        await ws.send_text(json.dumps({"type": "error", "code": err.code, "message": err.message}))
+        await ws.close(1013, err.code)  # 1013: try again later
         return
-    session = Session(ws, hub)
+    session = Session(ws, hub, clients)
     hub.sessions.add(session)
     try:
         await session.run()
@@ -298,117 +346,41 @@ async def stream_endpoint(ws: WebSocket) -> None:
     finally:
         await session.close()
         hub.sessions.discard(session)
-        hub.leave()
+        hub.admission.disconnect(clients)
 
 
-# ---- HTTP -----------------------------------------------------------------------------------------
-_HTTP_STATUS = {"server_full": 503, "body_too_large": 413, "engine_error": 500}
+class _DemoRoute(Route):
+    """The demo's static files, at every path outside the API: a Route, not a Mount, and never matching /v1/, so
+    a wrong method on an API path gets that path's 405 (PUT /v1/audio/speech: Allow: POST), not the files' own."""
+
+    def matches(self, scope):
+        if scope["path"].startswith("/v1/"):
+            return Match.NONE, {}
+        return super().matches(scope)
 
 
-def _http_error(err: ProtocolError) -> JSONResponse:
-    return JSONResponse({"error": {"message": err.message, "type": "invalid_request_error", "code": err.code,
-                                   "param": None}}, status_code=_HTTP_STATUS.get(err.code, 400))
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    body = b""
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise ProtocolError("body_too_large", f"the request body is over {limit} bytes")
-    return body
-
-
-class AudioResponse(StreamingResponse):
-    """The speech body, streamed as it is generated; the engine slot is released however the response ends."""
-
-    def __init__(self, hub: Hub, stream, fmt: str):
-        self._hub, self._stream, self._encoder = hub, stream, Encoder(fmt)
-        super().__init__(self._body(), media_type=MEDIA_TYPES[fmt], headers={"X-Sample-Rate": str(SAMPLE_RATE)})
-
-    async def _body(self):
-        try:
-            async for chunk in self._hub.chunks(self._stream):
-                if data := self._encoder.encode(chunk):
-                    yield data
-            if tail := self._encoder.finish():
-                yield tail
-        except ProtocolError as err:  # the status line is gone: end the body early and log why
-            log.error("speech request failed mid-stream: %s", err.message)
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-            self._stream.cancel()
-            self._encoder.close()
-            self._hub.leave()
-
-
-async def _speech_request(request: Request, hub: Hub) -> SpeechRequest:
-    body = await _read_body(request, hub.limits.max_message_bytes)
-    try:
-        req = SpeechRequest.model_validate_json(body)
-    except ValidationError as err:
-        raise validation_error(err) from None
-    hub.check_length(len(req.input), "input is")
-    try:
-        await hub.call(text_to_sentences, req.input)  # empty or unspeakable: an error now, not an empty body
-    except TextError as err:
-        raise ProtocolError("bad_text", str(err)) from None
-    return req
-
-
-async def _speech_stream(hub: Hub, req: SpeechRequest):
-    """An engine stream with the whole input pushed, holding one admission (released by AudioResponse)."""
-    if not hub.admit():
-        raise ProtocolError("server_full", "the server is at its connection limit; try again shortly")
-    stream = None
-    try:
-        stream = await hub.open(req.voice, req.speed)
-        stream.push_text(req.input)
-        stream.end()
-        return stream
-    except BaseException as err:
-        hub.leave()
-        if stream is not None:
-            stream.cancel()
-        if isinstance(err, TextError):
-            raise ProtocolError("bad_text", str(err)) from None
-        raise
-
-
-async def speech(request: Request):
-    hub: Hub = request.app.state.hub
-    try:
-        await hub.engine()
-        req = await _speech_request(request, hub)
-        stream = await _speech_stream(hub, req)
-    except ProtocolError as err:
-        return _http_error(err)
-    return AudioResponse(hub, stream, req.response_format)
-
-
-async def voices(request: Request) -> JSONResponse:
-    engine = await request.app.state.hub.engine()
-    listed = [{k: v.get(k) for k in VOICE_KEYS} for v in engine.voices.values()]
-    return JSONResponse({"default": engine.default_voice, "sample_rate": SAMPLE_RATE, "voices": listed})
-
-
-async def health(request: Request) -> JSONResponse:
-    hub: Hub = request.app.state.hub
-    return JSONResponse({"status": "ok", "sample_rate": SAMPLE_RATE, "connections": hub.admitted,
-                         "max_connections": hub.limits.max_connections})
-
-
-def create_app(engine=None, limits: Limits | None = None) -> Starlette:
-    """The ASGI app. `engine=None` uses the process-wide engine on the shipped voices, loaded on first use."""
-    hub = Hub(engine, limits or Limits())
-    routes = [Route("/health", health), Route("/v1/voices", voices),
-              Route("/v1/audio/speech", speech, methods=["POST"]), WebSocketRoute("/v1/stream", stream_endpoint),
-              Mount("/", StaticFiles(directory=DEMO_DIR, html=True), name="demo")]
-    app = Starlette(routes=routes)
+def create_app(engine=None, limits: Limits | None = None, *, api_keys=(), allow_origins=(),
+               aliases: dict[str, str] | None = None) -> Starlette:
+    """The ASGI app. `engine=None` uses the process-wide engine on the shipped voices, loaded on first use.
+    `api_keys`: when given, every /v1 endpoint wants one. `allow_origins`: browser origins, besides the server's
+    own, that may use the API and the WebSocket (and get CORS headers); "*" allows any. `aliases`: OpenAI voice
+    names -> voices (default: voices/voices.json)."""
+    hub = Hub(engine, limits or Limits(), aliases, tuple(api_keys), tuple(allow_origins))
+    demo = StaticFiles(directory=DEMO_DIR, html=True)
+    api = http_api
+    routes = [Route("/health", api.health), Route("/v1/voices", api.voices),
+              Route("/v1/audio/voices", api.audio_voices), Route("/v1/models", api.models),
+              Route("/v1/audio/models", api.audio_models),
+              Route("/v1/audio/speech", api.speech, methods=["POST"]), WebSocketRoute("/v1/stream", stream_endpoint),
+              _DemoRoute("/{path:path}", demo, methods=["GET", "HEAD"])]
+    middleware = [Middleware(api.AccessMiddleware, hub=hub)]
+    if hub.allow_origins:
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(hub.allow_origins),
+                                        allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type",
+                                                                                      "X-API-Key"],
+                                        expose_headers=["X-Sample-Rate", "Retry-After"]))
+    app = Starlette(routes=routes, middleware=middleware,
+                    exception_handlers={HTTPException: api.http_exception, Exception: api.server_error})
     app.state.hub = hub
     return app
 
@@ -430,16 +402,17 @@ def _server(app: Starlette, limits: Limits, log_level: str) -> uvicorn.Server:
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, engine=None, log_level: str = "info", compile: bool = True,
-          **limits) -> None:
-    """Serve until interrupted. `limits` are the fields of `Limits` (max_connections=..., ...). The engine loads,
-    and compiles its step unless ``compile`` is false (or TTS_NO_COMPILE=1), before the socket opens, so missing
-    weights fail here and the first client waits for neither."""
+          api_keys=(), allow_origins=(), **limits) -> None:
+    """Serve until interrupted. `limits` are the fields of `Limits` (max_connections=..., ...); `api_keys` and
+    `allow_origins` as in `create_app`. The engine loads, and compiles its step unless ``compile`` is false (or
+    TTS_NO_COMPILE=1), before the socket opens, so missing weights fail here and the first client waits for neither."""
     lim = Limits(**limits)
     if engine is None:
         from tts.api import get_engine
         engine = get_engine(compile=compile)
     sock = _bind(host, port, lim)
-    _server(create_app(engine, lim), lim, log_level).run(sockets=[sock])
+    app = create_app(engine, lim, api_keys=api_keys, allow_origins=allow_origins)
+    _server(app, lim, log_level).run(sockets=[sock])
 
 
 class ServerThread:
@@ -449,9 +422,10 @@ class ServerThread:
     ...     server.ws_url  # 'ws://127.0.0.1:PORT/v1/stream'
     """
 
-    def __init__(self, engine=None, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", **limits):
+    def __init__(self, engine=None, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 api_keys=(), allow_origins=(), aliases: dict[str, str] | None = None, **limits):
         self.limits = Limits(**limits)
-        self.app = create_app(engine, self.limits)
+        self.app = create_app(engine, self.limits, api_keys=api_keys, allow_origins=allow_origins, aliases=aliases)
         self._sock = _bind(host, port, self.limits)
         self.host, self.port = self._sock.getsockname()[:2]
         self._server = _server(self.app, self.limits, log_level)

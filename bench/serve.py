@@ -35,7 +35,8 @@ async def speak(ws, text: str) -> tuple[float, float, float]:
     """One utterance: (ms from text sent to first audio frame, wall time / audio time, the engine's own
     time to first audio in ms)."""
     await ws.send(json.dumps({"type": "start", "format": "pcm_s16le"}))
-    ready = json.loads(await ws.recv())
+    while (ready := json.loads(await ws.recv())).get("type") == "queued":
+        pass  # every slot busy: wait for one
     if ready.get("type") != "ready":
         raise RuntimeError(f"start refused: {ready}")
     sent = time.perf_counter()

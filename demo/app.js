@@ -3,6 +3,9 @@
 const SAMPLE_RATE = 24000;
 const $ = (id) => document.getElementById(id);
 const BUSY = ["starting", "speaking", "ending"];  // an utterance is open on the server
+// A server started with --api-key wants one: open the page as http://HOST:PORT/#key=KEY (a fragment never
+// leaves the browser, so the key stays out of server logs).
+const API_KEY = new URLSearchParams(location.hash.slice(1)).get("key");
 
 const demo = {
   state: "connecting",     // connecting | idle | starting | speaking | ending | stopping | closed
@@ -101,7 +104,8 @@ function drawMeter() {
 function connect() {
   return new Promise((resolve, reject) => {
     const scheme = location.protocol === "https:" ? "wss" : "ws";
-    const socket = new WebSocket(`${scheme}://${location.host}/v1/stream`);
+    const query = API_KEY ? `?api_key=${encodeURIComponent(API_KEY)}` : "";
+    const socket = new WebSocket(`${scheme}://${location.host}/v1/stream${query}`);
     socket.binaryType = "arraybuffer";
     socket.onopen = () => { ws = socket; setState("idle"); resolve(socket); };
     socket.onmessage = (event) => onMessage(event.data);
@@ -127,6 +131,8 @@ function onMessage(data) {
   const event = JSON.parse(data);
   if (event.type === "ready") {
     if (waiting) waiting.resolve(event);
+  } else if (event.type === "queued") {  // every slot is busy: the server keeps our place in its queue
+    setState("starting", `waiting for a free slot (place ${event.position} in the queue)`);
   } else if (event.type === "done") {
     onDone(event);
   } else if (event.type === "error") {
@@ -201,6 +207,7 @@ function stop() {
   if (!BUSY.includes(demo.state) || !ws) return;
   dropping = true;
   send({ type: "cancel" });
+  if (waiting) waiting.reject(new Error("stopped"));  // a start still waiting in the server's queue
   sentText = "";
   setState("stopping");
 }
@@ -250,7 +257,7 @@ async function simulateLlm() {
 
 // ---- page set-up ---------------------------------------------------------------------------------
 async function loadVoices() {
-  const response = await fetch("/v1/voices");
+  const response = await fetch("/v1/voices", API_KEY ? { headers: { Authorization: `Bearer ${API_KEY}` } } : {});
   if (!response.ok) throw new Error(`GET /v1/voices: HTTP ${response.status}`);
   const { voices, default: preferred } = await response.json();
   const select = $("voice");
@@ -264,6 +271,7 @@ async function loadVoices() {
 
 function run(action) {
   return () => action().catch((err) => {
+    if (err.message === "stopped") return;
     if (!demo.errors.length || demo.errors.at(-1).code !== err.message) showError("client", err.message);
   });
 }

@@ -130,3 +130,38 @@ def test_speak_again_while_speaking_replaces_the_utterance(page):
     page.wait_for_function("window.ttsDemo.utterances === 2 && window.ttsDemo.lastDone"
                            " && !window.ttsDemo.lastDone.cancelled", timeout=60_000)
     assert demo(page)["errors"] == [] and page.errors == []
+
+
+def test_with_an_api_key_and_a_busy_server_the_page_waits_in_the_queue(make_server):
+    """A server that wants a key, its only slot taken: the page (opened as /#key=KEY) shows its place in the
+    queue, and speaks once the slot frees."""
+    import asyncio
+    import json
+    import threading
+
+    import websockets
+    from helpers import tiny_random
+    server = make_server(tiny_random(max_streams=1), api_keys=("sekrit",))
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+
+    async def hold_the_slot(seconds):
+        async with websockets.connect(server.ws_url + "?api_key=sekrit") as ws:
+            await ws.send(json.dumps({"type": "start"}))
+            await ws.recv()
+            await asyncio.sleep(seconds)
+
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page()
+        page.goto(server.url + "/#key=sekrit")
+        page.wait_for_function("window.ttsDemo && window.ttsDemo.state === 'idle'", timeout=20_000)
+        holder = threading.Thread(target=asyncio.run, args=(hold_the_slot(3.0),))
+        holder.start()
+        page.wait_for_timeout(500)
+        page.fill("#text", "Waiting for my turn.")
+        page.click("#speak")
+        page.wait_for_function("document.getElementById('status').textContent.includes('queue')", timeout=10_000)
+        holder.join()
+        page.wait_for_function("window.ttsDemo.lastDone && !window.ttsDemo.lastDone.cancelled", timeout=60_000)
+        assert demo(page)["errors"] == [] and demo(page)["chunksReceived"] > 0
+        browser.close()

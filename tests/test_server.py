@@ -6,13 +6,16 @@ one end-to-end test speaks a sentence with the shipped voice and checks it with 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import io
 import json
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import av
+import httpx2 as httpx  # the openai SDK's own HTTP client
 import numpy as np
 import openai
 import pytest
@@ -23,6 +26,13 @@ from tts.client import ClientError, ServerError, connect, say_via_server, synthe
 
 SR = 24_000
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
+
+
+@pytest.fixture(scope="module")
+def one_slot_engine():
+    """A tiny engine with one slot: the second utterance has to wait."""
+    from helpers import tiny_random
+    return tiny_random(max_streams=1)
 
 
 def run(coro):
@@ -236,7 +246,7 @@ def test_a_reader_stalled_past_the_idle_timeout_is_dropped_and_its_slot_freed(ma
     async def go():
         async with websockets.connect(server.ws_url, max_queue=1) as ws:
             await open_long_utterance(ws)
-            dropped = await asyncio.to_thread(wait_until, lambda: server.hub.admitted == 0, 30)
+            dropped = await asyncio.to_thread(wait_until, lambda: server.hub.admission.connections == 0, 30)
             ws.transport.abort()  # this client never reads: no closing handshake to wait for
             return dropped
 
@@ -280,23 +290,57 @@ def test_connection_limit_answers_server_full(make_server, tiny_engine):
     assert frames
 
 
-def test_busy_engine_answers_server_full_on_start(make_server):
-    from helpers import tiny_random
-    server = make_server(tiny_random(max_streams=1))
+async def queue_behind(a, b) -> dict:
+    """On a one-slot server: `a` opens an utterance, `b`'s start queues behind it. b's queued event."""
+    await send(a, type="start")
+    assert json.loads(await a.recv())["type"] == "ready"
+    await send(b, type="start")
+    return await event(b)
+
+
+def test_a_start_on_a_busy_engine_waits_in_the_queue_then_speaks(make_server, one_slot_engine):
+    server = make_server(one_slot_engine)
 
     async def go():
         async with websockets.connect(server.ws_url) as a, websockets.connect(server.ws_url) as b:
-            await send(a, type="start")
-            await a.recv()
-            await send(b, type="start")
-            refused = await event(b)
+            queued = await queue_behind(a, b)
+            await send(b, type="text", text="My turn now.")  # text sent while queued is kept
+            await send(b, type="end")
+            await asyncio.sleep(0.3)
             await send(a, type="cancel")
             await event(a)
-            _, frames, _ = await utterance(b, "My turn now.")  # the slot is free again
-            return refused, frames
+            ready = await event(b)
+            frames = []
+            while isinstance(message := await asyncio.wait_for(b.recv(), 30), bytes):
+                frames.append(message)
+            return queued, ready, frames, json.loads(message)
 
-    refused, frames = run(go())
-    assert refused["code"] == "server_full" and frames
+    queued, ready, frames, done = run(go())
+    assert queued == {"type": "queued", "position": 1}
+    assert ready["type"] == "ready" and frames and done["type"] == "done" and not done["cancelled"]
+
+
+def test_a_queued_start_past_its_deadline_gets_server_full_and_cancel_leaves_the_queue(make_server,
+                                                                                    one_slot_engine):
+    server = make_server(one_slot_engine, queue_timeout_s=0.5)
+
+    async def go():
+        async with websockets.connect(server.ws_url) as a, websockets.connect(server.ws_url) as b:
+            queued = await queue_behind(a, b)
+            refused = await event(b, timeout=10)
+            await send(b, type="start", context_id="again")
+            await event(b)  # queued
+            await send(b, type="cancel", context_id="again")
+            cancelled = await event(b)
+            await send(a, type="cancel")
+            await event(a)
+            return queued, refused, cancelled, await alive(b)
+
+    queued, refused, cancelled, later = run(go())
+    assert queued["type"] == "queued" and refused["code"] == "server_full"
+    assert cancelled == {"type": "done", "cancelled": True, "audio_seconds": 0, "ttfa_ms": None, "rtf": None,
+                         "engine_ttfa_ms": None, "context_id": "again"}
+    assert later["type"] == "done" and server.hub.admission.queued == 0
 
 
 def test_idle_connection_is_closed_with_idle_timeout(make_server, tiny_engine):
@@ -310,7 +354,7 @@ def test_idle_connection_is_closed_with_idle_timeout(make_server, tiny_engine):
             return error
 
     assert run(go())["code"] == "idle_timeout"
-    assert server.hub.admitted == 0
+    assert server.hub.admission.connections == 0
 
 
 def test_cancel_mid_stream_stops_at_once_and_the_connection_goes_on(server, tiny_engine):
@@ -350,7 +394,7 @@ def test_a_client_that_vanishes_mid_stream_frees_its_slot(server, tiny_engine):
         ws.transport.abort()
 
     run(go())
-    assert wait_until(lambda: tiny_engine.active_streams == 0 and server.hub.admitted == 0)
+    assert wait_until(lambda: tiny_engine.active_streams == 0 and server.hub.admission.connections == 0)
 
 
 def test_slow_reader_pauses_generation_and_others_are_unaffected(make_server, tiny_engine):
@@ -450,8 +494,13 @@ def test_openai_sdk_pcm_streams_while_generating(client):
     assert len(parts) > 1 and first < 0.6 * total  # the body streamed; it did not come at the end
 
 
+PARAMS = {"unknown_voice": "voice", "unsupported_format": "response_format", "bad_value": "speed", "bad_text": "input",
+          "unknown_key": "volume", "text_too_long": "input"}
+
+
 @pytest.mark.parametrize("request_, status, code", [
-    ({"voice": "alloy", "input": "Hi."}, 400, "unknown_voice"),
+    ({"voice": "nobody", "input": "Hi."}, 400, "unknown_voice"),
+    ({"voice": "", "input": "Hi."}, 400, "unknown_voice"),
     ({"voice": "joe", "input": "Hi.", "response_format": "ogg"}, 400, "unsupported_format"),
     ({"voice": "joe", "input": "Hi.", "speed": 9.0}, 400, "bad_value"),
     ({"voice": "joe", "input": "   "}, 400, "bad_text"),
@@ -464,6 +513,8 @@ def test_openai_sdk_errors_are_typed(client, request_, status, code):
         client.audio.speech.create(model="tts-1", **request_)
     assert failure.value.status_code == status
     assert failure.value.body["code"] == code and failure.value.body["message"]
+    assert failure.value.body["type"] == "invalid_request_error"
+    assert failure.value.body["param"] == PARAMS.get(code), failure.value.body
 
 
 def test_openai_sdk_server_full_is_503(make_server, tiny_engine):
@@ -481,6 +532,490 @@ def test_openai_sdk_server_full_is_503(make_server, tiny_engine):
 
     failure = run(hold_and_request())
     assert failure.status_code == 503 and failure.body["code"] == "server_full"
+    assert failure.body["type"] == "server_error" and int(failure.response.headers["retry-after"]) >= 1
+
+
+def test_openai_sdk_with_the_server_full_retries_after_retry_after(make_server, tiny_engine):
+    """The SDK's own retry (max_retries=2) honours Retry-After: a request refused while the only connection is
+    held succeeds once it is freed."""
+    server = make_server(tiny_engine, max_connections=1)
+
+    async def go():
+        ws = await websockets.connect(server.ws_url)
+        asyncio.get_running_loop().call_later(0.5, lambda: asyncio.ensure_future(ws.close()))
+        with openai.OpenAI(api_key="x", base_url=server.url + "/v1", max_retries=2) as client:
+            return await asyncio.to_thread(lambda: client.audio.speech.create(model="tts-1", input="Hi.",
+                                                                              voice="joe", response_format="pcm"))
+
+    assert len(run(go()).content) > 0
+
+
+# ---- OpenAI drop-in: aliases, models, voices, SSE, every format ---------------------------------
+def sse_events(lines) -> list[dict]:
+    """The JSON of each `data:` line of a server-sent event stream."""
+    return [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+
+
+def speak_openai(client, fmt: str, stream_format: str, **request) -> tuple[bytes, list[dict]]:
+    """(audio bytes, SSE events) of one streamed request in the SDK."""
+    request = {"model": "tts-1", "voice": "alloy", "input": SENTENCE, **request}
+    with client.audio.speech.with_streaming_response.create(response_format=fmt, stream_format=stream_format,
+                                                            **request) as response:
+        if stream_format == "audio":
+            return b"".join(response.iter_bytes()), []
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response.iter_lines())
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+    return audio, events
+
+
+@pytest.mark.parametrize("stream_format", ["audio", "sse"])
+@pytest.mark.parametrize("fmt, rate", [("mp3", SR), ("opus", 48_000), ("aac", SR), ("flac", SR), ("wav", SR),
+                                       ("pcm", SR)])
+def test_openai_sdk_alias_voice_every_format_and_both_stream_formats(client, fmt, rate, stream_format):
+    audio, events = speak_openai(client, fmt, stream_format)
+    if fmt == "pcm":
+        samples, got_rate = np.frombuffer(audio, dtype="<i2"), SR
+    else:
+        samples, got_rate = decode(audio)
+    assert got_rate == rate and 0.5 < len(samples) / rate < 30
+    if stream_format == "sse":
+        assert [e["type"] for e in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1)
+        usage = events[-1]["usage"]
+        assert events[-1]["type"] == "speech.audio.done" and usage["input_tokens"] == len(SENTENCE)
+        assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"] > len(SENTENCE)
+
+
+def test_alias_and_custom_voice_forms_speak_the_mapped_voice(server):
+    with httpx.Client(base_url=server.url) as http:
+        for voice in ("alloy", "ALLOY", {"id": "alloy"}, {"id": "slt"}):
+            response = http.post("/v1/audio/speech", json={"input": "Hi.", "voice": voice, "response_format": "pcm"})
+            assert response.status_code == 200 and response.content, voice
+
+
+def test_models_and_voice_listings_have_the_shapes_clients_read(client, server):
+    assert "tts-1" in [m.id for m in client.models.list()]
+    with httpx.Client(base_url=server.url) as http:
+        audio_voices = http.get("/v1/audio/voices").json()["voices"]
+        listing = http.get("/v1/voices").json()
+        assert http.get("/v1/audio/models").json()["models"][0]["id"]
+    ids = {v["id"]: v for v in audio_voices}
+    assert all(isinstance(v["name"], str) for v in audio_voices)  # Open WebUI: {v["id"]: v["name"]}
+    assert ids["alloy"]["alias_of"] == "joe" and ids["joe"]["alias_of"] is None
+    assert listing["aliases"]["alloy"] == "joe"
+    assert set(listing["aliases"].values()) <= {v["name"] for v in listing["voices"]}
+
+
+def test_a_request_whose_client_leaves_while_queued_leaves_the_queue(make_server, one_slot_engine):
+    server = make_server(one_slot_engine)
+
+    async def go():
+        async with websockets.connect(server.ws_url) as holder:
+            await send(holder, type="start")  # takes the only slot, and holds it: no text, no end
+            assert json.loads(await holder.recv())["type"] == "ready"
+            request = asyncio.to_thread(httpx.post, server.url + "/v1/audio/speech", timeout=2.0,
+                                        json={"input": "Hi.", "response_format": "pcm"})
+            request = asyncio.ensure_future(request)
+            queued = await asyncio.to_thread(wait_until, lambda: server.hub.admission.queued == 1)
+            with pytest.raises(httpx.TimeoutException):
+                await request  # the client gives up and closes its connection
+            return queued, await asyncio.to_thread(wait_until, lambda: server.hub.admission.queued == 0
+                                                   and server.hub.admission.connections == 1)
+
+    assert run(go()) == (True, True), server.hub.stats()
+
+
+def test_a_failure_mid_stream_is_visible_to_the_client(make_server, one_slot_engine):
+    """After the status line, a failure must not look like a short success: the raw body is cut off (the SDK
+    raises on the incomplete read) and SSE says error."""
+    from streaming.engine import EngineError
+    server = make_server(one_slot_engine)
+
+    def fail_the_stream():
+        assert wait_until(lambda: server.hub.streams)
+        next(iter(server.hub.streams)).finish(EngineError("injected fault"))
+
+    with sdk(server) as client:
+        with pytest.raises((httpx.HTTPError, openai.APIError)):
+            with client.audio.speech.with_streaming_response.create(
+                    model="tts-1", voice="joe", input=SENTENCE * 20, response_format="pcm") as response:
+                for i, _ in enumerate(response.iter_bytes()):
+                    if i == 0:
+                        fail_the_stream()
+        with client.audio.speech.with_streaming_response.create(
+                model="tts-1", voice="joe", input=SENTENCE * 20, response_format="pcm",
+                stream_format="sse") as response:
+            events = []
+            for line in response.iter_lines():
+                events += sse_events([line])
+                if len(events) == 1:
+                    fail_the_stream()
+    assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == "engine_error"
+    assert "speech.audio.done" not in [e["type"] for e in events]
+    assert wait_until(lambda: not server.hub.streams and server.hub.admission.connections == 0)
+
+
+def test_api_key_is_required_on_every_endpoint_when_set(make_server, tiny_engine):
+    server = make_server(tiny_engine, api_keys=("sekrit",))
+    with openai.OpenAI(api_key="wrong", base_url=server.url + "/v1", max_retries=0) as wrong:
+        with pytest.raises(openai.AuthenticationError) as refused:
+            wrong.audio.speech.create(model="tts-1", voice="joe", input="Hi.")
+        assert refused.value.body["type"] == "authentication_error"
+        assert refused.value.body["code"] == "invalid_api_key"
+    with openai.OpenAI(api_key="sekrit", base_url=server.url + "/v1", max_retries=0) as right:
+        assert right.audio.speech.create(model="tts-1", voice="joe", input="Hi.", response_format="pcm").content
+    with httpx.Client(base_url=server.url) as http:
+        for path in ("/v1/voices", "/v1/audio/voices", "/v1/models"):
+            assert http.get(path).status_code == 401
+            assert http.get(path, headers={"X-API-Key": "sekrit"}).status_code == 200
+        assert http.get("/health").status_code == 200 and http.get("/").status_code == 200
+
+    async def ws_attempts():
+        with pytest.raises(websockets.InvalidStatus) as no_key:
+            await websockets.connect(server.ws_url)
+        async with websockets.connect(server.ws_url + "?api_key=sekrit") as ws:
+            by_query = await alive(ws)
+        async with websockets.connect(server.ws_url, additional_headers={"Authorization": "Bearer sekrit"}) as ws:
+            by_header = await alive(ws)
+        return no_key.value.response.status_code, by_query, by_header
+
+    status, by_query, by_header = run(ws_attempts())
+    assert status == 403 and by_query["type"] == by_header["type"] == "done"
+
+
+def test_cors_is_opt_in(make_server, tiny_engine):
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type,authorization"}
+    with httpx.Client(base_url=make_server(tiny_engine).url) as http:
+        assert "access-control-allow-origin" not in http.options("/v1/audio/speech", headers=preflight).headers
+    with httpx.Client(base_url=make_server(tiny_engine, allow_origins=("https://app.example",)).url) as http:
+        answer = http.options("/v1/audio/speech", headers=preflight)
+        assert answer.status_code == 200
+        assert answer.headers["access-control-allow-origin"] == "https://app.example"
+        spoken = http.post("/v1/audio/speech", headers={"Origin": "https://app.example"},
+                           json={"input": "Hi.", "voice": "joe", "response_format": "pcm"})
+        assert spoken.status_code == 200 and spoken.headers["access-control-allow-origin"] == "https://app.example"
+
+
+# ---- issue 25: one client can never hurt another ------------------------------------------------
+NASTY_TEXTS = ["Hello\u0000 world.", "The number is " + "7" * 400 + ".", "\x1b[31mred\x1b[0m alert.",
+               "Supercalifragilistic" * 50 + "."]
+
+
+async def speak_until_audio(ws, text: str) -> tuple[list[dict], int]:
+    """Start, send `text`, end, and cancel once audio comes (a 400-digit number read out is minutes long):
+    (every JSON event up to done, audio bytes received)."""
+    await send(ws, type="start")
+    events, audio = [json.loads(await ws.recv())], 0
+    for message in ({"type": "text", "text": text}, {"type": "end"}):
+        await ws.send(json.dumps(message))
+    async with asyncio.timeout(120):
+        while events[-1]["type"] != "done":
+            message = await ws.recv()
+            if isinstance(message, bytes):
+                audio += len(message)
+                if audio == len(message):
+                    await send(ws, type="cancel")
+            else:
+                events.append(json.loads(message))
+    return events, audio
+
+
+def test_nasty_text_fails_that_utterance_alone_and_a_concurrent_one_completes(server):
+    """A NUL byte, an escape sequence, a 400-digit number, a 1000-letter word: each gets a typed answer on its
+    own connection (or is spoken), while another client's utterance, running all along, completes."""
+    async def all_of(ws) -> tuple[int, dict]:
+        received = 0
+        async with asyncio.timeout(120):
+            while isinstance(message := await ws.recv(), bytes):
+                received += len(message)
+        return received, json.loads(message)
+
+    async def go():
+        async with websockets.connect(server.ws_url) as other:
+            await send(other, type="start", format="f32le")
+            assert json.loads(await other.recv())["type"] == "ready"
+            await send(other, type="text", text=SENTENCE * 4)  # its text ends only after the nasty ones
+            reading = asyncio.create_task(all_of(other))
+            answers = []
+            for text in NASTY_TEXTS:
+                async with websockets.connect(server.ws_url) as ws:
+                    answers.append(await speak_until_audio(ws, text))
+            await send(other, type="end")
+            return answers, *await reading
+
+    answers, received, done = run(go())
+    for text, (events, _) in zip(NASTY_TEXTS, answers):
+        assert events[0]["type"] == "ready" and events[-1]["type"] == "done", (text[:20], events)
+        assert {e["code"] for e in events if e["type"] == "error"} <= {"bad_text"}, (text[:20], events)
+    control = [events for text, (events, _) in zip(NASTY_TEXTS, answers) if "\x00" in text or "\x1b" in text]
+    assert all(events[1]["code"] == "bad_text" and "U+00" in events[1]["message"] for events in control)
+    assert done == {**done, "type": "done", "cancelled": False} and received > 0
+
+
+@pytest.mark.parametrize("text", NASTY_TEXTS, ids=["nul", "400 digits", "escape", "huge word"])
+def test_nasty_text_over_http_is_a_400_or_audio_never_a_500(client, text):
+    try:
+        with client.audio.speech.with_streaming_response.create(model="tts-1", voice="joe", input=text,
+                                                                response_format="pcm") as response:
+            audio = next(response.iter_bytes())  # enough: a 400-digit number read out is minutes long
+    except openai.APIStatusError as failure:
+        assert failure.status_code == 400 and failure.body["code"] == "bad_text"
+        assert failure.body["param"] == "input" and failure.body["type"] == "invalid_request_error"
+    else:
+        assert "\x00" not in text and "\x1b" not in text and len(audio) > 0
+
+
+def test_twelve_concurrent_requests_on_four_slots_all_complete(server, tiny_engine):
+    assert tiny_engine.max_streams == 4
+
+    def request(i):
+        with sdk(server) as client:
+            return client.audio.speech.create(model="tts-1", voice="joe", input=SENTENCE, response_format="pcm")
+
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(request, range(12)))
+    assert all(len(a.content) > SR for a in answers)  # each over half a second of 16-bit audio
+
+
+def test_a_no_op_message_does_not_keep_a_connection_alive(make_server, tiny_engine):
+    server = make_server(tiny_engine, idle_timeout_s=1.0)
+
+    async def go():
+        async with websockets.connect(server.ws_url) as ws:
+            started = time.monotonic()
+            with contextlib.suppress(websockets.ConnectionClosed):
+                while time.monotonic() - started < 6:
+                    await send(ws, type="cancel")  # nothing to cancel
+                    with contextlib.suppress(TimeoutError):
+                        if (error := json.loads(await asyncio.wait_for(ws.recv(), 0.25)))["type"] == "error":
+                            return error, time.monotonic() - started
+
+    error, after = run(go())
+    assert error["code"] == "idle_timeout" and after < 3
+
+
+def test_per_client_caps_on_connections_and_utterances(make_server, tiny_engine):
+    server = make_server(tiny_engine, max_connections_per_client=2, max_streams_per_client=1)
+
+    async def go():
+        async with websockets.connect(server.ws_url) as a, websockets.connect(server.ws_url) as b:
+            async with websockets.connect(server.ws_url) as third:
+                refused = json.loads(await asyncio.wait_for(third.recv(), 10))
+                with pytest.raises(websockets.ConnectionClosed) as closed:
+                    await asyncio.wait_for(third.recv(), 10)
+            await send(a, type="start")
+            await a.recv()
+            await send(b, type="start")
+            second_utterance = await event(b)
+            await send(a, type="cancel")
+            await event(a)
+            return refused, closed.value.rcvd.code, second_utterance, await alive(b)
+
+    refused, code, second_utterance, later = run(go())
+    assert refused["code"] == "client_limit" and code == 1013
+    assert second_utterance["code"] == "client_limit" and later["type"] == "done"
+
+
+def test_origin_allow_list_on_the_websocket_and_the_api(make_server, tiny_engine):
+    server = make_server(tiny_engine, allow_origins=("https://app.example",))
+    own = f"http://127.0.0.1:{server.port}"
+
+    async def handshake(origin):
+        try:
+            async with websockets.connect(server.ws_url, origin=origin) as ws:
+                return (await alive(ws))["type"]
+        except websockets.InvalidStatus as refused:
+            return refused.response.status_code
+
+    async def go():
+        return [await handshake(o) for o in ("https://evil.example", "null", own, "https://app.example", None)]
+
+    assert run(go()) == [403, 403, "done", "done", "done"]
+    with httpx.Client(base_url=server.url) as http:
+        refused = http.post("/v1/audio/speech", headers={"Origin": "https://evil.example"}, json={"input": "Hi."})
+        assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_error"
+        assert http.post("/v1/audio/speech", headers={"Origin": own},
+                         json={"input": "Hi.", "response_format": "pcm"}).status_code == 200
+
+
+def test_wrong_methods_and_paths_get_openai_shaped_errors(server):
+    with httpx.Client(base_url=server.url) as http:
+        put = http.put("/v1/audio/speech", json={"input": "Hi."})
+        missing = http.get("/v1/nothing-here")
+        get_speech = http.get("/v1/audio/speech")
+    assert put.status_code == 405 and put.headers["allow"] == "POST"
+    assert put.json()["error"]["code"] == "method_not_allowed"
+    assert get_speech.status_code == 405 and get_speech.headers["allow"] == "POST"
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_an_empty_voice_name_is_an_unknown_voice_on_the_socket(server):
+    async def go():
+        async with websockets.connect(server.ws_url) as ws:
+            await send(ws, type="start", voice="")
+            return await event(ws)
+
+    assert run(go())["code"] == "unknown_voice"
+
+
+def test_aborted_connections_in_a_tight_loop_leak_nothing(server, tiny_engine):
+    async def abort_at(step):
+        ws = await websockets.connect(server.ws_url)
+        for message in ({"type": "start"}, {"type": "text", "text": SENTENCE * 3}, {"type": "end"})[:step]:
+            await ws.send(json.dumps(message))
+        if step == 3:
+            await asyncio.wait_for(ws.recv(), 10)
+        ws.transport.abort()
+
+    async def go():
+        for i in range(30):
+            await abort_at(i % 4)
+        async with websockets.connect(server.ws_url) as ws:
+            return await utterance(ws, "Still serving.")
+
+    _, frames, done = run(go())
+    assert frames and not done["cancelled"]
+    assert wait_until(lambda: server.hub.admission.connections == 0 and server.hub.admission.active == 0
+                      and not server.hub.streams and tiny_engine.active_streams == 0)
+
+
+def test_health_shows_load_and_the_engine_figures(server, tiny_engine):
+    health = json.loads(get(server.url + "/health")[1])
+    assert health["slots"] == tiny_engine.max_streams and health["queued"] == 0
+    if callable(getattr(tiny_engine, "stats", None)):
+        assert isinstance(health["engine"], dict)
+
+
+# ---- WebSocket parity: seed, sample rates, mu-law, word timings, contexts ---------------------------
+async def f32_audio(ws, text, **start) -> np.ndarray:
+    _, frames, _ = await utterance(ws, text, format="f32le", **start)
+    return np.frombuffer(b"".join(frames), dtype="<f4")
+
+
+def test_the_same_seed_gives_bit_identical_audio(server):
+    async def go():
+        async with websockets.connect(server.ws_url) as ws:
+            return [await f32_audio(ws, SENTENCE, seed=seed) for seed in (1234, 1234, 99)]
+
+    alone, again, other_seed = run(go())
+    assert len(alone) > 0 and alone.tobytes() == again.tobytes()
+    assert alone.tobytes() != other_seed.tobytes()
+
+
+def test_the_same_seed_gives_bit_identical_audio_beside_another_stream(server):
+    """Issue 23's target: the same audio, bit for bit, whatever else the server is speaking."""
+    async def go():
+        async with websockets.connect(server.ws_url) as ws:
+            alone = await f32_audio(ws, SENTENCE, seed=1234)
+            async with websockets.connect(server.ws_url) as busy:
+                await open_long_utterance(busy, sentences=4)
+                beside = await f32_audio(ws, SENTENCE, seed=1234)
+        return alone, beside
+
+    alone, beside = run(go())
+    assert len(alone) == len(beside) > 0
+    assert alone.tobytes() == beside.tobytes(), f"max difference {np.abs(alone - beside).max():.3g}"
+
+
+@pytest.mark.parametrize("rate", [16_000, 22_050, 44_100])
+def test_output_sample_rate(server, rate):
+    async def go():
+        async with websockets.connect(server.ws_url) as ws:
+            return await utterance(ws, SENTENCE, format="pcm_s16le", sample_rate=rate)
+
+    ready, frames, done = run(go())
+    samples = len(b"".join(frames)) // 2
+    assert ready["sample_rate"] == rate
+    assert samples == pytest.approx(done["audio_seconds"] * rate, abs=2)
+
+
+def test_mu_law_at_8_khz(server):
+    async def go():
+        async with websockets.connect(server.ws_url) as ws:
+            return await utterance(ws, SENTENCE, format="ulaw_8000")
+
+    ready, frames, done = run(go())
+    data = b"".join(frames)
+    assert ready["sample_rate"] == 8000 and len(data) == pytest.approx(done["audio_seconds"] * 8000, abs=2)
+    with av.open(io.BytesIO(data), format="mulaw", options={"sample_rate": "8000"}) as container:
+        audio = np.concatenate([f.to_ndarray().reshape(-1) for f in container.decode(audio=0)])
+    assert len(audio) == len(data) and np.abs(audio).max() > 0
+
+
+def test_http_sample_rate_extension(client):
+    audio, _ = speak_openai(client, "wav", "audio", extra_body={"sample_rate": 16_000})
+    samples, rate = decode(audio)
+    assert rate == 16_000 and len(samples) > 8000
+
+
+async def timing_events(ws, text: str, **start) -> tuple[list[tuple[dict, float]], float]:
+    """Speak `text` in pcm_s16le: ([(timing event, seconds of audio received before it)], seconds in all)."""
+    await send(ws, type="start", format="pcm_s16le", **start)
+    assert json.loads(await ws.recv())["type"] == "ready"
+    await send(ws, type="text", text=text)
+    await send(ws, type="end")
+    timings, received_s = [], 0.0
+    async with asyncio.timeout(60):
+        while True:
+            message = await ws.recv()
+            if isinstance(message, bytes):
+                received_s += len(message) / 2 / SR
+                continue
+            event_ = json.loads(message)
+            if event_["type"] == "done":
+                return timings, received_s
+            assert event_["type"] == "timing", event_
+            timings.append((event_, received_s))
+
+
+def test_word_timings_come_before_the_audio_they_describe(server):
+    text = "Timing each word, please, for the captions."
+
+    async def go():
+        async with websockets.connect(server.ws_url) as ws:
+            return await timing_events(ws, text, word_timings=True)
+
+    timings, total_s = run(go())
+    words = [(word, before) for event_, before in timings for word in event_["words"]]
+    assert all("phonemes" not in event_ for event_, _ in timings)
+    assert [w["word"] for w, _ in words] == text.split()  # every word of the input, as written
+    assert all(before <= w["end"] + 1e-3 for w, before in words)  # sent before (or with) its audio
+    assert all(0 <= w["start"] < w["end"] <= total_s + 0.05 for w, _ in words)
+    assert all(a["start"] <= b["start"] for (a, _), (b, _) in zip(words, words[1:]))
+
+
+def test_several_contexts_on_one_socket(make_server, tiny_engine):
+    server = make_server(tiny_engine, max_contexts=2)
+
+    async def go():
+        async with websockets.connect(server.ws_url) as ws:
+            for context in ("a", "b"):
+                await send(ws, type="start", context_id=context, format="pcm_s16le")
+            await send(ws, type="start", context_id="c")
+            audio, events = {"a": b"", "b": b""}, []
+            await send(ws, type="text", context_id="b", text="The second context speaks first.")
+            await send(ws, type="flush", context_id="b")
+            await send(ws, type="text", context_id="a", text=SENTENCE)
+            await send(ws, type="end", context_id="a")
+            await send(ws, type="end", context_id="b")
+            async with asyncio.timeout(60):
+                while sum(e["type"] == "done" for e in events) < 2:
+                    event_ = json.loads(await ws.recv())
+                    if event_["type"] == "audio":
+                        audio[event_["context_id"]] += base64.b64decode(event_["audio"])
+                    else:
+                        events.append(event_)
+            return audio, events
+
+    audio, events = run(go())
+    refused = [e for e in events if e["type"] == "error"]
+    assert [(e["code"], e["context_id"]) for e in refused] == [("too_many_contexts", "c")]
+    done = {e["context_id"]: e for e in events if e["type"] == "done"}
+    assert {e["context_id"] for e in events if e["type"] == "ready"} == {"a", "b"}
+    for context in ("a", "b"):
+        assert not done[context]["cancelled"]
+        assert len(audio[context]) / 2 / SR == pytest.approx(done[context]["audio_seconds"], abs=1e-3)
 
 
 # ---- the Python client -----------------------------------------------------------------------------
@@ -536,6 +1071,23 @@ def test_client_speaks_llm_pieces_and_stops_early(server):
     assert stopped["cancelled"] is True and after
 
 
+def test_client_waits_in_the_server_queue_and_sends_its_api_key(make_server, one_slot_engine):
+    server = make_server(one_slot_engine, api_keys=("k",))
+
+    async def go():
+        async with websockets.connect(server.ws_url + "?api_key=k") as holder:
+            await open_long_utterance(holder, sentences=2)  # takes the only slot
+            asyncio.get_running_loop().call_later(0.5, lambda: asyncio.ensure_future(send(holder, type="cancel")))
+            async with connect(server.url, api_key="k") as client:
+                chunks = [c async for c in client.speak("Waiting my turn.", seed=7, timings=True)]
+                return chunks, client.done, client.timings
+
+    chunks, done, timings = run(go())
+    assert chunks and not done["cancelled"] and timings and "phonemes" in timings[0]
+    with pytest.raises(ClientError, match="API key"):
+        synthesize_via_server(server.url, "No key.")
+
+
 # ---- end to end, with the shipped voice --------------------------------------------------------------
 def test_shipped_voice_over_the_socket_is_understood(make_server, shipped_engine):
     from tts.asr import transcribe, wer
@@ -557,21 +1109,26 @@ def test_shipped_voice_over_the_socket_is_understood(make_server, shipped_engine
 
 def test_tts_serve_and_tts_say_through_it(shipped_engine, tmp_path):
     """The command lines: `tts serve` in its own process, and `tts say --server` writing a WAV from it."""
+    import os
     import socket
     import subprocess
     import sys
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    served = subprocess.Popen([sys.executable, "-m", "tts.cli", "serve", "--port", str(port)],
+    served = subprocess.Popen([sys.executable, "-m", "tts.cli", "serve", "--port", str(port), "--api-key", "sekrit",
+                               "--max-contexts", "1", "--queue-timeout-s", "5"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         # start-up loads the model and compiles the decode step (cold inductor cache on CI: tens of seconds)
         wait_until(lambda: _healthy(port) or served.poll() is not None, 240)
         assert _healthy(port), f"tts serve did not come up (exit code {served.poll()})"
         out = tmp_path / "cli.wav"
-        said = subprocess.run([sys.executable, "-m", "tts.cli", "say", "Hello from the server.",
-                               "--server", f"ws://127.0.0.1:{port}", "-o", str(out)], timeout=120)
+        say = [sys.executable, "-m", "tts.cli", "say", "Hello from the server.", "--server", f"ws://127.0.0.1:{port}",
+               "-o", str(out)]
+        refused = subprocess.run(say, timeout=120, capture_output=True, text=True)
+        assert refused.returncode != 0 and "API key" in refused.stderr and not out.exists()
+        said = subprocess.run(say, timeout=120, env={**os.environ, "TTS_API_KEY": "sekrit"})
         assert said.returncode == 0
         info = sf.info(out)
         assert info.samplerate == SR and info.channels == 1 and 0.5 < info.duration < 6
@@ -590,22 +1147,9 @@ def _healthy(port: int) -> bool:
 def test_phoneme_timings_on_request(server):
     async def go():
         async with websockets.connect(server.ws_url) as ws:
-            await send(ws, type="start", timings=True)
-            assert json.loads(await ws.recv())["type"] == "ready"
-            await send(ws, type="text", text="Timing, please.")
-            await send(ws, type="end")
-            phonemes, samples = [], 0
-            async with asyncio.timeout(60):
-                while True:
-                    message = await ws.recv()
-                    if isinstance(message, bytes):
-                        samples += len(message) // 2
-                        continue
-                    event = json.loads(message)
-                    if event["type"] == "done":
-                        return phonemes, samples
-                    assert event["type"] == "timing"
-                    phonemes += event["phonemes"]
-    phonemes, samples = run(go())
+            return await timing_events(ws, "Timing, please.", timings=True)
+
+    timings, total_s = run(go())
+    phonemes = [p for event_, _ in timings for p in event_["phonemes"]]
     assert phonemes and all(len(p) == 3 and p[1] < p[2] for p in phonemes)
-    assert phonemes[-1][2] <= samples / 24_000 + 0.2
+    assert phonemes[-1][2] <= total_s + 0.2

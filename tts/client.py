@@ -8,6 +8,7 @@
 `text` may also be an iterable or async iterable of pieces (an LLM's tokens): each piece is sent as it
 comes. `synthesize_via_server` is the blocking form, and `say_via_server` (used by
 `tts say "..." --server ws://host:port`) writes a sound file atomically or plays through a sound device.
+A server started with API keys wants one: `connect(url, api_key=...)` (default: the TTS_API_KEY variable).
 """
 from __future__ import annotations
 
@@ -63,12 +64,15 @@ async def _pieces(text: TextSource) -> AsyncIterator[str]:
 
 
 class StreamClient:
-    """One connection to /v1/stream; utterances are spoken one after another on it."""
+    """One connection to /v1/stream; utterances are spoken one after another on it (the server also takes
+    several at once, by context_id: see docs/protocol.md; this client keeps to one)."""
 
     def __init__(self, ws):
         self.ws = ws
         self.ready: dict | None = None
         self.done: dict | None = None
+        self.queue_position: int | None = None  # while the server is full: the place of our start in its queue
+        self.timings: list[dict] = []  # the utterance's timing events, when asked for
         self._lock = asyncio.Lock()  # one utterance at a time on a connection
 
     async def _next_event(self) -> dict | bytes:
@@ -80,31 +84,40 @@ class StreamClient:
             raise ServerError(event.get("code", "unknown"), event.get("message", ""))
         return event
 
-    async def _start(self, voice: str | None, speed: float, fmt: str) -> None:
-        await self.ws.send(json.dumps({"type": "start", "voice": voice, "format": fmt, "speed": speed}))
-        event = await self._next_event()
+    async def _start(self, voice: str | None, speed: float, fmt: str, **options) -> None:
+        start = {"type": "start", "voice": voice, "format": fmt, "speed": speed}
+        await self.ws.send(json.dumps(start | {k: v for k, v in options.items() if v is not None}))
+        self.timings, self.done = [], None
+        while isinstance(event := await self._next_event(), dict) and event.get("type") == "queued":
+            self.queue_position = event["position"]  # every slot is busy: the server holds our place
         if not isinstance(event, dict) or event.get("type") != "ready":
             raise ClientError(f"expected ready, got {event!r:.200}")
-        self.ready, self.done = event, None
+        self.ready, self.queue_position = event, None
 
     async def _send_text(self, text: TextSource) -> None:
         async for piece in _pieces(text):
             await self.ws.send(json.dumps({"type": "text", "text": piece}))
         await self.ws.send(json.dumps({"type": "end"}))
 
-    async def stream(self, text: TextSource, voice: str | None = None, speed: float = 1.0,
-                     fmt: str = "pcm_s16le") -> AsyncIterator[bytes]:
-        """The utterance's binary frames in `fmt`, as they arrive. Leaving the loop early cancels the utterance:
-        at once inside `contextlib.aclosing(...)`, else when the generator is dropped (the next utterance on
-        this connection waits for that)."""
+    async def stream(self, text: TextSource, voice: str | None = None, speed: float = 1.0, fmt: str = "pcm_s16le",
+                     *, seed: int | None = None, sample_rate: int | None = None, timings: bool = False,
+                     word_timings: bool = False) -> AsyncIterator[bytes]:
+        """The utterance's binary frames in `fmt` (at `sample_rate`, default 24 kHz), as they arrive. `seed`: the
+        same seed and request give the same audio. `timings` / `word_timings`: the server's timing events (phonemes
+        / words, in seconds) gather in `self.timings`. Leaving the loop early cancels the utterance: at once inside
+        `contextlib.aclosing(...)`, else when the generator is dropped (the next utterance on this connection
+        waits for that)."""
         async with self._lock:
-            await self._start(voice, speed, fmt)
+            await self._start(voice, speed, fmt, seed=seed, sample_rate=sample_rate, timings=timings or None,
+                              word_timings=word_timings or None)
             sender = asyncio.create_task(self._send_text(text))
             try:
                 while True:
                     event = await self._next_event()
                     if isinstance(event, bytes):
                         yield event
+                    elif event.get("type") == "timing":
+                        self.timings.append(event)
                     elif event.get("type") == "done":
                         self.done = event
                         break
@@ -127,9 +140,10 @@ class StreamClient:
                         self.done = event
                         return
 
-    async def speak(self, text: TextSource, voice: str | None = None, speed: float = 1.0) -> AsyncIterator[np.ndarray]:
-        """float32 mono chunks at 24 kHz, as they are generated."""
-        async with contextlib.aclosing(self.stream(text, voice, speed, fmt="f32le")) as frames:
+    async def speak(self, text: TextSource, voice: str | None = None, speed: float = 1.0,
+                    **options) -> AsyncIterator[np.ndarray]:
+        """float32 mono chunks at 24 kHz (or `sample_rate=`), as they are generated; `options` as for `stream`."""
+        async with contextlib.aclosing(self.stream(text, voice, speed, fmt="f32le", **options)) as frames:
             async for frame in frames:
                 yield np.frombuffer(frame, dtype="<f4")
 
@@ -138,11 +152,19 @@ class StreamClient:
 
 
 @contextlib.asynccontextmanager
-async def connect(url: str, **kwargs) -> AsyncIterator[StreamClient]:
-    """An open StreamClient; `kwargs` go to `websockets.connect`."""
+async def connect(url: str, api_key: str | None = None, **kwargs) -> AsyncIterator[StreamClient]:
+    """An open StreamClient; `api_key` (default: $TTS_API_KEY) for a server that wants one; `kwargs` go to
+    `websockets.connect`."""
     target = stream_url(url)
+    if api_key := api_key or os.environ.get("TTS_API_KEY"):
+        kwargs["additional_headers"] = {"Authorization": f"Bearer {api_key}", **kwargs.get("additional_headers", {})}
     try:
         ws = await websockets.connect(target, **kwargs)
+    except websockets.InvalidStatus as err:
+        status = err.response.status_code
+        hint = " (a wrong or missing API key: api_key=, or TTS_API_KEY; or an origin it does not allow)"
+        raise ClientError(f"the tts server at {target} refused the connection: HTTP {status}"
+                          f"{hint if status == 403 else ''}") from None
     except (OSError, websockets.InvalidHandshake, websockets.InvalidURI) as err:
         raise ClientError(f"cannot reach the tts server at {target}: {err}") from None
     try:
@@ -151,15 +173,17 @@ async def connect(url: str, **kwargs) -> AsyncIterator[StreamClient]:
         await ws.close()
 
 
-async def synthesize_async(url: str, text: TextSource, voice: str | None = None, speed: float = 1.0) -> np.ndarray:
-    async with connect(url) as client:
-        chunks = [chunk async for chunk in client.speak(text, voice, speed)]
+async def synthesize_async(url: str, text: TextSource, voice: str | None = None, speed: float = 1.0,
+                           seed: int | None = None, api_key: str | None = None) -> np.ndarray:
+    async with connect(url, api_key) as client:
+        chunks = [chunk async for chunk in client.speak(text, voice, speed, seed=seed)]
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
 
 
-def synthesize_via_server(url: str, text: TextSource, voice: str | None = None, speed: float = 1.0) -> np.ndarray:
-    """The whole utterance from a running server, as one float32 array (blocking)."""
-    return asyncio.run(synthesize_async(url, text, voice, speed))
+def synthesize_via_server(url: str, text: TextSource, voice: str | None = None, speed: float = 1.0,
+                          seed: int | None = None, api_key: str | None = None) -> np.ndarray:
+    """The whole utterance from a running server, as one float32 array at 24 kHz (blocking)."""
+    return asyncio.run(synthesize_async(url, text, voice, speed, seed, api_key))
 
 
 async def _to_file(client: StreamClient, text, voice, speed, out: Path, fmt: str) -> None:
@@ -194,7 +218,7 @@ async def _to_device(client: StreamClient, text, voice, speed, device) -> None:
 
 
 def say_via_server(url: str, text: TextSource, voice: str | None = None, out: str | os.PathLike | None = None,
-                   speed: float = 1.0, fmt: str = "wav") -> dict:
+                   speed: float = 1.0, fmt: str = "wav", api_key: str | None = None) -> dict:
     """Speak `text` through a running server into the file `out` (24 kHz mono, `fmt` wav, flac or ogg;
     written atomically), or through a sound device when `out` is None. Returns the server's done event.
     Raises ServerError for what the server refused and ClientError for everything else."""
@@ -203,7 +227,7 @@ def say_via_server(url: str, text: TextSource, voice: str | None = None, out: st
     device = _output_stream() if out is None else None
 
     async def run() -> dict:
-        async with connect(url) as client:
+        async with connect(url, api_key) as client:
             if device is not None:
                 await _to_device(client, text, voice, speed, device)
             else:

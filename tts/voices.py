@@ -31,3 +31,8 @@ def load_shipped(folder: Path = VOICES_DIR, device: str = "cpu"):
     model, _ = load_model(folder, device)
     codec = load_codec(folder, device)
     return model, codec, voice_presets(folder)
+
+
+def voice_aliases(folder: Path = VOICES_DIR) -> dict[str, str]:
+    """OpenAI voice name -> shipped voice name (voices.json "aliases"), so OpenAI clients' voices work as is."""
+    return dict(json.loads((folder / "voices.json").read_text()).get("aliases", {}))

@@ -1,0 +1,217 @@
+"""Soak: the server at capacity for N minutes, mixed WebSocket and HTTP clients, some aborting and some reading
+slowly. One JSON object, per minute and overall.
+
+    python -m bench.soak --minutes 10          # the shipped voices, as `tts serve` runs them
+    python -m bench.soak --minutes 2 --tiny    # the tiny random-weight engine (no shipped voices needed)
+
+The server runs in a child process (`tts serve`'s own `serve()`, default limits), so its RSS is the server's
+alone. Every slot is used twice at once before the clock starts (warm-up: steps built on first use). Then as
+many clients as the engine has slots loop without pause; each utterance is, at random, a WebSocket utterance
+or an OpenAI-style HTTP request (half each), and with 5 % chance aborted after its first audio, with 5 %
+chance read slowly (half real time: the server must pause that stream and serve the rest as usual).
+Per minute: utterances served, aborted and read slowly, errors by code (the server's typed errors, HTTP
+statuses, dropped connections; aborts are not errors), first audio p50/p99 in ms (request sent to first audio
+byte, utterances that were not aborted) and the server's RSS at the minute's end.
+Targets (issue 25): no errors; RSS growth under 20 MB after the first minute; first-audio p99 within 2x p50
+every minute.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import httpx2 as httpx
+import numpy as np
+import psutil
+import websockets
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog near the river.",
+    "Please call me back when you have a moment this afternoon.",
+    "Our train leaves the station at half past seven tomorrow morning.",
+    "She found an old map hidden behind the kitchen cupboard door.",
+    "It was 3:30 when the parcel, worth $12.50, finally arrived. Nobody had expected it so soon.",
+    "Rain again.",
+]
+ABORT, SLOW = 0.05, 0.05
+BYTES_PER_S = 2 * 24_000  # pcm_s16le at 24 kHz
+
+
+class Tally:
+    """What happened in one minute."""
+
+    def __init__(self):
+        self.served = self.aborted = self.slow = 0
+        self.errors: Counter = Counter()
+        self.first_audio_ms: list[float] = []
+
+    def report(self, rss_mb: float) -> dict:
+        ttfa = np.asarray(self.first_audio_ms) if self.first_audio_ms else np.zeros(1)
+        p50, p99 = float(np.percentile(ttfa, 50)), float(np.percentile(ttfa, 99))
+        return {"served": self.served, "aborted": self.aborted, "slow_readers": self.slow,
+                "errors": dict(self.errors), "first_audio_ms_p50": round(p50, 1), "first_audio_ms_p99": round(p99, 1),
+                "p99_over_p50": round(p99 / p50, 2) if p50 else None, "rss_mb": round(rss_mb, 1)}
+
+
+async def _read_slowly(chunk_bytes: int) -> None:
+    await asyncio.sleep(2 * chunk_bytes / BYTES_PER_S)  # half real time
+
+
+async def ws_utterance(url: str, text: str, abort: bool, slow: bool, tally: Tally) -> None:
+    sent = time.perf_counter()
+    ws = await websockets.connect(url, max_queue=4)
+    try:
+        await ws.send(json.dumps({"type": "start", "format": "pcm_s16le"}))
+        await ws.send(json.dumps({"type": "text", "text": text}))
+        await ws.send(json.dumps({"type": "end"}))
+        first = None
+        while True:
+            message = await ws.recv()
+            if isinstance(message, bytes):
+                if first is None:
+                    first = time.perf_counter()
+                    if abort:
+                        ws.transport.abort()
+                        tally.aborted += 1
+                        return
+                if slow:
+                    await _read_slowly(len(message))
+                continue
+            event = json.loads(message)
+            if event["type"] == "error":
+                tally.errors[event["code"]] += 1
+            elif event["type"] == "done":
+                if first is not None and not event["cancelled"]:
+                    tally.served += 1
+                    tally.first_audio_ms.append((first - sent) * 1000)
+                return
+    finally:
+        await ws.close()
+
+
+async def http_utterance(http: httpx.AsyncClient, text: str, abort: bool, slow: bool, tally: Tally) -> None:
+    sent = time.perf_counter()
+    body = {"model": "tts-1", "input": text, "voice": "alloy", "response_format": "pcm"}
+    async with http.stream("POST", "/v1/audio/speech", json=body) as response:
+        if response.status_code != 200:
+            tally.errors[f"http_{response.status_code}_{json.loads(await response.aread())['error']['code']}"] += 1
+            return
+        first = None
+        async for part in response.aiter_bytes():
+            if first is None:
+                first = time.perf_counter()
+                if abort:
+                    tally.aborted += 1
+                    return  # leaving the block closes the connection mid-body
+            if slow:
+                await _read_slowly(len(part))
+    tally.served += 1
+    tally.first_audio_ms.append((first - sent) * 1000)
+
+
+async def client(base: str, index: int, until: float, minutes: list[Tally], started: float) -> None:
+    rng = random.Random(index)
+    async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+        while time.monotonic() < until:
+            tally = minutes[min(int((time.monotonic() - started) // 60), len(minutes) - 1)]
+            text, abort, slow = rng.choice(SENTENCES), rng.random() < ABORT, rng.random() < SLOW
+            tally.slow += slow
+            try:
+                if rng.random() < 0.5:
+                    await ws_utterance(base.replace("http", "ws", 1) + "/v1/stream", text, abort, slow, tally)
+                else:
+                    await http_utterance(http, text, abort, slow, tally)
+            except (OSError, websockets.ConnectionClosed, httpx.HTTPError) as err:
+                tally.errors[type(err).__name__] += 1
+
+
+async def warm_up(base: str, clients: int) -> float:
+    """Every slot busy at once, twice, before the clock starts: a step built on first use (a compiled step, a
+    batch size met for the first time) is start-up, not the steady state the soak measures. Seconds taken."""
+    started = time.monotonic()
+    async with httpx.AsyncClient(base_url=base, timeout=600) as http:
+        for _ in range(2):
+            await asyncio.gather(*(http_utterance(http, SENTENCES[0], False, False, Tally())
+                                   for _ in range(clients)))
+    return time.monotonic() - started
+
+
+async def soak(base: str, minutes: int, clients: int, server: psutil.Process) -> dict:
+    warm_up_s = await warm_up(base, clients)
+    started = time.monotonic()
+    tallies = [Tally() for _ in range(minutes)]
+    rss_start = server.memory_info().rss / 2**20
+    tasks = [asyncio.create_task(client(base, i, started + 60 * minutes, tallies, started)) for i in range(clients)]
+    reports = []
+    for minute in range(minutes):
+        await asyncio.sleep(max(0.0, started + 60 * (minute + 1) - time.monotonic()))
+        reports.append(tallies[minute].report(server.memory_info().rss / 2**20))
+        print(json.dumps({"minute": minute + 1, **reports[-1]}), file=sys.stderr, flush=True)
+    await asyncio.gather(*tasks)
+    errors = sum((Counter(r["errors"]) for r in reports), Counter())
+    rss = [r["rss_mb"] for r in reports]
+    return {"minutes": reports, "clients": clients, "warm_up_s": round(warm_up_s, 1),
+            "served": sum(r["served"] for r in reports), "aborted": sum(r["aborted"] for r in reports),
+            "slow_readers": sum(r["slow_readers"] for r in reports), "errors": dict(errors),
+            "rss_mb_start": round(rss_start, 1), "rss_mb_end": rss[-1],
+            "rss_growth_after_minute_1_mb": round(rss[-1] - rss[0], 1),
+            "worst_p99_over_p50": max((r["p99_over_p50"] or 0) for r in reports)}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _serve(port: int, tiny: bool) -> None:
+    """The child process: the server, as `tts serve` runs it (or on the tiny engine)."""
+    from server import serve
+    engine = None
+    if tiny:
+        from tests.helpers import tiny_random
+        engine = tiny_random(max_streams=4)
+    serve(port=port, engine=engine, log_level="warning")
+
+
+def _wait_healthy(base: str, child: subprocess.Popen, seconds: float = 600) -> dict:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and child.poll() is None:
+        try:
+            return httpx.get(base + "/health", timeout=2).json()
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    raise SystemExit(f"the server did not come up (exit code {child.poll()})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=int, default=10)
+    parser.add_argument("--tiny", action="store_true", help="the tiny random-weight engine, not the shipped voices")
+    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the child process: serve on this port
+    args = parser.parse_args()
+    if args.serve:
+        return _serve(args.serve, args.tiny)
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    child = subprocess.Popen([sys.executable, "-m", "bench.soak", "--serve", str(port)] + ["--tiny"] * args.tiny)
+    try:
+        slots = _wait_healthy(base, child)["slots"]
+        report = asyncio.run(soak(base, args.minutes, slots, psutil.Process(child.pid)))
+    finally:
+        child.terminate()
+        child.wait(timeout=30)
+    report = {"engine": "tiny_random" if args.tiny else "shipped", "cpu_cores": os.cpu_count(), **report}
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""What every connection of the server shares: the engine, the limits and admission, the voice aliases, the API
+keys, and a thread pool for the engine's blocking calls; and who a connection is (its address, its API key).
+server.py (the WebSocket) and streaming/http_api.py (HTTP) use it; it serves no endpoint itself."""
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import parse_qs, urlsplit
+
+from starlette.datastructures import Headers
+
+from streaming.engine import ServerFull, UnknownVoice
+from streaming.limits import Limits
+from streaming.protocol import ProtocolError
+from streaming.server_admission import Admission
+from tts import SAMPLE_RATE
+from tts.text import TextError
+
+POLL_S = 0.05  # how long one blocking engine read may wait; bounds how late a cancelled read notices
+
+
+class Hub:
+    """What every connection shares: the engine, the limits, admission, the voice aliases, the API keys and
+    a thread pool for the engine's blocking calls (so no connection waits for another's)."""
+
+    def __init__(self, engine, limits: Limits, aliases: dict[str, str] | None = None,
+                 api_keys: tuple[str, ...] = (), allow_origins: tuple[str, ...] = ()):
+        self.limits, self._engine, self._aliases = limits, engine, aliases
+        self.api_keys, self.allow_origins = tuple(api_keys), tuple(allow_origins)
+        self.admission = Admission(limits, slots=None if engine is None else engine.max_streams)
+        self.pool = ThreadPoolExecutor(2 * limits.max_connections + 2, thread_name_prefix="tts-io")
+        self.sessions: set = set()  # the WebSocket sessions (server.Session)
+        self.streams: set = set()  # engine streams open for clients, WebSocket and HTTP
+
+    async def call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def engine(self):
+        if self._engine is None:
+            from tts.api import get_engine
+            self._engine = await self.call(get_engine)
+            self.admission.slots = self._engine.max_streams
+        return self._engine
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """OpenAI voice name -> one of the engine's voices (voices/voices.json "aliases"; those whose voice
+        the engine has)."""
+        if self._aliases is None:
+            from tts.voices import voice_aliases
+            self._aliases = voice_aliases()
+        return {alias: voice for alias, voice in self._aliases.items() if voice in self._engine.voices}
+
+    def resolve_voice(self, name: str | None, param: str = "voice") -> str | None:
+        """A voice name or OpenAI alias -> the engine's voice; None -> None (the default voice).
+        Example: "alloy" -> "joe"; "" -> unknown_voice (an empty name is a mistake, not the default)."""
+        if name is None or name in self._engine.voices:
+            return name
+        if (voice := self.aliases.get(name.lower())) is not None:
+            return voice
+        raise ProtocolError("unknown_voice", f"unknown voice {name!r}; choose one of {sorted(self._engine.voices)} "
+                            f"or an alias {sorted(self.aliases)}", param)
+
+    def check_length(self, chars: int, what: str, param: str = "text") -> None:
+        """text_too_long past max_text_chars, or past the engine's own limit if that is lower."""
+        limit = min(self.limits.max_text_chars, getattr(self._engine, "max_chars", self.limits.max_text_chars))
+        if chars > limit:
+            raise ProtocolError("text_too_long", f"{what} {chars} characters; the limit is {limit}", param)
+
+    async def open(self, clients: tuple, voice: str | None, speed: float, seed: int | None, on_queued=None):
+        """(ticket, engine stream): a slot from admission (waiting in its queue if need be), then the stream.
+        The caller hands both back to `close`."""
+        engine = await self.engine()
+        ticket = await self.admission.stream(clients, on_queued)
+        stream = await self._open_stream(engine, ticket, voice, speed, seed)
+        self.streams.add(stream)
+        return ticket, stream
+
+    def close(self, ticket, stream) -> None:
+        """End an opened stream (a no-op once it has finished; else its engine slot frees) and free its slot
+        in admission."""
+        stream.cancel()
+        self.streams.discard(stream)
+        ticket.release()
+
+    async def _open_stream(self, engine, ticket, voice, speed, seed):
+        """The engine stream for a granted ticket; on any failure the ticket is released, but only once the
+        engine has answered (a caller still waiting in the engine's queue keeps its slot in ours, so the server
+        never sends the engine more callers than it has slots)."""
+        # The engine's own FIFO wait covers the tick until a just-ended stream's slot is free, and other users
+        # of the engine in this process.
+        opening = asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(
+            engine.open, voice, speed, seed=seed, wait_s=self.limits.queue_timeout_s))
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:  # the client left while the engine was opening: end what it opens
+            opening.add_done_callback(functools.partial(_abandon, ticket))
+            raise
+        except BaseException as err:
+            ticket.release()
+            if isinstance(err, ServerFull):
+                raise ProtocolError(err.code, str(err), retry_after=self.admission.retry_after_s) from None
+            if isinstance(err, UnknownVoice):
+                raise ProtocolError(err.code, str(err), "voice") from None
+            if isinstance(err, ValueError):
+                raise ProtocolError("bad_value", str(err)) from None
+            raise
+
+    async def chunks(self, stream):
+        """The stream's audio chunks as they are decoded; a read waits in the pool, never in the event loop.
+        A failure of this stream alone (its text, or the engine) raises ProtocolError."""
+        while True:
+            try:
+                chunk = await self.call(stream.read, POLL_S)
+            except TimeoutError:
+                continue
+            except TextError as err:  # nothing speakable, or text the front end refused
+                raise ProtocolError("bad_text", str(err)) from None
+            except Exception as err:  # EngineError, or whatever else the engine attributed to this stream
+                raise ProtocolError("engine_error", f"speech generation failed: {err}") from None
+            if chunk is None:
+                return
+            yield chunk
+
+    def stats(self) -> dict:
+        figures = {"status": "ok", "sample_rate": SAMPLE_RATE, **self.admission.stats(),
+                   "max_connections": self.limits.max_connections, "max_queue": self.limits.max_queue}
+        if self._engine is not None:
+            figures["slots"] = self._engine.max_streams
+            if callable(stats := getattr(self._engine, "stats", None)):
+                figures["engine"] = stats()
+        return figures
+
+
+def _abandon(ticket, opening) -> None:
+    """The engine answered a caller that has gone: end the stream it opened, then free the caller's slot."""
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().cancel()
+    ticket.release()
+
+
+# ---- access: API keys, origins, client identity ---------------------------------------------------
+def api_key(scope) -> str | None:
+    """The key a request presents: `Authorization: Bearer KEY`, `X-API-Key: KEY`, or on a WebSocket (browsers
+    cannot set its headers) the query parameter `api_key`."""
+    headers = Headers(scope=scope)
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    if key := headers.get("x-api-key"):
+        return key
+    if scope["type"] == "websocket":
+        return (parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key") or [None])[0]
+    return None
+
+
+def clients_of(scope, hub: Hub) -> tuple:
+    """The identities one connection counts against: its remote address, and its API key when keys are set."""
+    address = (scope.get("client") or ("unknown",))[0]
+    key = api_key(scope) if hub.api_keys else None
+    return (("addr", address),) + ((("key", key),) if key else ())
+
+
+def origin_allowed(origin: str | None, host: str | None, allowed: tuple[str, ...]) -> bool:
+    """No Origin (SDKs, CLIs), the server's own origin, or one on the allow-list ("*": any). "null" (a sandboxed
+    page or a file) is refused unless listed. Example: Host 127.0.0.1:8000 allows http://127.0.0.1:8000."""
+    if origin is None or origin in allowed or "*" in allowed:
+        return True
+    parts = urlsplit(origin)
+    return parts.scheme in ("http", "https") and bool(host) and parts.netloc.lower() == host.lower()
