@@ -43,7 +43,7 @@ log = logging.getLogger("tts.server")
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 POLL_S = 0.05  # how long one blocking engine read may wait; bounds how late a cancelled read notices
 START_WAIT_S = 0.5  # how long a start may wait for a free engine slot
-VOICE_KEYS = ("name", "description", "teacher", "sample_rate", "default")
+VOICE_KEYS = ("name", "description", "teacher", "license", "sample_rate", "default")
 
 
 @dataclass(frozen=True)

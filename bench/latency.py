@@ -2,19 +2,25 @@
 
     python -m bench.latency            # full run, includes 600 s of continuous speech
     python -m bench.latency --quick    # about a minute: no 600 s run, one baseline repeat, 1 and 4 streams
-    python -m bench.latency --device cuda
     python -m bench.latency --no-compile   # the eager CPU step (TTS_NO_COMPILE=1 does the same)
+    python -m bench.latency --device cuda --streams 64 128 256 512 1024 --arrival-rate 25   # the GPU load table
 
 Step times are AR step + sampling per frame tick, after warm-up; on the CPU the engine's step is compiled
 unless ``--no-compile``. Baselines run eagerly, batch 1, on the same weights: ``ring`` is our step through
 the ring caches, ``no_cache`` recomputes the whole prefix for every step, ``concat_cache`` grows a
 concatenated KV cache and attends to everything (what a default dynamic cache does). The speed-ups compare
 the baselines with ``ring``, measured the same way in the same run.
+
+On a GPU (``--device cuda``) the report is the load table instead: one engine, and for each load N streams
+(a) all starting in the same instant and (b) arriving as a Poisson process at ``--arrival-rate`` a second;
+per load: real-time or not, whole-tick, AR step and codec call p50/p99, time to first audio p50/p99, and
+GPU memory per stream. ``--profile DIR`` adds a torch-profiler trace of ticks at the largest real-time load.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import threading
 import time
 from pathlib import Path
@@ -23,6 +29,7 @@ import numpy as np
 import psutil
 import torch
 
+import kernels
 from bench.common import harvard, percentiles
 from streaming.decode import StepCaches, decode_step
 from streaming.engine import Engine
@@ -59,6 +66,7 @@ def wait_idle(engine: Engine, seconds: float = 10.0) -> None:
 
 def steady_state(engine: Engine) -> tuple[dict, float]:
     engine.step_ms.clear()
+    engine.tick_ms.clear()
     start = time.perf_counter()
     audio = synthesize(PARAGRAPH, engine=engine)
     rtf = (time.perf_counter() - start) / (len(audio) / engine.sample_rate)
@@ -155,31 +163,107 @@ def concurrency(model, codec, presets, device: str, counts: list[int], compile: 
     playback deadline (first chunk's arrival + the audio before it + a ``jitter_s`` buffer)."""
     rows = []
     for n in counts:
-        engine = Engine(model, codec, presets, max_streams=n, device=device, compile=compile)
-        engine.sync_timing = device.startswith("cuda")
-        synthesize(TEN_WORDS, engine=engine)  # warm-up
-        late, ttfas = [0] * n, [0.0] * n
-        engine.step_ms.clear()
-
-        def run(i):
-            start = time.perf_counter()
-            first, played = None, 0
-            for chunk in synthesize_stream(PARAGRAPH, engine=engine):
-                now = time.perf_counter()
-                if first is None:
-                    first, ttfas[i] = now, (now - start) * 1000
-                elif now > first + jitter_s + played / engine.sample_rate:
-                    late[i] += 1
-                played += len(chunk)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        rows.append({"streams": n, "late_chunks": sum(late), "realtime": not any(late),
-                     "ttfa_ms": percentiles(ttfas), "step_ms": percentiles(list(engine.step_ms))})
+        engine = Engine(model, codec, presets, max_streams=n, device=device,
+                        step_factory=kernels.default_step_factory(device, compile))
+        engine.warm_up()  # every bucket's step built (compiled) before the clock starts
+        synthesize(TEN_WORDS, engine=engine)
+        rows.append({"streams": n, **load(engine, PARAGRAPH, [0.0] * n, jitter_s)})
+        engine.close()
     return rows
+
+
+def load(engine: Engine, text: str, starts_s: list[float], jitter_s: float = 0.2) -> dict:
+    """Streams speaking ``text``, stream i opened ``starts_s[i]`` seconds after the first, each read as it is
+    decoded by a thread of its own; lateness as in `concurrency`. Tick, step and codec times over the run."""
+    n = len(starts_s)
+    late, ttfas = [0] * n, [0.0] * n
+    for figures in (engine.step_ms, engine.tick_ms, engine.codec_ms):
+        figures.clear()
+    origin = time.perf_counter() + 0.05
+
+    def run(i):
+        time.sleep(max(0.0, origin + starts_s[i] - time.perf_counter()))
+        start = time.perf_counter()
+        first, played = None, 0
+        for chunk in synthesize_stream(text, engine=engine):
+            now = time.perf_counter()
+            if first is None:
+                first, ttfas[i] = now, (now - start) * 1000
+            elif now > first + jitter_s + played / engine.sample_rate:
+                late[i] += 1
+            played += len(chunk)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"late_chunks": sum(late), "realtime": not any(late), "ttfa_ms": percentiles(ttfas),
+            "tick_ms": percentiles(list(engine.tick_ms)), "step_ms": percentiles(list(engine.step_ms)),
+            "codec_ms": percentiles([ms for ms, _ in engine.codec_ms])}
+
+
+def gpu_table(model, codec, presets, device: str, counts: list[int], rate: float, text: str,
+              profile: Path | None, poisson_max: int | None = None) -> dict:
+    """The load table on one engine of max(counts) slots (a load of N steps a bucket of N slots). Poisson
+    arrivals run for loads up to ``poisson_max``: at ``rate`` a second they hold about rate x utterance length
+    streams at once whatever N is, so larger N only makes the run longer."""
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    engine = Engine(model, codec, presets, max_streams=max(counts), device=device,
+                    step_factory=kernels.default_step_factory(device))
+    warm = time.perf_counter()
+    engine.warm_up()  # every bucket's graphs
+    load(engine, TEN_WORDS, [i * 0.002 for i in range(max(counts))])
+    result = {"device": torch.cuda.get_device_name(), "step": engine.step_kind, "max_streams": engine.max_streams,
+              "warm_up_s": round(time.perf_counter() - warm, 1), "arrival_rate_per_s": rate,
+              "text_audio_s": round(len(synthesize(text, engine=engine)) / engine.sample_rate, 2),
+              "gpu_bytes_per_stream": (torch.cuda.memory_allocated() - before) // engine.max_streams,
+              "kv_bytes_per_stream": engine.caches.nbytes // engine.max_streams, "loads": []}
+    rng = random.Random(0)
+    for n in counts:
+        poisson, t = [], 0.0
+        for _ in range(n):
+            poisson.append(t)
+            t += rng.expovariate(rate)
+        row = {"streams": n, "at_once": load(engine, text, [0.0] * n)}
+        if poisson_max is None or n <= poisson_max:
+            row["poisson"] = load(engine, text, poisson)
+        row["realtime"] = all(row[kind]["realtime"] for kind in ("at_once", "poisson") if kind in row)
+        result["loads"].append(row)
+        print(json.dumps(row), flush=True)
+    result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated() - before
+    passing = [row["streams"] for row in result["loads"] if row["realtime"]]
+    result["streams_realtime"] = max(passing, default=0)
+    if profile and passing:
+        result["profile"] = profile_ticks(engine, text, max(passing), profile)
+    engine.close()
+    return result
+
+
+def profile_ticks(engine: Engine, text: str, n: int, folder: Path) -> str:
+    """A torch-profiler trace of about 0.4 s of ticks, a second into a load of ``n`` streams starting at once
+    (past the start: steady speech): chrome trace, and the ops by GPU and by CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+    folder.mkdir(parents=True, exist_ok=True)
+    runner = threading.Thread(target=load, args=(engine, text, [0.0] * n))
+    runner.start()
+    time.sleep(1.0)
+    ticks = len(engine.tick_ms)
+    try:  # the engine's own thread too, not only this one
+        every_thread = {"experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)}
+    except (AttributeError, TypeError):
+        every_thread = {}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], **every_thread) as prof:
+        time.sleep(0.4)
+    ticks = len(engine.tick_ms) - ticks
+    runner.join()
+    prof.export_chrome_trace(str(folder / f"tick_trace_{n}.json"))
+    averages = prof.key_averages()
+    (folder / f"tick_ops_{n}.txt").write_text(
+        f"{ticks} ticks profiled\n" + averages.table(sort_by="cuda_time_total", row_limit=40)
+        + "\n" + averages.table(sort_by="self_cpu_time_total", row_limit=40))
+    return str(folder / f"tick_trace_{n}.json")
 
 
 def plot(rows: dict, path: Path) -> None:
@@ -204,24 +288,36 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--streams", type=int, nargs="*", help="loads to try (default 1 2 4 6 8; --quick: 1 4)")
+    parser.add_argument("--streams", type=int, nargs="*",
+                        help="loads to try (default 1 2 4 6 8; --quick: 1 4; cuda: 64 128 256 512 1024)")
     parser.add_argument("--slots", type=int, default=1,
                         help="engine slots for the single-stream figures (1: batch 1; see concurrency for more)")
     parser.add_argument("--no-compile", action="store_true", help="eager CPU step instead of the compiled one")
+    parser.add_argument("--arrival-rate", type=float, default=25.0, help="cuda: Poisson arrivals a second")
+    parser.add_argument("--poisson-max", type=int, help="cuda: Poisson arrivals only for loads up to this")
+    parser.add_argument("--sentences", type=int, default=8, help="Harvard sentences each stream speaks")
+    parser.add_argument("--profile", type=Path, help="cuda: write a profiler trace of the largest real-time load")
     parser.add_argument("--plot", type=Path, default=Path(__file__).parent / "step_vs_length.png")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
     model, codec, presets = load_shipped(device=args.device)
-    compile = not args.no_compile and args.device == "cpu"
-    engine = Engine(model, codec, presets, max_streams=args.slots, device=args.device, compile=compile)
-    engine.sync_timing = args.device.startswith("cuda")
+    if args.device.startswith("cuda"):
+        text = " ".join(harvard(args.sentences))
+        print(json.dumps(gpu_table(model, codec, presets, args.device, args.streams or [64, 128, 256, 512, 1024],
+                                   args.arrival_rate, text, args.profile, args.poisson_max), indent=1))
+        return
+    compile = not args.no_compile
+    engine = Engine(model, codec, presets, max_streams=args.slots, device=args.device,
+                    step_factory=kernels.default_step_factory(args.device, compile))
     frame_ms = 1000 / codec.cfg.frame_rate
+    engine.warm_up()
     synthesize(TEN_WORDS, engine=engine)  # warm-up
     step, rtf = steady_state(engine)
     result = {"device": args.device, "step": engine.step_kind, "threads": args.threads, "slots": args.slots,
               "frame_ms": frame_ms,
               "step_ms_p50": step["p50"], "step_ms_p99": step["p99"],
+              "tick_ms": percentiles(list(engine.tick_ms)),
               "step_p50_fraction_of_frame": round(step["p50"] / frame_ms, 3), "rtf": round(rtf, 3)}
     first = ttfa(engine, 5 if args.quick else 20)
     result.update(ttfa_ms_p50=first["p50"], ttfa_ms_p99=first["p99"])
@@ -235,10 +331,10 @@ def main() -> None:
     result["baselines"] = {kind: {f"{s}s": v for s, v in rows.items()} for kind, rows in baselines.items()}
     result["speedup_vs_no_cache_60s"] = round(baselines["no_cache"][60]["step_ms"] / ring, 2)
     result["speedup_vs_concat_cache_60s"] = round(baselines["concat_cache"][60]["step_ms"] / ring, 2)
-    load = concurrency(model, codec, presets, args.device, args.streams or ([1, 4] if args.quick else [1, 2, 4, 6, 8]),
-                       compile)
-    result["concurrency"] = load
-    passing = [row for row in load if row["realtime"]]
+    load_rows = concurrency(model, codec, presets, args.device,
+                            args.streams or ([1, 4] if args.quick else [1, 2, 4, 6, 8]), compile)
+    result["concurrency"] = load_rows
+    passing = [row for row in load_rows if row["realtime"]]
     result["streams_realtime"] = max((row["streams"] for row in passing), default=0)
     result["step_ms_p99_at_that_load"] = passing[-1]["step_ms"]["p99"] if passing else None
     if not args.quick:

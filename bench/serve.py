@@ -73,8 +73,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny random-weight engine, not the shipped voices")
     args = parser.parse_args()
     if args.tiny:
-        from streaming.engine import Engine
-        engine = Engine.tiny_random(max_streams=4)
+        from tests.helpers import tiny_random
+        engine = tiny_random(max_streams=4)
     else:
         from tts.api import get_engine
         engine = get_engine(compile=True)  # as `tts serve` runs it (TTS_NO_COMPILE=1: the eager step)

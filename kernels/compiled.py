@@ -17,6 +17,8 @@ from tts.model import TTSModel
 
 
 class CompiledStep:
+    kind = "compiled"
+
     def __init__(self, model: TTSModel, caches: StepCaches, batch: int, device: torch.device | str):
         # One graph per batch size: a process that builds several engines (benchmarks, tests) needs more than
         # dynamo's default of 8, past which fullgraph=True fails instead of falling back.

@@ -1,4 +1,4 @@
-"""The decode step captured once as a CUDA graph and replayed every frame tick.
+"""The decode step captured as a CUDA graph per slot bucket and replayed every frame tick.
 
 All shapes are static (B slots, rings of fixed capacity), and the step only writes into the caches in
 place, so one capture serves the whole life of the engine. Inputs are copied into static buffers.
@@ -12,6 +12,8 @@ from tts.model import TTSModel
 
 
 class GraphedStep:
+    kind = "cuda_graph"
+
     def __init__(self, model: TTSModel, caches: StepCaches, batch: int, device: torch.device | str):
         books = model.cfg.codebooks
         self.tokens = torch.full((batch, books), model.cfg.codebook_size, dtype=torch.long, device=device)
@@ -36,3 +38,11 @@ class GraphedStep:
         self.active.copy_(active)
         self.graph.replay()
         return self.logits
+
+
+class CudaGraphSteps:
+    """Step factory: a `GraphedStep` for each bucket of slots the engine asks for."""
+    kind = "cuda_graph"
+
+    def __call__(self, model: TTSModel, caches: StepCaches, batch: int, device) -> GraphedStep:
+        return GraphedStep(model, caches, batch, device)

@@ -1,23 +1,38 @@
-"""Codec decoding on its own thread, so that the next AR step runs while the last frames become audio.
+"""Codec decoding beside the AR step, in one of two shapes.
 
-On 2 CPU cores the AR step and the codec decoder each get one, and a frame tick costs the longer of the
-two instead of their sum. The engine thread hands jobs over in order through a bounded queue (when the
-codec is the slower, a full queue makes the engine wait), so a slot's reset, its chunks and its end are
-handled in the order they were made, even when a new stream reuses the slot straight away.
+`CodecWorker` (the CPU): chunks on a thread of their own, so that the next AR step runs while the last
+frames become audio. On 2 CPU cores the AR step and the codec decoder each get one, and a frame tick costs
+the longer of the two instead of their sum. The engine thread hands over one job per tick, in order,
+through a bounded queue (when the codec is the slower, a full queue makes the engine wait), so a slot's
+reset, its chunks and its end are handled in the order they were made, even when a new stream reuses the
+slot straight away.
+
+`FrameCodec` (a GPU): every tick, one decoder call of one frame for every slot (idle rows masked: their
+state is left as it was), with static shapes, so that it is captured once as a CUDA graph per slot bucket
+and replayed on a CUDA stream of its own, where it overlaps the next AR step. A stream decoded frame by
+frame equals its offline decode (`Codec.decode`), as the chunked decode does.
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
 import traceback
+import warnings
 from collections import deque
 
+import numpy as np
 import torch
 
 from streaming.masks import slot_mask
 from streaming.stream import Stream
-from tts.codec import Codec
+from tts.codec import Codec, DecoderState
+
+
+def fast_path_enabled(name: str) -> bool:
+    """Kill switches of the fast paths: TTS_NO_GRAPH=1 (no CUDA graphs), TTS_NO_COMPILE=1 (no compiled step)."""
+    return os.environ.get(f"TTS_NO_{name.upper()}", "0") in ("", "0")
 
 
 class CodecWorker:
@@ -27,45 +42,148 @@ class CodecWorker:
         self.device = device
         self.jobs: queue.Queue = queue.Queue(maxsize=depth)
         self.codec_ms: deque[tuple[float, int]] = deque(maxlen=200_000)  # (ms, frames) per decode call
-        threading.Thread(target=self._run, name="tts-codec", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="tts-codec", daemon=True)
+        self._thread.start()
 
-    def reset(self, index: int) -> None:
-        """A new stream starts in slot ``index``: its decoder state returns to the silent lead-in's."""
-        self.jobs.put(("reset", index))
+    def reset(self, rows: list[int]) -> None:
+        """New streams start in ``rows``: their decoder state returns to the silent lead-in's."""
+        self.jobs.put(("reset", rows))
 
-    def decode(self, slots: list[int], streams: list[Stream], frames: torch.Tensor) -> None:
-        """Decode ``frames`` (M, K, T) codes of M slots (each continuing its own state) and deliver the audio."""
-        self.jobs.put(("decode", slots, streams, frames))
+    def decode(self, rows: list[int], streams: list[Stream], codes: torch.Tensor, lengths: list[int]) -> None:
+        """Decode the first ``lengths[i]`` frames of ``codes`` (M, K, T) for slot ``rows[i]``, each continuing its
+        own state, and deliver the audio to ``streams[i]``. Rows of one length share a decoder call."""
+        self.jobs.put(("decode", rows, streams, codes, lengths))
 
     def finish(self, stream: Stream, error: Exception | None) -> None:
         """End ``stream`` once everything queued before has been delivered."""
         self.jobs.put(("finish", stream, error))
 
+    def close(self) -> None:
+        """Stop after the jobs queued so far."""
+        self.jobs.put(("stop",))
+        self._thread.join(timeout=2)
+
     def _run(self) -> None:
         torch.set_grad_enabled(False)
         while True:
             job = self.jobs.get()
+            if job[0] == "stop":
+                return
             try:
                 if job[0] == "reset":
-                    self.state.reset(slot_mask(self.state.buffers[0].shape[0], job[1], self.device))
+                    self.state.reset(slot_mask(self.state.buffers[0].shape[0], torch.tensor(job[1]), self.device))
                 elif job[0] == "decode":
                     self._decode(*job[1:])
                 else:
-                    job[1]._finish(job[2])
+                    job[1].finish(job[2])
             except Exception as err:  # a bug must not leave readers hanging
                 traceback.print_exc()
                 from streaming.engine import EngineError
                 streams = job[2] if job[0] == "decode" else [job[1]] if job[0] == "finish" else []  # reset: none
                 for stream in streams:
-                    stream._finish(EngineError(f"internal error: {err}"))
+                    stream.finish(EngineError(f"internal error: {err}"))
 
-    def _decode(self, slots: list[int], streams: list[Stream], frames: torch.Tensor) -> None:
-        started = time.perf_counter()
-        select = torch.tensor(slots, device=self.device)
-        sub = self.state.select(select)
-        audio = self.codec.decoder.step(self.codec.quantizer.decode(frames), sub)[:, 0].float().cpu().numpy()
-        self.state.write(select, sub)
-        self.codec_ms.append(((time.perf_counter() - started) * 1000, frames.shape[0] * frames.shape[2]))
-        for row, stream in enumerate(streams):
-            if not stream.cancelled:
-                stream._deliver(audio[row])
+    def _decode(self, rows: list[int], streams: list[Stream], codes: torch.Tensor, lengths: list[int]) -> None:
+        groups: dict[int, list[int]] = {}
+        for i, length in enumerate(lengths):
+            groups.setdefault(length, []).append(i)
+        for length, members in groups.items():
+            started = time.perf_counter()
+            select = torch.tensor([rows[i] for i in members], device=self.device)
+            sub = self.state.select(select)
+            frames = codes[members, :, :length]
+            audio = self.codec.decoder.step(self.codec.quantizer.decode(frames), sub)[:, 0].float().cpu().numpy()
+            self.state.write(select, sub)
+            self.codec_ms.append(((time.perf_counter() - started) * 1000, len(members) * length))
+            for row, i in enumerate(members):
+                if not streams[i].cancelled:
+                    streams[i].deliver(audio[row])
+
+
+class FrameCodec:
+    """One frame per slot per call: ``run(n, codes, completed, reset)`` decodes the frame ``codes`` (n, K) of the
+    rows where ``completed`` (n,) is true, after returning the rows in ``reset`` (B,) bool (or None) to the
+    lead-in state, and leaves (n, hop) samples in ``audio[:n]``. On a GPU the call is a CUDA graph per ``n``
+    (built on first use, unless TTS_NO_GRAPH=1)."""
+
+    def __init__(self, codec: Codec, max_streams: int, device):
+        self.codec, self.device = codec, torch.device(device)
+        self.state = codec.init_state(max_streams, device)
+        self.codes = torch.zeros(max_streams, codec.cfg.codebooks, dtype=torch.long, device=device)  # (B, K)
+        self.mask = torch.zeros(max_streams, dtype=torch.bool, device=device)  # (B,)
+        self.audio = torch.zeros(max_streams, codec.cfg.hop, device=device)  # (B, hop)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.use_graphs = self.device.type == "cuda" and fast_path_enabled("graph")
+        # One memory pool for every bucket's graph: they run one at a time and copy their output out.
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+
+    def run(self, n: int, codes: torch.Tensor, completed: torch.Tensor, reset: torch.Tensor | None) -> torch.Tensor:
+        if reset is not None:
+            self.state.reset(reset)
+        self.codes[:n].copy_(torch.where(completed[:, None], codes, 0))  # idle rows: any valid code
+        self.mask[:n].copy_(completed)
+        if self.use_graphs and n not in self.graphs:
+            try:
+                self.graphs[n] = self._capture(n)
+            except Exception as err:  # serve eagerly rather than not at all
+                warnings.warn(f"codec CUDA graph unavailable, decoding eagerly: {err}")
+                self.use_graphs = False
+        if self.use_graphs:
+            self.graphs[n].replay()
+        else:
+            self._step(n)
+        return self.audio[:n]
+
+    def prepare(self, n: int) -> None:
+        """Capture the graph for the first ``n`` rows now (call on the stream that will replay it)."""
+        if self.use_graphs and n not in self.graphs:
+            self.graphs[n] = self._capture(n)
+
+    def _step(self, n: int) -> None:
+        """The decoder step over the first n rows of the static buffers; idle rows keep their state."""
+        rows = DecoderState([b[:n] for b in self.state.buffers],
+                            None if self.state.lstm is None else tuple(p[:, :n] for p in self.state.lstm))
+        stepped = DecoderState(list(rows.buffers), rows.lstm)
+        z = self.codec.quantizer.decode(self.codes[:n, :, None])  # (n, D, 1)
+        audio = self.codec.decoder.step(z, stepped)  # (n, 1, hop)
+        keep = self.mask[:n]
+        for old, new in zip(rows.buffers, stepped.buffers):
+            old.copy_(torch.where(keep[:, None, None], new, old))
+        if rows.lstm is not None:
+            for old, new in zip(rows.lstm, stepped.lstm):
+                old.copy_(torch.where(keep[None, :, None], new, old))
+        self.audio[:n].copy_(audio[:, 0])
+
+    def _capture(self, n: int) -> torch.cuda.CUDAGraph:
+        saved = [b[:n].clone() for b in self.state.buffers], [p[:, :n].clone() for p in self.state.lstm or ()]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: cuDNN picks its kernels outside the capture
+                self._step(n)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._step(n)
+        for old, kept in zip(self.state.buffers, saved[0]):  # the warm-up stepped live rows: undo it
+            old[:n].copy_(kept)
+        for old, kept in zip(self.state.lstm or (), saved[1]):
+            old[:, :n].copy_(kept)
+        return graph
+
+
+class AudioOutbox:
+    """Host-side assembly of chunks from per-tick frames (`FrameCodec`): frame audio lands at each row's
+    pending position, and a due row's chunk is handed over whole. Example, hop 480: a row whose chunk of 4
+    frames is due after this tick receives samples [0, 1920) of its row, written over the last 4 ticks."""
+
+    def __init__(self, max_streams: int, frames: int, hop: int):
+        self.hop = hop
+        self.audio = np.zeros((max_streams, frames, hop), dtype=np.float32)  # (B, C, hop)
+
+    def add(self, rows: np.ndarray, positions: np.ndarray, audio: np.ndarray) -> None:
+        """Frame audio (M, hop) of ``rows`` (M,) at their pending ``positions`` (M,)."""
+        self.audio[rows, positions] = audio
+
+    def chunk(self, row: int, frames: int) -> np.ndarray:
+        return self.audio[row, :frames].reshape(-1).copy()

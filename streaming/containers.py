@@ -33,11 +33,13 @@ class Encoder:
     """float32 chunks -> bytes of one format, chunk by chunk. Raw PCM by numpy; containers by PyAV (FFmpeg),
     written to a non-seekable sink so every format streams (WAV gets FFmpeg's streaming header)."""
 
-    def __init__(self, fmt: str):
+    def __init__(self, fmt: str, file=None):
+        """``file``: a seekable binary file that containers are written into instead, so that the muxer can
+        complete their headers at the end (WAV sizes, FLAC length); encode() then returns b"" for them."""
         self.fmt, self._sink, self._container = fmt, _Sink(), None
         if fmt in _CONTAINERS:
             muxer, codec, rate = _CONTAINERS[fmt]
-            self._container = av.open(self._sink, mode="w", format=muxer)
+            self._container = av.open(file or self._sink, mode="w", format=muxer)
             self._stream = self._container.add_stream(codec, rate=rate, layout="mono")
 
     def encode(self, audio: np.ndarray) -> bytes:

@@ -9,6 +9,10 @@ from streaming.kv_cache import RingKVCache
 from streaming.masks import slot_mask
 from tts.model import ModelConfig, TTSModel
 
+# Text ring entries per slot. The step sees units p-behind..p+ahead of its aligned unit p (the mask); the rest
+# of the ring holds units encoded ahead, written once when the text is encoded (see `streaming.slots`).
+TEXT_RING = 32
+
 
 @dataclass
 class StepCaches:
@@ -19,28 +23,47 @@ class StepCaches:
     audio: list[RingKVCache]
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, batch: int, device=None, dtype=torch.float32) -> "StepCaches":
+    def empty(cls, cfg: ModelConfig, batch: int, device=None, dtype=torch.float32,
+              text_capacity: int = TEXT_RING) -> "StepCaches":
         def rings(capacity):  # every layer's ring holds the same positions: share one tensor
             first = RingKVCache.empty(batch, cfg.heads, capacity, cfg.head_dim, device, dtype)
             rest = [RingKVCache(torch.zeros_like(first.keys), torch.zeros_like(first.values), first.positions)
                     for _ in range(cfg.layers - 1)]
             return [first, *rest]
+        if text_capacity <= cfg.behind + cfg.ahead:
+            raise ValueError(f"a text ring of {text_capacity} cannot hold the {cfg.behind + cfg.ahead + 1} units "
+                             "a step attends to")
         sink = torch.zeros(batch, cfg.heads, cfg.sinks, cfg.head_dim, device=device, dtype=dtype)
-        return cls([(sink.clone(), sink.clone()) for _ in range(cfg.layers)], rings(cfg.text_slots),
+        return cls([(sink.clone(), sink.clone()) for _ in range(cfg.layers)], rings(text_capacity),
                    rings(cfg.window))
 
-    def start(self, slot: int, prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Give ``slot`` a fresh stream with the voice prefix ``prefix`` (per layer (1, H, S, D) keys/values)."""
-        mask = slot_mask(self.text[0].positions.shape[0], slot, self.text[0].positions.device)
-        for (keys, values), (pk, pv), text, audio in zip(self.sinks, prefix, self.text, self.audio):
-            keys[slot], values[slot] = pk[0], pv[0]
-            text.reset(mask)
-            audio.reset(mask)
+    @property
+    def batch(self) -> int:
+        return self.text[0].positions.shape[0]
 
-    def write_text(self, text_kv: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor) -> None:
-        """text_kv: per layer (B, H, R, D) keys/values of units at ``positions`` (B, R), -1 = nothing."""
+    def view(self, n: int) -> "StepCaches":
+        """The first ``n`` slots, sharing storage: a step over the view reads and writes these slots' caches.
+        Layers keep sharing one positions tensor per ring kind, as in the full caches."""
+        def rings(full):
+            positions = full[0].positions[:n]
+            return [RingKVCache(r.keys[:n], r.values[:n], positions) for r in full]
+        return StepCaches([(k[:n], v[:n]) for k, v in self.sinks], rings(self.text), rings(self.audio))
+
+    def start(self, slots: int | torch.Tensor, prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Give ``slots`` (one index, or a (M,) tensor of them) fresh streams with the voice prefix ``prefix``
+        (per layer (1 or M, H, S, D) keys/values): empty rings, prefix copied in. No host sync."""
+        mask = slot_mask(self.batch, slots, self.text[0].positions.device)
+        for (keys, values), (pk, pv) in zip(self.sinks, prefix):
+            keys[slots], values[slots] = (pk[0], pv[0]) if isinstance(slots, int) else (pk, pv)
+        self.text[0].reset(mask)  # one positions tensor per ring kind
+        self.audio[0].reset(mask)
+
+    def write_text(self, text_kv: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor,
+                   keep: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
+        """text_kv: per layer (M, H, T, D) keys/values of units at ``positions`` (M, T); ``keep`` and ``rows``
+        as in `RingKVCache.update` (without ``keep``, -1 = nothing)."""
         for ring, (k, v) in zip(self.text, text_kv):
-            ring.update(k, v, positions)
+            ring.update(k, v, positions, keep, rows)
 
     @property
     def nbytes(self) -> int:

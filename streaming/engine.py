@@ -1,34 +1,56 @@
 """The serving engine: many streams share one batch of slots and advance together, one AR step per
 frame tick, with text arriving incrementally and audio decoded chunk by chunk.
 
-One background thread owns the model, the caches and the codec state. Callers talk to it through
-`Stream` objects (thread-safe): push text, flush, end, cancel, read audio chunks.
+Threads: callers talk to the engine through `Stream` objects (thread-safe). A text thread phonemises
+arriving text (`Stream.take_text`), so a burst of new text never stalls the tick. The engine thread owns
+the slots, the model and the caches; each tick it
+  1. handles what happened since the last tick (events: starts, cancels, text, readers catching up) and
+     encodes new text of every stream that needs it in one padded text-encoder call (`_prefill`),
+  2. steps every ready slot of the bucket that covers the live ones (`_launch`: one AR step, sampling and
+     the slots' bookkeeping as batched tensor ops, `streaming.slots`),
+  3. decodes the completed frames (one codec call per tick) and hands out chunks that are due (`_collect`).
+Host work per tick is proportional to the events, not the slots: no per-slot Python loop in the steady
+state, and on a GPU one host sync per tick (waiting for the previous tick's audio while this tick's step
+runs).
+
+Codec: on the CPU a `CodecWorker` thread decodes due chunks (2, 4, 8, then 16 frames); on a GPU a
+`FrameCodec` decodes every completed frame each tick on its own CUDA stream (a CUDA graph), overlapping the
+next AR step, and the host hands out chunks on the same schedule.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
+import heapq
 import threading
-from collections import deque
 import time
 import traceback
 import warnings
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
+import numpy as np
 import torch
 
-from streaming.codec_worker import CodecWorker
-from streaming.decode import StepCaches, decode_step
+from streaming.admission import Admission, Full
+from streaming.codec_worker import AudioOutbox, CodecWorker, FrameCodec
+from streaming.decode import TEXT_RING, StepCaches, decode_step
 from streaming.sampling import sample
+from streaming.slots import CHUNK_SCHEDULE, META, Slots
 from streaming.stream import Stream
+from streaming.text_worker import TextWorker
+from tts.alignment import predicted_frames, start_frames
 from tts.codec import Codec
 from tts.model import TTSModel
-from tts.text import MAX_TEXT_CHARS, SYMBOLS, TextError
+from tts.text import MAX_TEXT_CHARS, TextError
 
-ENCODE_CHUNK = 48  # units encoded per text-encoder call
-# Frames per codec decode: small first chunks for a fast first sound, then 320 ms. On 2 CPU cores the
-# decoder's fixed cost per call (short convolutions, the LSTM's per-call setup) makes 8-frame chunks cost
-# about 1.4 times as much per second of audio as 16-frame ones (`python -m bench.codec --quick`).
-CHUNK_SCHEDULE = (2, 4, 8, 16)
-NEVER = 1 << 40
+StepFactory = Callable[..., Callable]  # factory(model, caches, batch, device) -> step (see COMMON contracts)
+UNIT, READY, COMPLETED, PENDING, DUE, DONE = range(len(META))
+URGENT_LEAD = 8  # units encoded ahead of a slot's aligned unit below which its next units are encoded at once
+ROUTINE_TICKS = 8  # otherwise top-ups wait for every 8th tick, so one text-encoder call serves many slots
+CPU_STREAMS = 8  # default slots on a CPU: a step costs what its active slots cost, so idle slots are free
+GPU_STREAMS_CAP = 1024  # default cap on a GPU; memory would allow far more (`default_max_streams`)
 
 
 class EngineError(RuntimeError):
@@ -50,341 +72,643 @@ class SamplingConfig:
 
 
 @dataclass
-class Slot:
-    """Host-side bookkeeping of one batch slot. Unit indices are absolute within the utterance."""
+class Utterance:
+    """Host side of one live slot; only the engine thread touches it. Unit indices are absolute."""
     stream: Stream
+    slot: int
     voice_id: int
-    rate: float  # frames-per-phoneme divisor: the stream's speed times the voice's pace
-    temperature: float  # the voice's sampling temperature
+    rate: float  # frames-per-unit divisor: the stream's speed times the voice's pace
     units: list[int] = field(default_factory=list)  # unit ids from absolute index unit_base on
     unit_base: int = 0
-    encoded: int = 0  # units whose states, durations and text keys exist
-    frame_unit: list[int] = field(default_factory=list)  # aligned unit of each frame from frame_base on
-    frame_base: int = 0
-    text_kv: list = field(default_factory=list)  # per encoded-but-unwritten unit: per layer (k, v)
-    written: int = 0
     closed_upto: int = -1  # units up to here were closed by a flush: speak them without more lookahead
-    step: int = 0
-    pending: int = 0  # finished frames not yet decoded
-    chunks: int = 0
+    text_ended: bool = False
+    spoke: bool = False
+    done: bool = False  # its last chunk is handed out
 
     @property
-    def unit_count(self) -> int:
+    def received(self) -> int:
         return self.unit_base + len(self.units)
-
-    @property
-    def frames_known(self) -> int:
-        return self.frame_base + len(self.frame_unit)
-
-    def unit_at(self, frame: int) -> int:
-        """Aligned unit of ``frame``; past the last known frame, the last unit (the delay-pattern tail)."""
-        return self.frame_unit[min(frame, self.frames_known - 1) - self.frame_base]
-
-    def trim(self, lookahead: int) -> None:
-        """Forget frames and units no step can touch again, so host memory stays flat on long speech.
-        Example: step 5000, frame_base 0 -> frames 0..4998 are dropped and frame_base becomes 4999.
-        The last known frame is always kept, as the delay-pattern tail steps past it still read its unit:
-        2046 frames known, step 2050 -> frames 0..2044 are dropped (not 0..2048), frame 2045 stays."""
-        old_frames = min(self.step - 1, self.frames_known - 1) - self.frame_base
-        if old_frames > 1024:
-            del self.frame_unit[:old_frames]
-            self.frame_base += old_frames
-        old_units = self.encoded - lookahead - 1 - self.unit_base
-        if old_units > 1024:
-            del self.units[:old_units]
-            self.unit_base += old_units
 
 
 class Engine:
     _cores_split = False
 
-    def __init__(self, model: TTSModel, codec: Codec, voices: dict[str, dict], max_streams: int = 8,
+    def __init__(self, model: TTSModel, codec: Codec, voices: dict[str, dict], max_streams: int | None = None,
                  device: str = "cpu", sampling: SamplingConfig | None = None, max_chars: int = MAX_TEXT_CHARS,
-                 max_queued_seconds: float = 4.0, seed: int = 0, compile: bool = False):
-        self.model, self.codec, self.device = model.eval(), codec.eval(), device
+                 max_queued_seconds: float = 4.0, seed: int = 0, step_factory: StepFactory | None = None,
+                 max_waiting: int | None = None, frame_codec: bool | None = None):
+        self.model, self.codec, self.device = model.eval(), codec.eval(), torch.device(device)
         self.cfg, self.voices = model.cfg, voices
         self.default_voice = next((n for n, v in voices.items() if v.get("default")), next(iter(voices)))
         self.sample_rate = codec.cfg.sample_rate
-        self.max_streams, self.max_chars, self.max_queued = max_streams, max_chars, max_queued_seconds
+        self.frame_seconds = 1 / codec.cfg.frame_rate
+        self.max_streams = default_max_streams(model, codec, self.device, max_streams)
+        self.max_chars, self.max_queued = max_chars, max_queued_seconds
         self.sampling = sampling or SamplingConfig()
-        self.generator = torch.Generator(device).manual_seed(seed)
-        if str(device) == "cpu" and not Engine._cores_split:  # the AR step and the codec worker run side by
-            torch.set_num_threads(max(1, torch.get_num_threads() // 2))  # side: split the cores, once a process
+        self.seeds = torch.Generator().manual_seed(seed)  # draws the seed of every unseeded stream
+        if self.device.type == "cpu" and not Engine._cores_split:  # the AR step and the codec worker run side
+            torch.set_num_threads(max(1, torch.get_num_threads() // 2))  # by side: split the cores, once a process
             Engine._cores_split = True
-        self.caches = StepCaches.empty(self.cfg, max_streams, device)
-        self.codec_worker = CodecWorker(codec, max_streams, device)
-        self.codec_ms = self.codec_worker.codec_ms  # (ms, frames) per codec call
-        self.slots: list[Slot | None] = [None] * max_streams
-        books = self.cfg.codebooks
-        self.tokens = torch.full((max_streams, books), self.cfg.codebook_size, dtype=torch.long, device=device)
-        self.books = torch.arange(books, device=device)  # codebook indices, reused every tick
-        self.history = torch.zeros(max_streams, books, books, dtype=torch.long, device=device)  # last K steps
-        self.temperature = torch.full((max_streams, 1, 1), max(self.sampling.temperature, 1e-4), device=device)  # (B, 1, 1)
-        self.frames = torch.zeros(max_streams, books, max(CHUNK_SCHEDULE), dtype=torch.long, device=device)
-        self._prefix: dict[int, list] = {}
-        self._new: list[int] = []
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self.frame_codec = self.device.type == "cuda" if frame_codec is None else frame_codec
+        self._build_device_state(self.max_streams)
         self.step_ms: deque[float] = deque(maxlen=200_000)  # AR step + sampling, per tick
-        self.sync_timing = False  # benchmarks on a GPU set this to time the step exactly
-        self._decode_step = self._fast_step(compile)
+        self.tick_ms: deque[float] = deque(maxlen=200_000)  # a whole tick: events, prefill, step, codec, hand-out
+        self._factory, self._next_factory = step_factory, None
+        self._steps: dict[int, Callable] = {}
+        self._views: dict[int, StepCaches] = {}
+        self.step_kind = _kind(step_factory)
+        self._build_host_tables(self.max_streams)
+        # thread hand-offs
+        self._lock = threading.Lock()  # guards the factory switch
+        self._wake = threading.Event()
+        self._inbox: deque = deque()  # (kind, stream, payload) from other threads
+        self.admission = Admission(self.max_streams, self.max_streams if max_waiting is None else max_waiting)
+        self.text_worker = TextWorker(self._text_taken)
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name="tts-engine", daemon=True)
         self._thread.start()
+        atexit.register(self.close)  # stop between ticks: a thread inside torch at exit can abort the process
+
+    def _build_device_state(self, batch: int) -> None:
+        """Caches, slot state, voice prefixes and the codec side, for ``batch`` slots."""
+        self.caches = StepCaches.empty(self.cfg, batch, self.device)
+        self.slots = Slots(self.cfg, batch, TEXT_RING, self.device, stagger=self.frame_codec)
+        with torch.no_grad():  # prefix caching: every voice's prefix keys/values (V, H, S, D), computed once
+            self.prefixes = self.model.voice_prefix(torch.arange(self.cfg.voices, device=self.device))
+        if self.frame_codec:
+            self.frame_decoder = FrameCodec(self.codec, batch, self.device)
+            self.outbox = AudioOutbox(batch, max(CHUNK_SCHEDULE), self.codec.cfg.hop)
+            self.codec_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            self.codec_ms: deque = deque(maxlen=200_000)  # (ms, frames) per codec call
+        else:
+            self.codec_worker = CodecWorker(self.codec, batch, self.device)
+            self.codec_ms = self.codec_worker.codec_ms
+
+    def _build_host_tables(self, batch: int) -> None:
+        """What the engine thread alone keeps per slot: O(1) per event to update, numpy where a tick scans."""
+        self.utterances: list[Utterance | None] = [None] * batch
+        self._by_stream: dict[Stream, Utterance] = {}
+        self._free = list(range(batch))  # a heap: the lowest free slot first
+        self._encoded = np.zeros(batch, dtype=np.int64)  # units encoded, per slot
+        self._encodable = np.zeros(batch, dtype=np.int64)  # units that may be encoded now, per slot
+        self._unit = np.zeros(batch, dtype=np.int64)  # each slot's aligned unit at the last collected tick
+        self._live = np.zeros(batch, dtype=bool)
+        self._generation = np.zeros(batch, dtype=np.int64)  # counts the streams each slot has held
+        self._todo = _DeviceUpdates()  # event updates for the device, applied at the next tick
+        self._codec_resets: list[int] = []  # slots whose frame decoder state restarts at the next tick
+        self._schedules: list = []  # prefills of the coming tick, for the streams' timings
+        self._any_ready = False  # whether the last collected tick had a slot ready to step
+        self._ticks = 0
+        self._inflight: deque = deque()
+        self._handlers = {"start": self._on_start, "cancel": self._on_cancel, "text": self._on_text,
+                          "flow": self._on_flow, "warm": self._on_warm}
 
     # ---- public API -------------------------------------------------------------------------
-    def open(self, voice: str | None = None, speed: float = 1.0) -> Stream:
-        voice = voice or self.default_voice
+    def open(self, voice: str | None = None, speed: float = 1.0, *, seed: int | None = None,
+             lookahead_words: int | None = None, wait_s: float = 0.0) -> Stream:
+        """A new stream. ``seed`` fixes its sampling noise (same seed, same tokens, whatever else runs); unseeded
+        streams draw one from the engine's generator. When every slot is busy, wait up to ``wait_s`` seconds in
+        a first-come-first-served queue (at most ``max_waiting`` callers) for one, then raise ServerFull."""
+        voice = self.default_voice if voice is None else voice
         if voice not in self.voices:
             raise UnknownVoice(f"unknown voice {voice!r}; choose one of {sorted(self.voices)}")
-        if not isinstance(speed, (int, float)) or not 0.25 <= speed <= 4.0:
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0.25 <= speed <= 4.0:
             raise ValueError(f"speed must be a number from 0.25 to 4.0, not {speed!r}")
-        stream = Stream(self, voice, float(speed), self.max_chars)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an integer, not {seed!r}")
         with self._lock:
-            free = [i for i, s in enumerate(self.slots) if s is None]
-            if not free:
-                raise ServerFull(f"all {self.max_streams} streams are busy; try again shortly")
-            preset = self.voices[voice]
-            self.slots[free[0]] = Slot(stream, preset["index"], float(speed) * preset.get("pace", 1.0),
-                                       preset.get("temperature", self.sampling.temperature))
-            self._new.append(free[0])
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (), generator=self.seeds))
+        stream = Stream(self, voice, float(speed), self.max_chars, seed % 2**63, lookahead_words)
+        try:
+            self.admission.admit(stream, wait_s, lambda s: self._inbox.append(("start", s, None)))
+        except Full as err:
+            raise ServerFull(str(err)) from None
         self.wake()
         return stream
 
-    @classmethod
-    def tiny_random(cls, max_streams: int = 4, **kwargs) -> "Engine":
-        """An engine on a tiny random-weight model and codec: real scheduling, streaming and audio shapes,
-        noise for sound. For fast tests of everything around the model."""
-        from tts.codec import CODEC_PRESETS
-        from tts.model import MODEL_PRESETS
-        torch.manual_seed(0)
-        codec = Codec(CODEC_PRESETS["tiny"])
-        codec.quantizer.codebooks.normal_()
-        model = TTSModel(MODEL_PRESETS["tiny"])
-        torch.nn.init.constant_(model.text.duration[-1].bias, 1.4)  # about 3 frames a unit, like speech
-        names = ["joe", "slt", "rms", "kal", "awb"]
-        voices = {n: {"name": n, "index": i, "description": "tiny random test voice", "teacher": "none",
-                      "sample_rate": codec.cfg.sample_rate, "default": i == 0} for i, n in enumerate(names)}
-        return cls(model, codec, voices, max_streams=max_streams, **kwargs)
+    def warm_up(self) -> None:
+        """Build the step (and on a GPU the codec's graph) of every slot bucket now, rather than when streams
+        first reach it (a CUDA graph capture stalls every stream for a moment). Blocks until done."""
+        done = threading.Event()
+        self._inbox.append(("warm", None, done))
+        self.wake()
+        done.wait()
+
+    def set_step_factory(self, factory: StepFactory | None) -> None:
+        """Run the AR step built by ``factory`` (None: eager) from the next tick on; callable from any thread
+        while streams are live (the caches stay, so no stream is dropped or changes beyond float rounding)."""
+        with self._lock:
+            self._next_factory = (factory,)
+        self.wake()
+
+    def stats(self) -> dict:
+        """Live figures for a health endpoint: streams, the queue, and recent tick/step/codec times (ms)."""
+        def recent(values):
+            values = list(values)[-2000:]
+            if not values:
+                return {"p50": None, "p99": None}
+            return {"p50": round(float(np.percentile(values, 50)), 3), "p99": round(float(np.percentile(values, 99)), 3)}
+        return {"active_streams": self.admission.held, "queued": self.admission.queued, "max_streams": self.max_streams,
+                "step_kind": self.step_kind, "tick_ms": recent(self.tick_ms), "step_ms": recent(self.step_ms),
+                "codec_ms": recent(ms for ms, _ in self.codec_ms)}
+
+    @property
+    def active_streams(self) -> int:
+        return self.admission.held
 
     def wake(self) -> None:
         self._wake.set()
 
-    @property
-    def active_streams(self) -> int:
-        return sum(s is not None for s in self.slots)
+    def close(self) -> None:
+        """Stop the engine's threads (at the end of a tick); streams still open are left unfinished."""
+        self._closing = True
+        self.wake()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2)
+        self.text_worker.close()
+        if not self.frame_codec:
+            self.codec_worker.close()
 
-    def _fast_step(self, compile: bool):
-        """The best available step: a CUDA graph on a GPU; an inductor-compiled step if ``compile`` (long-lived
-        engines: compiling takes seconds); else the eager step. Kill switches: TTS_NO_GRAPH, TTS_NO_COMPILE."""
-        import kernels
-        if str(self.device).startswith("cuda") and kernels.enabled("graph"):
-            from kernels.cuda_graph import GraphedStep
-            self.step_kind = "cuda_graph"
-            return GraphedStep(self.model, self.caches, self.max_streams, self.device)
-        if compile and kernels.enabled("compile"):
-            try:
-                from kernels.compiled import CompiledStep
-                step = CompiledStep(self.model, self.caches, self.max_streams, self.device)
-                self.step_kind = "compiled"
-                return step
-            except Exception as err:  # no C++ compiler, say: serve eagerly rather than not at all
-                warnings.warn(f"compiled decode step unavailable, running eagerly: {err}")
-        self.step_kind = "eager"
-        return decode_step
+    # ---- what streams tell the engine (any thread) --------------------------------------------
+    def text_arrived(self, stream: Stream) -> None:
+        """New text, a flush or the end: the text thread takes it (phonemises) and passes the units on."""
+        self.text_worker.arrived(stream)
 
-    # ---- engine thread ----------------------------------------------------------------------
+    def cancelled(self, stream: Stream) -> None:
+        self._inbox.append(("cancel", stream, None))
+        self.wake()
+
+    def flow_changed(self, stream: Stream) -> None:
+        """The reader fell behind (queued audio over the limit) or caught up: pause or resume the stream."""
+        self._inbox.append(("flow", stream, None))
+        self.wake()
+
+    def _text_taken(self, stream: Stream, news) -> None:
+        self._inbox.append(("text", stream, news))
+        self.wake()
+
+    # ---- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         torch.set_grad_enabled(False)
-        while True:
+        while not self._closing:
             self._wake.wait(timeout=0.05)
             self._wake.clear()
             try:
-                while self._tick():
+                while self._tick() and not self._closing:
                     pass
-            except Exception as err:  # a bug must not leave callers hanging: fail the streams, keep serving
+            except Exception as err:  # a fault of the batch: fail the streams in it, reset, keep serving
                 traceback.print_exc()
-                for index, slot in enumerate(self.slots):
-                    if slot is not None:
-                        slot.stream._finish(EngineError(f"internal error: {err}"))
-                        self.slots[index] = None
+                self._recover(err)
 
     def _tick(self) -> bool:
-        """Advance every ready stream by one frame. Returns whether any work was done."""
-        with self._lock:
-            new, self._new = self._new, []
-        for index in new:
-            self._start(index)
-        ready = []
-        for index, slot in enumerate(self.slots):
-            if slot is None:
-                continue
-            if slot.stream.cancelled:
-                self.slots[index] = None
-                continue
-            self._advance_text(slot)
-            slot.trim(self.cfg.text_lookahead)
-            if self._can_step(slot):
-                ready.append(index)
-            elif self._is_done(slot):
-                self._decode([index])
-                spoke = slot.stream.text.spoken_any
-                self.codec_worker.finish(slot.stream, None if spoke else TextError("text has nothing speakable in it"))
-                self.slots[index] = None
-        if not ready:
-            return False
-        self._step(ready)
-        due = [i for i in ready if self.slots[i].pending >= self._chunk_size(self.slots[i])]
-        if due:
-            self._decode(due)
-        return True
-
-    def _start(self, index: int) -> None:
-        slot = self.slots[index]
-        if slot.voice_id not in self._prefix:  # prefix caching: a voice's prefix is computed once
-            self._prefix[slot.voice_id] = self.model.voice_prefix(torch.tensor([slot.voice_id], device=self.device))
-        self.caches.start(index, self._prefix[slot.voice_id])
-        self.codec_worker.reset(index)
-        self.tokens[index] = self.cfg.codebook_size
-        self.history[index] = 0
-        self.temperature[index] = max(slot.temperature, 1e-4)  # positive: a voice samples, never divides by 0
-
-    def _advance_text(self, slot: Slot) -> None:
-        """Phonemise newly arrived text and encode units as far as the text encoder's lookahead allows,
-        but only about one encode chunk beyond what the next frames need (memory stays bounded)."""
-        units, closed = slot.stream.text.take()
-        slot.units += units
-        if closed:
-            slot.closed_upto = slot.unit_count
-        complete = slot.stream.text.ended or slot.closed_upto == slot.unit_count
-        current = slot.unit_at(slot.step) if slot.step < slot.frames_known else slot.encoded
-        while slot.encoded < slot.unit_count and slot.encoded <= current + self.cfg.ahead + ENCODE_CHUNK:
-            start = slot.encoded
-            stop = min(start + ENCODE_CHUNK, slot.unit_count if complete else slot.unit_count - self.cfg.text_lookahead)
-            if stop <= start:
-                return
-            self._encode(slot, start, stop)
-
-    def _encode(self, slot: Slot, start: int, stop: int) -> None:
-        look = self.cfg.text_lookahead
-        lo, hi = max(0, start - look), min(slot.unit_count, stop + look)
-        units = torch.tensor([slot.units[lo - slot.unit_base:hi - slot.unit_base]], device=self.device)
-        voice = torch.tensor([slot.voice_id], device=self.device)
-        states, log_dur = self.model.text(units, voice)
-        states, log_dur = states[:, start - lo:stop - lo], log_dur[0, start - lo:stop - lo]
-        durations = torch.round(torch.expm1(log_dur.float()).clamp(min=0) / slot.rate).long().tolist()
-        if start == 0 and sum(durations) == 0:
-            durations[0] = 1
-        first = slot.frames_known
-        starts = torch.tensor([first + sum(durations[:i]) for i in range(len(durations))], device=self.device)
-        kv = self.model.text_keys_values(states, starts[None])
-        frame_s = 1 / self.codec.cfg.frame_rate
-        slot.stream._schedule([(SYMBOLS[u], round(int(f) * frame_s, 3), round((int(f) + d) * frame_s, 3))
-                               for u, f, d in zip(slot.units[start - slot.unit_base:stop - slot.unit_base],
-                                                  starts.tolist(), durations) if d > 0])
-        for i, duration in enumerate(durations):
-            slot.frame_unit += [start + i] * duration
-            slot.text_kv.append([(k[:, :, i:i + 1], v[:, :, i:i + 1]) for k, v in kv])
-        slot.encoded = stop
-
-    def _total_steps(self, slot: Slot) -> int:
-        """Steps of the utterance once all its text is known (frames + codebooks - 1), else NEVER."""
-        if slot.stream.text.ended and slot.encoded == slot.unit_count:
-            return slot.frames_known + self.cfg.codebooks - 1 if slot.frames_known else 0
-        return NEVER
-
-    def _can_step(self, slot: Slot) -> bool:
-        if slot.stream.queued_samples > self.max_queued * self.sample_rate:
-            return False  # backpressure: the reader is behind
-        total = self._total_steps(slot)
-        if total != NEVER:
-            return slot.step < total
-        if slot.step >= slot.frames_known:
-            return False
-        closed = slot.encoded == slot.closed_upto == slot.unit_count
-        return closed or slot.unit_at(slot.step) + self.cfg.ahead < slot.encoded
-
-    def _is_done(self, slot: Slot) -> bool:
-        return slot.stream.text.ended and slot.step >= self._total_steps(slot)
-
-    def _write_text(self, ready: list[int]) -> None:
-        """Put every unit within the window ahead of each stream's current unit into its text ring."""
-        per_slot = []
-        for index in ready:
-            slot = self.slots[index]
-            unit = slot.unit_at(slot.step)
-            upto = min(unit + self.cfg.ahead + 1, slot.encoded)
-            per_slot.append((index, slot, list(range(slot.written, upto))))
-        while any(todo for _, _, todo in per_slot):
-            positions = torch.full((self.max_streams, 1), -1, dtype=torch.long)
-            layers = [[torch.zeros(self.max_streams, self.cfg.heads, 1, self.cfg.head_dim, device=self.device),
-                       torch.zeros(self.max_streams, self.cfg.heads, 1, self.cfg.head_dim, device=self.device)]
-                      for _ in range(self.cfg.layers)]
-            for index, slot, todo in per_slot:
-                if not todo:
-                    continue
-                unit = todo.pop(0)
-                positions[index, 0] = unit
-                for layer, (k, v) in zip(layers, slot.text_kv.pop(0)):
-                    layer[0][index], layer[1][index] = k[0], v[0]
-                slot.written += 1
-            self.caches.write_text([tuple(kv) for kv in layers], positions.to(self.device))
-
-    def _step(self, ready: list[int]) -> None:
-        self._write_text(ready)
-        active = torch.zeros(self.max_streams, dtype=torch.bool)
-        frame = torch.zeros(self.max_streams, dtype=torch.long)
-        unit = torch.zeros(self.max_streams, dtype=torch.long)
-        total = torch.full((self.max_streams,), NEVER, dtype=torch.long)
-        for index in ready:
-            slot = self.slots[index]
-            active[index], frame[index] = True, slot.step
-            unit[index] = slot.unit_at(slot.step)
-            steps = self._total_steps(slot)
-            total[index] = steps - self.cfg.codebooks + 1 if steps != NEVER else NEVER
-        active, frame, unit, total = (t.to(self.device) for t in (active, frame, unit, total))
+        """Handle events, step the ready slots, hand out audio. Returns whether to tick again at once.
+        With the frame codec (a GPU) the tick just launched stays in flight while the host handles the previous
+        one's results."""
         started = time.perf_counter()
-        logits = self._decode_step(self.model, self.caches, self.tokens, frame, unit, active)
-        temperature = self.temperature if self.sampling.temperature > 0 else 0.0  # 0: greedy, for tests
-        tokens = sample(logits, temperature, self.sampling.top_k, self.generator)
-        if self.sync_timing:
-            torch.cuda.synchronize()
-        self.step_ms.append((time.perf_counter() - started) * 1000)
-        frame_of_token = frame[:, None] - self.books  # codebook k of this step belongs to frame step - k
-        valid = (frame_of_token >= 0) & (frame_of_token < total[:, None])
-        tokens = torch.where(valid, tokens, self.cfg.codebook_size)
-        self.tokens = torch.where(active[:, None], tokens, self.tokens)
-        column = (frame % self.cfg.codebooks)[:, None, None].expand(-1, self.cfg.codebooks, 1)
-        old = self.history.gather(2, column)
-        self.history.scatter_(2, column, torch.where(active[:, None, None], tokens[:, :, None], old))
-        self._collect_frames(ready, frame)
+        events = self._handle_events()
+        n = self._bucket()
+        launched = n > 0 and (events or self._any_ready)
+        if launched:
+            self._launch(n)
+            self._ticks += 1
+        keep = 1 if launched and self.frame_codec else 0
+        while len(self._inflight) > keep:
+            self._collect(self._inflight.popleft())
+        if launched:
+            self.tick_ms.append((time.perf_counter() - started) * 1000)
+        return launched or bool(self._inflight)
 
-    def _collect_frames(self, ready: list[int], frame: torch.Tensor) -> None:
-        """A frame is complete once its last codebook is out: frame f at step f + K - 1.
-        Example, K=3: at step 5 frame 3 is complete, its codebooks k come from steps 3, 4, 5."""
-        books = self.cfg.codebooks
-        for index in ready:
-            slot = self.slots[index]
-            done_frame = slot.step - (books - 1)
-            slot.step += 1
-            if done_frame < 0 or done_frame >= slot.frames_known:
-                continue
-            steps = (done_frame + self.books) % books
-            self.frames[index, :, slot.pending] = self.history[index, self.books, steps]
-            slot.pending += 1
+    def _bucket(self) -> int:
+        """Slots to step: the power of two covering the highest live slot, at most max_streams (0: none live).
+        Example: live slots {0, 2, 5} of 16 -> 8; {0} -> 1; {9} -> 16; {9} of 12 -> 12."""
+        live = np.flatnonzero(self._live)
+        if not len(live):
+            return 0
+        return min(self.max_streams, 1 << int(live[-1]).bit_length())
 
-    def _chunk_size(self, slot: Slot) -> int:
-        return CHUNK_SCHEDULE[min(slot.chunks, len(CHUNK_SCHEDULE) - 1)]
+    # -- events: O(number of events) host work, device updates batched per tick --
+    def _handle_events(self) -> bool:
+        with self._lock:
+            if self._next_factory is not None:
+                (self._factory,), self._next_factory = self._next_factory, None
+                self._steps.clear()
+                self.step_kind = _kind(self._factory)
+        handled = False
+        while self._inbox:
+            kind, stream, payload = self._inbox.popleft()
+            handled = True
+            try:
+                self._handlers[kind](stream, payload)
+            except Exception as err:  # this stream's event failed: it alone ends, with a typed error
+                traceback.print_exc()
+                if stream is not None:
+                    self._fail(stream, err if isinstance(err, (TextError, EngineError)) else
+                               EngineError(f"internal error: {type(err).__name__}: {err}"))
+        prefill = self._choose_prefill()
+        if prefill or handled or self._todo.any():
+            todo, self._todo = self._todo, _DeviceUpdates()
+            self._apply(todo, prefill)
+            return True
+        return False
 
-    def _decode(self, indices: list[int]) -> None:
-        """Hand the pending frames of the given slots to the codec worker, batched by frame count."""
-        groups: dict[int, list[int]] = {}
-        for index in indices:
-            if self.slots[index].pending:
-                groups.setdefault(self.slots[index].pending, []).append(index)
-        for count, members in groups.items():
-            select = torch.tensor(members, device=self.device)
-            streams = [self.slots[i].stream for i in members]
-            self.codec_worker.decode(members, streams, self.frames[select, :, :count])  # indexing copies
-            for index in members:
-                slot = self.slots[index]
-                slot.pending, slot.chunks = 0, slot.chunks + 1
+    def _on_start(self, stream: Stream, _) -> None:
+        if stream.cancelled:
+            self._release()
+            return
+        slot = heapq.heappop(self._free)
+        preset = self.voices[stream.voice]
+        u = Utterance(stream, slot, preset["index"], stream.speed * preset.get("pace", 1.0))
+        self.utterances[slot], self._by_stream[stream] = u, u
+        self._live[slot] = True
+        self._generation[slot] += 1
+        self._encoded[slot] = self._encodable[slot] = self._unit[slot] = 0
+        self._todo.starts.append(u)
+
+    def _on_warm(self, _, done: threading.Event) -> None:
+        try:
+            n = 1
+            while True:
+                n = min(n, self.max_streams)
+                self._step_for(n)
+                if self.frame_codec:
+                    with torch.cuda.stream(self.codec_stream) if self.codec_stream else contextlib.nullcontext():
+                        self.frame_decoder.prepare(n)
+                if n == self.max_streams:
+                    break
+                n *= 2
+        finally:
+            done.set()
+
+    def _on_cancel(self, stream: Stream, _) -> None:
+        u = self._by_stream.get(stream)
+        if u is not None:
+            self._free_slot(u)
+
+    def _on_flow(self, stream: Stream, _) -> None:
+        """The reader fell behind or caught up: pause or resume its slot (see `Stream.deliver`/`read`)."""
+        u = self._by_stream.get(stream)
+        if u is None:
+            return
+        stream.paused = True  # before reading the count: a read after this sees the flag and tells us again
+        if stream.queued_samples <= stream.max_queued_samples:
+            stream.paused = False
+        self._todo.paused.append((u, stream.paused))
+
+    def _on_text(self, stream: Stream, news) -> None:
+        u = self._by_stream.get(stream)
+        if u is None:
+            return
+        if isinstance(news, Exception):
+            raise news
+        units, closed, ended, spoke = news
+        u.units += units
+        if closed:
+            u.closed_upto = u.received
+        u.text_ended, u.spoke = ended, spoke
+        if ended and not u.received:
+            self._fail(stream, TextError("text has nothing speakable in it"))
+            return
+        look = self.cfg.text_lookahead
+        complete = ended or u.closed_upto == u.received
+        self._encodable[u.slot] = u.received if complete else max(0, u.received - look)
+        self._todo.flags.append(u)
+
+    def _fail(self, stream: Stream, error: Exception) -> None:
+        u = self._by_stream.get(stream)
+        if u is not None:
+            self._free_slot(u)
+        self._end(stream, error)
+
+    def _end(self, stream: Stream, error: Exception | None) -> None:
+        """End a stream after the audio already on its way to it (the codec worker keeps the order)."""
+        if self.frame_codec:
+            stream.finish(error)
+        else:
+            self.codec_worker.finish(stream, error)
+
+    def _free_slot(self, u: Utterance) -> None:
+        """The slot is free for the next tick's starts; its row goes idle on the device."""
+        if self.utterances[u.slot] is not u:
+            return
+        self.utterances[u.slot] = None
+        del self._by_stream[u.stream]
+        self._live[u.slot] = False
+        self._encoded[u.slot] = self._encodable[u.slot] = 0
+        heapq.heappush(self._free, u.slot)
+        self._todo.frees.append(u.slot)
+        self._release()
+
+    def _release(self) -> None:
+        """A reservation ends: the first caller waiting in `open` gets it (its start comes next tick)."""
+        self.admission.release()
+
+    def _choose_prefill(self) -> list[tuple[Utterance, int]]:
+        """Slots whose encoded lead over their aligned unit ran low and that have units to encode: encode up
+        to the ring's limit (`Slots.encode_limit`). Urgent ones (a first prefill, or a lead of at most
+        URGENT_LEAD units) go now; routine top-ups (a lead of at most half the ring) every ROUTINE_TICKS ticks,
+        many slots in one call. Example, ring 32, behind 3: at unit 20 with 33 encoded (lead 13) and 80
+        received, a routine top-up encodes units 33..48 (up to 20 + 32 - 3 = 49, exclusive)."""
+        unit = np.maximum(self._unit, 0)
+        lead = self._encoded - unit
+        low = self.slots.encode_limit(0) // 2 if self._ticks % ROUTINE_TICKS == 0 else URGENT_LEAD
+        need = np.flatnonzero((self._encodable > self._encoded) & ((lead <= low) | (self._encoded == 0)))
+        chosen = []
+        for slot in need:
+            stop = min(int(self._encodable[slot]), self.slots.encode_limit(int(unit[slot])),
+                       int(self._encoded[slot]) + self.slots.encode_limit(0))
+            chosen.append((self.utterances[slot], stop))
+        return chosen
+
+    def _apply(self, todo: "_DeviceUpdates", prefill: list[tuple[Utterance, int]]) -> None:
+        """This tick's event updates on the device, each kind as one batched op."""
+        upload = self._upload
+        if todo.frees:
+            self.slots.reset(self._row_mask(todo.frees))
+        starts = [u for u in todo.starts if self.utterances[u.slot] is u]  # a slot freed and taken again: the last
+        if starts:
+            rows = [u.slot for u in starts]
+            rows_d, voices_d = upload(rows), upload([u.voice_id for u in starts])
+            temperatures = [max(self.voices[u.stream.voice].get("temperature", self.sampling.temperature), 1e-4)
+                            for u in starts]  # positive: a voice samples, never divides by 0
+            self.caches.start(rows_d, [(k[voices_d], v[voices_d]) for k, v in self.prefixes])
+            self.slots.start(rows_d, upload([u.stream.seed for u in starts]), upload(temperatures, torch.float32))
+            if self.frame_codec:
+                self._codec_resets += rows
+            else:
+                self.codec_worker.reset(rows)
+        if prefill:
+            self._prefill(prefill)
+        flagged = {u.slot: u for u in todo.flags + [u for u, _ in prefill] if self.utterances[u.slot] is u}
+        if flagged:
+            rows = list(flagged)
+            closed = [self._encoded[s] == flagged[s].closed_upto == flagged[s].received for s in rows]
+            ended = [flagged[s].text_ended and self._encoded[s] == flagged[s].received for s in rows]
+            rows_d = upload(rows)
+            self.slots.closed[rows_d] = upload(closed, torch.bool)
+            self.slots.ended[rows_d] = upload(ended, torch.bool)
+        paused = {u.slot: value for u, value in todo.paused if self.utterances[u.slot] is u}  # the last word counts
+        if paused:
+            self.slots.paused[upload(list(paused))] = upload(list(paused.values()), torch.bool)
+
+    def _prefill(self, chosen: list[tuple[Utterance, int]]) -> None:
+        """Encode the chosen slots' next units in one padded text-encoder call: durations -> frames on the
+        device, keys/values written into the text ring. Each row reads ``text_lookahead`` units of context on
+        either side, which is exactly what the encoder's convolutions see, so a unit's state does not depend
+        on where a prefill starts. Example (lookahead 6): units 33..48 of 80 are encoded from units 27..54,
+        so row i's units (M, L) hold 27..54 (L >= 28, zero-padded), offset 6 and count 16 pick 33..48."""
+        units, rows, offsets, counts, firsts, voices, rates = self._prefill_windows(chosen)
+        upload = self._upload
+        rows_d, counts_d, first_d = upload(rows), upload(counts), upload(firsts)
+        states, log_dur = self.model.text(upload(units), upload(voices))  # (M, L, C), (M, L)
+        at = torch.arange(max(counts), device=self.device)  # (E,)
+        keep = at < counts_d[:, None]  # (M, E)
+        columns = (upload(offsets)[:, None] + at).clamp(max=units.shape[1] - 1)
+        durations = predicted_frames(log_dur.gather(1, columns), upload(rates, torch.float32)[:, None]) * keep
+        durations[:, 0] += (first_d == 0) & (durations.sum(1) == 0)  # an utterance has at least one frame
+        begin = self.slots.frames[rows_d][:, None] + start_frames(durations)  # (M, E) first frame of each unit
+        states = states.gather(1, columns[:, :, None].expand(-1, -1, self.cfg.dim))
+        positions = first_d[:, None] + at
+        self.caches.write_text(self.model.text_keys_values(states, begin), positions, keep, rows_d)
+        self.slots.add_units(rows_d, positions, keep, begin, begin + durations)
+        schedule = torch.stack([begin, durations])  # (2, M, E): for the streams' timings, read at collect
+        if self.device.type == "cuda":
+            schedule = _to_host(schedule)
+        self._schedules.append(([u for u, _ in chosen], firsts, counts, schedule))
+
+    def _prefill_windows(self, chosen: list[tuple[Utterance, int]]):
+        """Host side of a prefill: each row's unit window (padded into one (M, L) array) and what to take
+        from it; the slots' encoded counts move on, and units no later prefill reads are forgotten."""
+        look = self.cfg.text_lookahead
+        rows, windows, offsets, counts, firsts, voices, rates = [], [], [], [], [], [], []
+        for u, stop in chosen:
+            start = int(self._encoded[u.slot])
+            lo, hi = max(0, start - look), min(u.received, stop + look)
+            rows.append(u.slot)
+            windows.append(u.units[lo - u.unit_base:hi - u.unit_base])
+            offsets.append(start - lo)
+            counts.append(stop - start)
+            firsts.append(start)
+            voices.append(u.voice_id)
+            rates.append(u.rate)
+            self._encoded[u.slot] = stop
+            old = stop - look - 1 - u.unit_base  # host memory stays flat on long speech
+            if old > 1024:
+                del u.units[:old]
+                u.unit_base += old
+        units = np.zeros((len(rows), max(map(len, windows))), dtype=np.int64)  # (M, L), 0 = padding
+        for i, window in enumerate(windows):
+            units[i, :len(window)] = window
+        return units, rows, offsets, counts, firsts, voices, rates
+
+    # -- the batched tick --
+    def _launch(self, n: int) -> None:
+        """Step the ready slots among the first ``n``; decode completed frames; queue the results for the host."""
+        cuda = self.device.type == "cuda"
+        step = self._step_for(n)
+        slots = self.slots
+        timer = _Timer(cuda)
+        unit, ready = slots.plan(n, self.caches.text[0].positions[:n])
+        logits = step(self.model, self._view(n), slots.tokens[:n], slots.step[:n], unit.clamp(min=0), ready)
+        temperature = slots.temperature[:n] if self.sampling.temperature > 0 else 0.0  # 0: greedy, for tests
+        sampled = sample(logits, temperature, self.sampling.top_k, key=slots.key[:n], step=slots.step[:n])
+        timer.mark()
+        meta, codes = slots.advance(sampled, ready, unit, keep_codes=not self.frame_codec)
+        tick = _Tick(n, list(self.utterances[:n]), self._generation[:n].copy(), self._schedules, timer)
+        self._schedules = []
+        if self.frame_codec:
+            resets, self._codec_resets = self._codec_resets, []
+            reset = self._row_mask(resets) if resets else None
+            if cuda:
+                self.codec_stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.codec_stream):
+                    for t in (meta, codes) + ((reset,) if reset is not None else ()):
+                        t.record_stream(self.codec_stream)
+                    timer.mark()
+                    audio = self.frame_decoder.run(n, codes, meta[:, COMPLETED].bool(), reset)
+                    timer.mark()
+                    tick.meta, tick.audio = _to_host(meta), _to_host(audio)
+                    tick.ready = torch.cuda.Event()
+                    tick.ready.record()
+            else:
+                timer.mark()
+                tick.audio = self.frame_decoder.run(n, codes, meta[:, COMPLETED].bool(), reset).numpy().copy()
+                timer.mark()
+                tick.meta = meta
+        else:
+            tick.meta = meta
+        self._inflight.append(tick)
+
+    def _collect(self, tick: "_Tick") -> None:
+        """Results of a launched tick: hand out due chunks, end finished streams, note each slot's unit."""
+        if tick.ready is not None:
+            tick.ready.synchronize()  # the one host sync of a GPU tick
+        meta = tick.meta.numpy() if isinstance(tick.meta, torch.Tensor) else tick.meta
+        n = tick.n
+        same = tick.generation == self._generation[:n]  # rows still held by the stream that was stepped
+        self._unit[:n] = np.where(same, meta[:, UNIT], self._unit[:n])
+        self._any_ready = bool(meta[:, READY].any())
+        step_ms, codec_ms = tick.timer.elapsed()
+        self.step_ms.append(step_ms)
+        self._schedule_units(tick.schedules)
+        if self.frame_codec:
+            completed = np.flatnonzero(meta[:, COMPLETED])
+            audio = tick.audio.numpy() if isinstance(tick.audio, torch.Tensor) else tick.audio
+            self.outbox.add(completed, meta[completed, PENDING] - 1, audio[completed])
+            self.codec_ms.append((codec_ms, len(completed)))
+        due = np.flatnonzero(meta[:, DUE])
+        if len(due):
+            self._hand_out(tick, due, meta[due, PENDING])
+        for row in np.flatnonzero(meta[:, DONE]):
+            u = tick.utterances[row]
+            if u is not None and not u.done and self.utterances[row] is u:
+                u.done = True
+                self._end(u.stream, None if u.spoke else TextError("text has nothing speakable in it"))
+                self._free_slot(u)  # the row goes idle with the next tick's updates
+
+    def _schedule_units(self, schedules: list) -> None:
+        """Tell each prefilled stream when its new units are spoken (its phoneme and word timings)."""
+        for utterances, firsts, counts, schedule in schedules:
+            begin, durations = (schedule.numpy() if isinstance(schedule, torch.Tensor) else schedule)
+            for i, (u, first, count) in enumerate(zip(utterances, firsts, counts)):
+                if self.utterances[u.slot] is u:
+                    u.stream.schedule(first, begin[i, :count].tolist(), durations[i, :count].tolist())
+
+    def _hand_out(self, tick: "_Tick", rows: np.ndarray, frames: np.ndarray) -> None:
+        streams = [tick.utterances[r].stream if tick.utterances[r] is not None else None for r in rows]
+        if self.frame_codec:
+            for row, count, stream in zip(rows, frames, streams):
+                if stream is not None and not stream.cancelled:
+                    stream.deliver(self.outbox.chunk(row, count))
+            return
+        keep = [i for i, s in enumerate(streams) if s is not None and not s.cancelled]
+        if keep:
+            rows_k = [int(rows[i]) for i in keep]
+            codes = self.slots.codes[torch.tensor(rows_k, device=self.device)]  # indexing copies
+            self.codec_worker.decode(rows_k, [streams[i] for i in keep], codes, [int(frames[i]) for i in keep])
+
+    # -- helpers --
+    def _step_for(self, n: int) -> Callable:
+        """The step for bucket ``n``, built by the step factory on first use (eager if it cannot be built)."""
+        step = self._steps.get(n)
+        if step is None:
+            step = decode_step
+            if self._factory is not None:
+                try:
+                    step = self._factory(self.model, self._view(n), n, self.device)
+                except Exception as err:  # no compiler, say: serve eagerly rather than not at all
+                    warnings.warn(f"{self.step_kind} step for {n} slots unavailable, running eagerly: {err}")
+            self.step_kind = getattr(step, "kind", "eager")  # what was built, not what the factory hoped for
+            self._steps[n] = step
+        return step
+
+    def _view(self, n: int) -> StepCaches:
+        if n not in self._views:
+            self._views[n] = self.caches.view(n)
+        return self._views[n]
+
+    def _upload(self, values, dtype=torch.long) -> torch.Tensor:
+        """A small host list/array on the device without a host sync (through pinned memory on a GPU)."""
+        tensor = torch.as_tensor(np.asarray(values), dtype=dtype)
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
+
+    def _row_mask(self, rows: list[int]) -> torch.Tensor:
+        mask = torch.zeros(self.max_streams, dtype=torch.bool, device=self.device)
+        mask[self._upload(rows)] = True
+        return mask
+
+    def _recover(self, err: Exception) -> None:
+        """After a fault of the batched tick: every live stream fails with EngineError, every slot and the
+        decoder state return to empty, and the engine serves new streams as before."""
+        for u in [u for u in self.utterances if u is not None]:
+            self._free_slot(u)
+            u.stream.finish(EngineError(f"internal error: {err}"))
+        self._inflight.clear()
+        self._todo, self._codec_resets, self._schedules = _DeviceUpdates(), [], []
+        self._any_ready = False
+        everything = torch.ones(self.max_streams, dtype=torch.bool, device=self.device)
+        self.slots.reset(everything)
+        self.caches.text[0].reset(everything)
+        self.caches.audio[0].reset(everything)
+        if self.frame_codec:
+            self.frame_decoder.state.reset(everything)
+        else:
+            self.codec_worker.reset(list(range(self.max_streams)))
+
+
+@dataclass
+class _DeviceUpdates:
+    """Event updates waiting for the next tick: slots freed, streams started, flags to set."""
+    frees: list[int] = field(default_factory=list)
+    starts: list[Utterance] = field(default_factory=list)
+    flags: list[Utterance] = field(default_factory=list)  # closed/ended to recompute
+    paused: list[tuple[Utterance, bool]] = field(default_factory=list)
+
+    def any(self) -> bool:
+        return bool(self.frees or self.starts or self.flags or self.paused)
+
+
+class _Timer:
+    """Step and codec times of a tick: CUDA events on a GPU (read after the tick's sync), else the clock."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.marks = []
+        self.mark()
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def elapsed(self) -> tuple[float, float | None]:
+        """(step ms, codec ms or None)."""
+        def ms(a, b):
+            return a.elapsed_time(b) if self.cuda else (b - a) * 1000
+        codec = ms(self.marks[2], self.marks[3]) if len(self.marks) == 4 else None
+        return ms(self.marks[0], self.marks[1]), codec
+
+
+@dataclass
+class _Tick:
+    n: int
+    utterances: list  # who held each of the first n slots when the tick was launched
+    generation: np.ndarray
+    schedules: list
+    timer: _Timer
+    meta: object = None  # (n, len(META)): a tensor, or a pinned host tensor on a GPU
+    audio: object = None  # frame audio (n, hop) with a frame codec
+    ready: object = None  # CUDA event: the tick's results are on the host
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy, filled asynchronously on the current CUDA stream (read after its event)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+def _kind(factory) -> str:
+    if factory is None:
+        return "eager"
+    return getattr(factory, "kind", getattr(factory, "__name__", type(factory).__name__))
+
+
+def default_max_streams(model: TTSModel, codec: Codec, device: torch.device, cap: int | None = None) -> int:
+    """Slots for an engine: ``cap`` (a flag: `tts serve --max-streams`) or CPU_STREAMS on a CPU; on a GPU,
+    as many as half its free memory holds (caches, slot and codec state, and working memory per slot), at
+    most ``cap`` (default GPU_STREAMS_CAP)."""
+    if device.type != "cuda":
+        return cap or CPU_STREAMS
+    cfg = model.cfg
+    meta = torch.device("meta")
+    state = StepCaches.empty(cfg, 1, meta).nbytes
+    state += sum(b.nbytes for b in codec.decoder.init_state(1, meta).buffers)
+    working = 4 * 2**20  # logits, sampling and codec activations of one slot, over every bucket's graph
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, min(cap or GPU_STREAMS_CAP, int(free * 0.5) // (state + working)))

@@ -28,17 +28,30 @@ class RingKVCache:
     def capacity(self) -> int:
         return self.positions.shape[1]
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
-        """Write k, v (B, H, T, D) at ``positions`` (B, T) (distinct modulo capacity; -1 = write nothing).
-        Returns the whole ring: (keys, values, positions)."""
-        slots = positions.clamp(min=0) % self.capacity  # (B, T)
-        keep = positions >= 0
-        batch = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor | None = None,
+               rows: torch.Tensor | None = None):
+        """Write k, v (M, H, T, D) at ``positions`` (M, T), which must be distinct modulo the capacity within a
+        row. ``keep`` (M, T) bool says which entries to write (the others write nothing); without it, -1
+        positions write nothing. ``rows`` (M,) are the batch rows written (default: all, M = B).
+        Returns the whole ring: (keys, values, positions).
+
+        Example, capacity 4, one row: positions [5, 6, 7] with keep [T, T, F] write ring slots 1 and 2;
+        slot 3 keeps what it held. Positions [5, -1, -1] without ``keep`` would send both -1 entries to
+        slot 0: that is why a multi-entry write with holes passes ``keep`` and distinct positions."""
+        if keep is None:
+            keep, positions = positions >= 0, positions.clamp(min=0)
+        slots = positions % self.capacity  # (M, T)
+        batch = torch.arange(slots.shape[0], device=slots.device) if rows is None else rows
+        batch = batch[:, None].expand_as(slots)
         # Indexed writes, not gather/scatter: inductor (torch 2.13) miscompiled the scatter form inside the step.
         self.keys[batch, :, slots] = torch.where(keep[..., None, None], k.transpose(1, 2), self.keys[batch, :, slots])
         self.values[batch, :, slots] = torch.where(keep[..., None, None], v.transpose(1, 2), self.values[batch, :, slots])
         self.positions[batch, slots] = torch.where(keep, positions, self.positions[batch, slots])
         return self.keys, self.values, self.positions
+
+    def view(self, n: int) -> "RingKVCache":
+        """The first ``n`` batch rows, sharing storage (writes through the view land in this ring)."""
+        return RingKVCache(self.keys[:n], self.values[:n], self.positions[:n])
 
     def reset(self, mask: torch.Tensor) -> None:
         """Empty the rings of the batch slots where ``mask`` (B,) is true; other slots are untouched."""

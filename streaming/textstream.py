@@ -1,32 +1,60 @@
 """Incremental text -> phoneme units, for text that arrives in pieces (an LLM's tokens, a socket).
 
-Complete sentences are phonemised as soon as their terminator and a following space arrive. A long run
-of words with no terminator is spoken anyway, all but its last two words (which may still be growing),
-as a partial sentence: its closing ``$`` and the next piece's opening ``^`` are left out, and a word
-space joins them. ``flush``/``end`` phonemise whatever is buffered.
+Words are spoken as they arrive. A word is complete once whitespace follows it; it is spoken once
+``lookahead_words`` complete words follow it (its right context), and never while it may still end its
+sentence or be changed by what comes next: with no lookahead (the default) a number waits for its unit
+("$5" million), a title for the next word ("St." Mark), "the" for its noun ("the apple" reads ðɪ). The open sentence is normalised and phonemised
+again as words arrive, over a window that starts `CONTEXT_WORDS` before the first word not yet spoken, and
+only that word onwards is taken: what was spoken is never changed. A sentence's ``$`` comes when its end is
+known. ``lookahead_words="auto"`` waits for whole sentences instead (or, without punctuation, for
+`PARTIAL_WORDS` words, and speaks all but the last two). ``flush``/``end`` speak whatever is buffered.
 
-Example: pieces "Hello the", "re. How are", " you" then end ->
-  "Hello there. " is complete -> ^ h ə l ˈ o ʊ   ð ɛ ɹ . $ ; "How are you" is spoken at end -> ^ ... $
+Example, lookahead 1, pieces "The ", "birch ", "canoe ", "slid." then end (units shown apart, "␣" a space):
+  after "birch ": "The" is followed by one complete word -> ^ ð ə  (its space waits for the next word)
+  after "canoe ": ␣ b ˈ ɜ ː t ʃ;  after "slid.": nothing ("slid." is not complete: it may be "slide")
+  end: ␣ k ə n ˈ u ː ␣ s l ˈ ɪ d . $
+A complete "slid. " would still wait for the next word: "slid. He" ends the sentence, "Dr. He" would not.
+
+Word timings: every unit taken is remembered with the word (as written) it speaks; `word_timings` turns
+the engine's schedule of units into start/end seconds per word.
 """
 from __future__ import annotations
 
-import re
 import threading
 
-from tts.text import MAX_TEXT_CHARS, SYMBOL_ID, TextError, normalize, phonemize
+from tts.normalize import Token, complete_length, needs_next, sentence_end, speak, split_sentences, tokenize
+from tts.text import MAX_TEXT_CHARS, SYMBOL_ID, TextError, sentence_units
 
-_SENTENCE_END = re.compile(r"[.!?;:][\"')\]]*\s")
-PARTIAL_WORDS = 12
+TAKE_CHARS = 600  # text phonemised in one take at most: a long text reaches the engine a few sentences a tick
+PARTIAL_WORDS = 12  # "auto": a sentence without an end is spoken once this many words wait
+CONTEXT_WORDS = 8  # words before the first unspoken one that are phonemised with it (espeak's left context)
+_TO_COME = Token("people", 0, 0)  # never taken: its index is past every ready token
+# Complete words after a word before it is spoken. 0: at once, unless the next word can change it
+# (`tts.normalize.needs_next`). Measured on 720 Harvard sentences (`python -m bench.incremental --units`): the
+# same units as whole sentences for 676 (0), 719 (1) and 720 (2); the rest differ by a linking glide or a
+# stress mark. Each word of lookahead costs a word's time before the first sound (100 ms at 10 words/s).
+DEFAULT_LOOKAHEAD = 0
 
 
 class TextStream:
-    def __init__(self, max_chars: int = MAX_TEXT_CHARS):
-        self.max_chars = max_chars
-        self._buffer, self._chars, self._in_sentence = "", 0, False
-        self._final = self._closed = False
+    def __init__(self, max_chars: int = MAX_TEXT_CHARS, lookahead_words: int | str | None = None):
+        if lookahead_words is None:
+            lookahead_words = DEFAULT_LOOKAHEAD
+        if lookahead_words != "auto" and (not isinstance(lookahead_words, int) or isinstance(lookahead_words, bool)
+                                          or not 0 <= lookahead_words <= 32):
+            raise ValueError(f"lookahead_words must be 0 to 32 or 'auto', not {lookahead_words!r}")
+        self.max_chars, self.lookahead_words = max_chars, lookahead_words
+        self._text = ""  # from the open sentence's start on
+        self._chars = 0
+        self._final = self._closed = self._dirty = False
+        self._in_sentence = False  # its '^' was taken, its '$' not yet
+        self._done = 0  # tokens of the open sentence whose units were all taken
+        self._partial = 0  # units of token _done already taken (espeak joined it to the next word)
         self._lock = threading.Lock()
         self.spoken_any = False
+        self._timings = _WordTimings()
 
+    # ---- caller side ----------------------------------------------------------------------------
     def push(self, text: str) -> None:
         if not isinstance(text, str):
             raise TextError(f"text must be a string, not {type(text).__name__}")
@@ -37,49 +65,190 @@ class TextStream:
                 raise TextError(f"utterance text would be {self._chars + len(text)} characters; "
                                 f"the limit is {self.max_chars}")
             self._chars += len(text)
-            self._buffer += text
+            self._text += text
+            self._dirty = True
 
     def flush(self) -> None:
         with self._lock:
-            self._final = True
+            self._final = self._dirty = True
 
     def end(self) -> None:
         with self._lock:
-            self._final = self._closed = True
+            self._final = self._closed = self._dirty = True
+
+    @property
+    def pending(self) -> bool:
+        """Whether `take` has work: new text, a flush or the end, or the rest of a long text (a take reads
+        at most TAKE_CHARS): an engine that takes on events must take again while this holds."""
+        return self._dirty
 
     @property
     def ended(self) -> bool:
-        return self._closed and not self._buffer and not self._in_sentence
+        return self._closed and not self._dirty and not self._text.strip() and not self._in_sentence
 
+    # ---- engine side ----------------------------------------------------------------------------
     def take(self) -> tuple[list[int], bool]:
         """Unit ids ready to speak now (possibly none), and whether a flush or the end closed them:
-        then nothing more follows them for now, so they are spoken to the last unit."""
+        then nothing more follows them for now, so they are spoken to the last unit. Raises TextError
+        for bad markup."""
         with self._lock:
-            buffer, final = self._buffer, self._final
-            if final:
-                cut = len(buffer)
-                self._final = False
-            else:
-                ends = [m.end() for m in _SENTENCE_END.finditer(buffer)]
-                cut = ends[-1] if ends else 0
-                if not cut and len(buffer.split()) >= PARTIAL_WORDS:
-                    cut = len(buffer.rstrip().rsplit(" ", 2)[0])
-            piece, self._buffer = buffer[:cut], buffer[cut:]
-            closes = final or bool(_SENTENCE_END.search(piece.rstrip() + " "))
-        return self._units(piece, closes), final
+            if not self._dirty:
+                return [], False
+            text, final = self._text, self._final
+            ready = len(text) if final else complete_length(text)
+            usable = complete_length(text[:TAKE_CHARS]) if ready > TAKE_CHARS else ready
+            usable = usable or ready  # one token longer than TAKE_CHARS: all of it
+            closes = final and usable == len(text)
+            tokens = tokenize(text[:usable])
+            units, consumed = [], 0
+            for start, stop, closed in split_sentences(tokens, closes):
+                sentence = tokens[start:stop]
+                units += self._speak(sentence, len(sentence) if closed else self._ready(sentence), closed)
+                consumed = sentence[-1].end if closed else self._forget_spoken(sentence, consumed)
+            self._text = "" if closes and not text[consumed:].strip() else text[consumed:]
+            self._dirty = usable < ready  # the rest of a long text comes in the next takes
+            self._final = final and not closes
+        return [SYMBOL_ID[u] for u in units], closes
 
-    def _units(self, piece: str, closes: bool) -> list[int]:
-        sentences = phonemize(normalize(piece)) if piece.strip() else []
-        units = [u for s in sentences for u in s]
-        if units and self._in_sentence:
-            units = [" ", *units[1:]]  # continue the open sentence: no second '^'
-        if not units and self._in_sentence and closes:
-            units = ["$"]
-        if units and not closes:
-            units = units[:-1]  # leave the sentence open
+    def _ready(self, tokens: list[Token]) -> int:
+        """How many of an open sentence's complete tokens may be spoken now."""
+        n = len(tokens)
+        if self.lookahead_words == "auto":
+            return n - 2 if n - self._done >= PARTIAL_WORDS else 0
+        ready = n - self.lookahead_words
+        if ready == n and needs_next(tokens[-1]):
+            ready -= 1
+        if ready == n and sentence_end(tokens, n - 1) is None:
+            ready -= 1  # "slid." may end the sentence: its '.' and '$' or not
+        return ready
+
+    def _speak(self, tokens: list[Token], ready: int, closed: bool) -> list[str]:
+        """Take the units of tokens [_done, ready) of one sentence (all that is left if ``closed``)."""
+        if not closed and ready <= self._done:
+            return []
+        first = max(0, self._done - CONTEXT_WORDS)
+        spoken = speak(tokens, closed)
+        window, said = tokens[first:], spoken[first:]
+        if not closed:  # a word for those still to come: the last word read is not read as the clause's end
+            window, said = window + [_TO_COME], said + [_TO_COME.text]
+        units, owners = sentence_units(window, said, closed)
+        owners = [o + first if o >= 0 else -1 for o in owners]
+        start = self._resume(owners) if self._in_sentence else 0
+        cut = len(units) if closed else self._cut(units, owners, start, ready)
+        taken = units[start:cut]
+        self._timings.add(tokens, owners[start:cut])
+        if closed:
+            self._timings.close_sentence(len(tokens))
+            self._in_sentence, self._done, self._partial = False, 0, 0
+        elif cut > start:
             self._in_sentence = True
-        elif units:
-            self._in_sentence = False
-        if units:
-            self.spoken_any = True
-        return [SYMBOL_ID[u] for u in units]
+            taken_words = [o for o in owners[:cut] if o >= 0]
+            if taken_words:  # the last word taken may go on after the cut: then it is taken in part
+                last = taken_words[-1]
+                whole = last not in owners[cut:]
+                self._done, self._partial = (last + 1, 0) if whole else (last, taken_words.count(last))
+            self._timings.complete(self._done)
+        self.spoken_any = self.spoken_any or any(u.isalpha() for u in taken)
+        return taken
+
+    def _forget_spoken(self, tokens: list[Token], consumed: int) -> int:
+        """Where the text kept for the next take may start: a long open sentence drops the words no later
+        take reads (the window and a rule's left neighbour), so a take costs the same on its 500th word as on
+        its 5th. Example: _done 40 -> the first 30 tokens go, _done becomes 10."""
+        drop = self._done - CONTEXT_WORDS - 2
+        if drop < 2 * CONTEXT_WORDS:
+            return consumed
+        self._done -= drop
+        self._timings.sentence_base += drop
+        return tokens[drop].start
+
+    def _resume(self, owners: list[int]) -> int:
+        """Where the units not yet taken start: after the last unit of the tokens before _done, and after
+        the first _partial units of token _done. Example: owners [-1, 0, 0, -1, 1, 1, 2], _done 2 -> 6."""
+        position, seen = 1, 0
+        for k, owner in enumerate(owners):
+            if 0 <= owner < self._done:
+                position = k + 1
+            elif owner == self._done and seen < self._partial:
+                seen += 1
+                position = k + 1
+        return position
+
+    @staticmethod
+    def _cut(units: list[str], owners: list[int], start: int, ready: int) -> int:
+        """Where to stop taking: after the last unit of the ready tokens, or, where espeak joined that word
+        to the next ("on the" -> ɔnðə), before the joined group. The space after a taken word waits for
+        the next word. Example: ^ ɔ n ð ə with "on" ready and "the" not: cut 1 (nothing but ^ now)."""
+        cut = max((k + 1 for k in range(start, len(units)) if 0 <= owners[k] < ready), default=start)
+        if cut < len(units) and owners[cut] >= 0:  # the next word's units follow without a gap
+            k = cut
+            while k > start and owners[k - 1] >= 0:
+                k -= 1
+            while k > start and owners[k - 1] < 0 and units[k - 1] != "^":
+                k -= 1
+            cut = max(k, start)
+        return cut
+
+    def word_timings(self, first_unit: int, start_frames: list[int], durations: list[int],
+                     frame_s: float) -> list[dict]:
+        """Timings of the words whose units are now all scheduled: the engine scheduled units
+        ``first_unit, first_unit + 1, ...`` (absolute indices since the stream's start, in the order `take`
+        returned them) at ``start_frames`` for ``durations`` frames each. Returns
+        ``[{"word": as written, "start": s, "end": s}, ...]`` in order. Example: units 0-3 of "^ h i $"
+        scheduled at frames 0, 2, 5, 9 for 2, 3, 4, 1 frames, 20 ms frames -> [{"word": "hi", "start": 0.04,
+        "end": 0.18}]."""
+        with self._lock:
+            return self._timings.scheduled(first_unit, start_frames, durations, frame_s)
+
+
+class _WordTimings:
+    """Which word (as written) each taken unit speaks, and the words' times once the engine schedules them."""
+
+    def __init__(self):
+        self.unit_word: list[int] = []  # per taken unit since unit_base: word id, or -1
+        self.unit_base = 0
+        self.words: dict[int, str] = {}  # word id -> text, until reported
+        self.last_unit: dict[int, int] = {}  # word id -> absolute index of its last unit taken so far
+        self.complete_upto = 0  # word ids below this have had all their units taken
+        self.sentence_base = 0  # word id of the open sentence's first token
+        self.times: dict[int, list[float]] = {}
+
+    def add(self, tokens: list[Token], owners: list[int]) -> None:
+        for owner in owners:
+            word = -1
+            if owner >= 0 and tokens[owner].word:
+                word = self.sentence_base + owner
+                self.words[word] = tokens[owner].word
+                self.last_unit[word] = self.unit_base + len(self.unit_word)
+            self.unit_word.append(word)
+
+    def complete(self, done: int) -> None:
+        self.complete_upto = self.sentence_base + done
+
+    def close_sentence(self, count: int) -> None:
+        self.sentence_base += count
+        self.complete_upto = self.sentence_base
+
+    def scheduled(self, first_unit: int, start_frames: list[int], durations: list[int], frame_s: float) -> list[dict]:
+        done = []
+        for k, (frame, length) in enumerate(zip(start_frames, durations)):
+            index = first_unit + k - self.unit_base
+            word = self.unit_word[index] if 0 <= index < len(self.unit_word) else -1
+            if word < 0:
+                continue
+            span = self.times.setdefault(word, [frame, frame + length])
+            span[0], span[1] = min(span[0], frame), max(span[1], frame + length)
+            if word < self.complete_upto and self.last_unit.get(word) == first_unit + k:
+                start, end = self.times.pop(word)
+                done.append({"word": self.words.pop(word), "start": round(start * frame_s, 3),
+                             "end": round(end * frame_s, 3)})
+                del self.last_unit[word]
+        self._forget(first_unit + len(durations))
+        return done
+
+    def _forget(self, upto: int) -> None:
+        """Drop the unit table before ``upto`` once it is long: memory stays flat on long speech."""
+        old = upto - self.unit_base
+        if old > 4096:
+            del self.unit_word[:old]
+            self.unit_base = upto

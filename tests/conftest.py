@@ -7,8 +7,8 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_engine():
     """An engine on a tiny random-weight model: real scheduling and audio shapes, noise for sound."""
-    from streaming.engine import Engine
-    return Engine.tiny_random(max_streams=4)
+    from helpers import tiny_random
+    return tiny_random(max_streams=4)
 
 
 @pytest.fixture(scope="session")

@@ -1,20 +1,48 @@
-"""The serving engine on a tiny random model: scheduling, slots, incremental text, limits."""
+"""The serving engine on a tiny random model: scheduling, slots, incremental text, limits, faults."""
 import threading
+import time
 
 import numpy as np
 import pytest
+import torch
+from helpers import tiny_model_and_codec, tiny_random
 
-from streaming.engine import Engine, SamplingConfig, ServerFull, Slot, UnknownVoice
+from streaming.decode import TEXT_RING, decode_step
+from streaming.engine import Engine, EngineError, SamplingConfig, ServerFull, UnknownVoice
 from tts.api import synthesize, synthesize_stream
 from tts.text import TextError
 
 GREEDY = SamplingConfig(temperature=0.0)
 TEXT = "Hello there. How are you today? The ring never grows."
+OTHER = "Something else entirely, said by another voice."
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine.tiny_random(max_streams=3, sampling=GREEDY)
+    return tiny_random(max_streams=3, sampling=GREEDY)
+
+
+def wait_until(condition, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def speak(engine, text, voice=None, seed=None, start_after=0.0, results=None, key=None):
+    time.sleep(start_after)
+    stream = engine.open(voice, seed=seed, wait_s=60)
+    stream.push_text(text)
+    stream.end()
+    chunks = []
+    while (chunk := stream.read(timeout=60)) is not None:
+        chunks.append(chunk)
+    audio = np.concatenate(chunks)
+    if results is not None:
+        results[key] = audio
+    return audio
 
 
 def test_speaks_whole_frames_and_stops(engine):
@@ -39,18 +67,69 @@ def test_incremental_text_equals_whole_text(engine):
 def test_other_streams_do_not_change_a_stream(engine):
     alone = synthesize(TEXT, voice="slt", engine=engine)
     results = {}
-
-    def run(name, text, voice):
-        results[name] = synthesize(text, voice=voice, engine=engine)
-
-    threads = [threading.Thread(target=run, args=("a", TEXT, "slt")),
-               threading.Thread(target=run, args=("b", "Something else entirely, said by another voice.", "joe"))]
+    threads = [threading.Thread(target=speak, args=(engine, TEXT, "slt"), kwargs=dict(results=results, key="a")),
+               threading.Thread(target=speak, args=(engine, OTHER, "joe"), kwargs=dict(results=results, key="b"))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
     # the AR tokens are identical; audio may differ by float rounding when the codec decodes two streams at once
     np.testing.assert_allclose(results["a"], alone, atol=1e-5)
+
+
+@pytest.mark.parametrize("frame_codec, sampling", [(False, GREEDY), (True, GREEDY), (False, SamplingConfig())])
+def test_batched_streams_equal_each_alone(frame_codec, sampling):
+    """Streams starting, ending and reusing slots at different ticks, beyond the text ring's and the audio
+    window's capacity, sound as each does alone in a one-slot engine: greedy, with the GPU's frame codec, and
+    sampling with each stream's own seed (then the tokens are the same, so the audio is too)."""
+    long_text = " ".join([TEXT, OTHER] * 4)
+    jobs = [("a", long_text, "joe", 0.0), ("b", TEXT, "slt", 0.05), ("c", OTHER, "rms", 0.1),
+            ("d", TEXT, "joe", 0.3), ("e", OTHER, "awb", 0.35)]
+    seeds = {key: 100 + i for i, (key, *_) in enumerate(jobs)}
+    alone = tiny_random(max_streams=1, sampling=sampling, frame_codec=frame_codec)
+    expected = {key: speak(alone, text, voice, seeds[key]) for key, text, voice, _ in jobs}
+    busy = tiny_random(max_streams=3, sampling=sampling, frame_codec=frame_codec)
+    results = {}
+    threads = [threading.Thread(target=speak, args=(busy, text, voice, seeds[key], delay, results, key))
+               for key, text, voice, delay in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(expected["a"]) / busy.sample_rate / busy.frame_seconds > 5 * busy.cfg.window
+    for key in expected:
+        np.testing.assert_allclose(results[key], expected[key], atol=1e-4)
+    alone.close()
+    busy.close()
+
+
+def test_frame_codec_equals_chunk_codec(engine):
+    frames = tiny_random(max_streams=2, sampling=GREEDY, frame_codec=True)
+    np.testing.assert_allclose(synthesize(TEXT, engine=frames), synthesize(TEXT, engine=engine), atol=1e-5)
+    frames.close()
+
+
+def test_same_seed_same_audio_alone_or_in_a_busy_batch():
+    seeded = tiny_random(max_streams=3)
+    first = speak(seeded, TEXT, seed=1234)
+    results = {}
+    threads = [threading.Thread(target=speak, args=(seeded, OTHER), kwargs=dict(results=results, key="other")),
+               threading.Thread(target=speak, args=(seeded, TEXT), kwargs=dict(seed=1234, start_after=0.05,
+                                                                                results=results, key="again"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    np.testing.assert_allclose(results["again"], first, atol=1e-4)
+    assert len(speak(seeded, TEXT, seed=99)) != len(first) or not np.allclose(speak(seeded, TEXT, seed=99), first)
+    seeded.close()
+
+
+def test_unseeded_streams_draw_their_own_seeds():
+    engine = tiny_random(max_streams=2)
+    seeds = {engine.open().seed for _ in range(2)}
+    assert len(seeds) == 2
+    engine.close()
 
 
 def test_voice_and_speed_change_the_audio(engine):
@@ -76,8 +155,12 @@ def test_voice_pace_multiplies_speed(engine):
 def test_errors_are_typed(engine):
     with pytest.raises(UnknownVoice):
         engine.open("nobody")
+    with pytest.raises(UnknownVoice):
+        engine.open("")
     with pytest.raises(ValueError):
         engine.open(speed=9)
+    with pytest.raises(ValueError):
+        engine.open(seed="x")
     with pytest.raises(TextError):
         synthesize("", engine=engine)
     with pytest.raises(TextError):
@@ -86,20 +169,60 @@ def test_errors_are_typed(engine):
         synthesize("a" * (engine.max_chars + 1), engine=engine)
 
 
-def test_server_full_then_free_again(engine):
+def test_server_full_then_a_cancelled_slot_is_reusable_next_tick(engine):
+    assert wait_until(lambda: engine.active_streams == 0)
     streams = [engine.open() for _ in range(engine.max_streams)]
     with pytest.raises(ServerFull):
         engine.open()
-    for s in streams:
+    streams[1].cancel()
+    assert streams[1].read(timeout=5) is None
+    started = time.monotonic()
+    reused = engine.open(wait_s=5)  # granted as soon as the engine thread has freed the slot
+    assert time.monotonic() - started < 1.0
+    reused.push_text("Hi there.")
+    reused.end()
+    assert reused.read(timeout=30) is not None
+    for s in streams + [reused]:
         s.cancel()
-    for s in streams:
-        assert s.read(timeout=5) is None
-    deadline = threading.Event()
-    for _ in range(100):
-        if engine.active_streams == 0:
-            break
-        deadline.wait(0.05)
-    engine.open().cancel()
+    assert wait_until(lambda: engine.active_streams == 0)
+
+
+def test_waiting_callers_get_slots_in_order_and_time_out():
+    engine = tiny_random(max_streams=1, sampling=GREEDY, max_waiting=2)
+    holder = engine.open()
+    order, errors = [], []
+
+    def wait(name, seconds):
+        try:
+            stream = engine.open(wait_s=seconds)
+            order.append(name)
+            stream.cancel()
+        except ServerFull:
+            errors.append(name)
+
+    first = threading.Thread(target=wait, args=("first", 10))
+    first.start()
+    time.sleep(0.1)
+    second = threading.Thread(target=wait, args=("second", 10))
+    second.start()
+    time.sleep(0.1)
+    with pytest.raises(ServerFull):  # the queue holds two callers
+        engine.open(wait_s=10)
+    started = time.monotonic()
+    with pytest.raises(ServerFull):
+        engine.open()  # no wait: refused at once
+    assert time.monotonic() - started < 0.1
+    holder.cancel()
+    first.join(10)
+    second.join(10)
+    assert order == ["first", "second"] and not errors
+    late = engine.open(wait_s=5)
+    started = time.monotonic()
+    with pytest.raises(ServerFull):
+        engine.open(wait_s=0.3)  # the deadline passes
+    assert 0.25 < time.monotonic() - started < 2
+    late.cancel()
+    engine.close()
 
 
 def test_cancel_stops_at_once(engine):
@@ -111,8 +234,108 @@ def test_cancel_stops_at_once(engine):
     assert stream.read(timeout=5) is None
 
 
+def test_a_stream_whose_text_breaks_the_front_end_fails_alone(engine, monkeypatch):
+    import streaming.textstream as textstream
+    real = textstream.phonemize
+
+    def phonemize(text):
+        if "poison" in text:
+            raise OverflowError("the phonemiser choked")
+        return real(text)
+
+    monkeypatch.setattr(textstream, "phonemize", phonemize)
+    results = {}
+    good = threading.Thread(target=speak, args=(engine, TEXT * 2), kwargs=dict(results=results, key="good"))
+    good.start()
+    time.sleep(0.05)
+    bad = engine.open()
+    bad.push_text("This is poison. ")
+    bad.end()
+    with pytest.raises(TextError):
+        while bad.read(timeout=30) is not None:
+            pass
+    good.join(60)
+    np.testing.assert_allclose(results["good"], synthesize(TEXT * 2, engine=engine), atol=1e-5)
+
+
+def test_a_fault_in_the_batch_fails_its_streams_and_the_engine_recovers():
+    engine = tiny_random(max_streams=2, sampling=GREEDY)
+    expected = synthesize(TEXT, engine=engine)
+    calls = {"n": 0}
+
+    def flaky_factory(model, caches, batch, device):
+        def step(*args):
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise RuntimeError("device fault")
+            return decode_step(*args)
+        return step
+
+    engine.set_step_factory(flaky_factory)
+    with pytest.raises(EngineError):
+        synthesize(TEXT, engine=engine)
+    assert wait_until(lambda: engine.active_streams == 0)
+    np.testing.assert_allclose(synthesize(TEXT, engine=engine), expected, atol=1e-5)
+    engine.close()
+
+
+def test_step_factory_switches_while_streams_are_live():
+    engine = tiny_random(max_streams=2, sampling=GREEDY)
+    expected = synthesize(TEXT * 2, engine=engine)
+    built = []
+
+    def factory(model, caches, batch, device):
+        built.append(batch)
+        return decode_step
+
+    stream = engine.open()
+    stream.push_text(TEXT * 2)
+    stream.end()
+    chunks = [stream.read(timeout=30)]
+    engine.set_step_factory(factory)
+    while (chunk := stream.read(timeout=30)) is not None:
+        chunks.append(chunk)
+    np.testing.assert_allclose(np.concatenate(chunks), expected, atol=1e-5)
+    assert built == [1] and engine.step_kind == "factory"
+    engine.close()
+
+
+def test_step_cost_follows_the_live_slots():
+    """One stream steps a bucket of one slot; a stream in slot 2 needs the bucket of 4 (slots 0-1 held meanwhile
+    may have stepped the bucket of 2)."""
+    built = []
+
+    def factory(model, caches, batch, device):
+        built.append((batch, caches.batch))
+        return decode_step
+
+    engine = tiny_random(max_streams=5, sampling=GREEDY, step_factory=factory)
+    synthesize("Hi.", engine=engine)
+    held = [engine.open() for _ in range(2)]
+    synthesize("Hi.", engine=engine)
+    for s in held:
+        s.cancel()
+    assert built[0] == (1, 1) and (4, 4) in built and max(built) == (4, 4) and all(b == c for b, c in built)
+    engine.close()
+
+
+def test_warm_up_builds_every_bucket_before_streams_arrive():
+    built = []
+
+    def factory(model, caches, batch, device):
+        built.append(batch)
+        return decode_step
+
+    engine = tiny_random(max_streams=5, sampling=GREEDY, step_factory=factory, frame_codec=True)
+    engine.warm_up()
+    assert built == [1, 2, 4, 5]
+    synthesize("Hi.", engine=engine)
+    assert built == [1, 2, 4, 5]  # nothing more to build while speaking
+    engine.close()
+
+
 def test_backpressure_bounds_queued_audio():
-    engine = Engine.tiny_random(max_streams=1, sampling=GREEDY, max_queued_seconds=0.5)
+    engine = tiny_random(max_streams=1, sampling=GREEDY, max_queued_seconds=0.5)
     stream = engine.open()
     stream.push_text(TEXT * 8)
     stream.end()
@@ -124,12 +347,14 @@ def test_backpressure_bounds_queued_audio():
     while (chunk := stream.read(timeout=30)) is not None:
         total += len(chunk)
     assert total > 2 * limit  # it resumed after the reader caught up
+    engine.close()
 
 
 def test_cache_memory_is_fixed(engine):
     before = engine.caches.nbytes
     synthesize(TEXT * 3, engine=engine)
     assert engine.caches.nbytes == before
+    assert engine.caches.text[0].capacity == TEXT_RING
 
 
 def test_phoneme_timings_tile_the_audio(engine):
@@ -145,22 +370,21 @@ def test_phoneme_timings_tile_the_audio(engine):
     assert abs(timings[-1][2] - samples / engine.sample_rate) < 0.2
 
 
-def test_trim_keeps_the_unit_the_delay_tail_reads():
-    """A 2046-frame utterance trimmed at step 2050, in its delay-pattern tail: the last frame's unit stays."""
-    slot = Slot(stream=None, voice_id=0, rate=1.0, temperature=0.7, frame_unit=[i // 10 for i in range(2046)])
-    slot.step = 2050
-    slot.trim(lookahead=4)
-    assert (slot.frame_base, slot.frames_known) == (2045, 2046)
-    assert slot.unit_at(2050) == 204
-    slot.frame_unit += [205] * 2000  # more text arrived: frames before the step are dropped again
-    slot.step = 3500
-    slot.trim(lookahead=4)
-    assert slot.frame_base == 3499 and slot.unit_at(3500) == 205
+def test_stats_report_live_figures(engine):
+    synthesize("Stats.", engine=engine)
+    stats = engine.stats()
+    assert {"active_streams", "queued", "max_streams", "step_kind", "tick_ms", "step_ms", "codec_ms"} <= set(stats)
+    assert stats["tick_ms"]["p50"] > 0 and stats["step_ms"]["p99"] >= stats["step_ms"]["p50"]
+
+
+def test_max_streams_defaults_to_a_cpu_figure_and_takes_a_cap():
+    model, codec, voices = tiny_model_and_codec()
+    engine = Engine(model, codec, voices)
+    assert engine.max_streams == 8
+    engine.close()
 
 
 def test_per_row_temperature_in_one_batched_sample():
-    import torch
-
     from streaming.sampling import sample
     logits = torch.zeros(2, 3, 50)
     logits[..., 7] = 5.0  # token 7 is the clear favourite of every row and codebook
@@ -169,8 +393,49 @@ def test_per_row_temperature_in_one_batched_sample():
     assert (draws[:, 1] != 7).any()  # very hot: anything in the top 40
 
 
+def test_counter_noise_depends_on_seed_and_step_only():
+    from streaming.sampling import counter_uniform, stream_key
+    keys, steps = stream_key(torch.tensor([5, 2**40 + 5, 5])), torch.tensor([9, 9, 10])
+    noise = counter_uniform(keys, steps, (4, 40))
+    alone = counter_uniform(keys[2:], steps[2:], (4, 40))
+    assert torch.equal(noise[2], alone[0])  # the same block in any batch and row
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+    many = counter_uniform(stream_key(torch.arange(500)), torch.zeros(500, dtype=torch.long), (8, 40))
+    assert 0 < float(many.min()) and float(many.max()) < 1 and abs(float(many.mean()) - 0.5) < 0.01
+
+
 def test_a_stream_samples_at_its_voices_temperature():
-    engine = Engine.tiny_random(max_streams=2)
+    engine = tiny_random(max_streams=2)
     engine.voices["slt"] = {**engine.voices["slt"], "temperature": 0.3}
     synthesize("Hello there.", voice="slt", engine=engine)
-    assert engine.temperature.flatten().tolist() == pytest.approx([0.3, engine.sampling.temperature])
+    assert engine.slots.temperature.flatten().tolist() == pytest.approx([0.3, 1.0])
+    engine.close()
+
+
+def test_frame_codec_with_idle_rows_equals_the_offline_decode():
+    """The GPU's codec path on the CPU: one frame per row per call, rows idle at different calls (their
+    state untouched), one row restarted midway; each row's frames decode as `Codec.decode` does offline."""
+    from streaming.codec_worker import FrameCodec
+    _, codec, _ = tiny_model_and_codec()
+    frames = 12
+    codes = torch.randint(0, codec.cfg.codebook_size, (3, codec.cfg.codebooks, frames))
+    decoder = FrameCodec(codec.eval(), 3, "cpu")
+    schedule = torch.tensor([[1] * 16, [1, 0] * 8, [1] * 16]).bool()  # (rows, calls): who decodes
+    junk = torch.randint(0, codec.cfg.codebook_size, (codec.cfg.codebooks,))
+    taken, audio = [0, 0, 0], [[], [], []]
+    with torch.no_grad():
+        for call in range(16):
+            active = schedule[:, call] & torch.tensor([t < frames for t in taken])
+            current = torch.stack([codes[r, :, min(taken[r], frames - 1)] for r in range(3)])
+            if call < 3:
+                current[2] = junk  # row 2 speaks something else first, then restarts with a new stream
+            out = decoder.run(3, current, active, torch.tensor([False, False, call == 3]))
+            for r in range(3):
+                if active[r] and (r != 2 or call >= 3):
+                    audio[r].append(out[r].clone())
+                    taken[r] += 1
+    offline = codec.decode(codes)
+    for r in range(3):
+        got = torch.cat(audio[r])
+        torch.testing.assert_close(got, offline[r, :len(got)], atol=1e-5, rtol=1e-4)
+        assert len(got) >= 8 * codec.cfg.hop

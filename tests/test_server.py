@@ -281,8 +281,8 @@ def test_connection_limit_answers_server_full(make_server, tiny_engine):
 
 
 def test_busy_engine_answers_server_full_on_start(make_server):
-    from streaming.engine import Engine
-    server = make_server(Engine.tiny_random(max_streams=1))
+    from helpers import tiny_random
+    server = make_server(tiny_random(max_streams=1))
 
     async def go():
         async with websockets.connect(server.ws_url) as a, websockets.connect(server.ws_url) as b:
@@ -401,7 +401,7 @@ def test_health_and_voices(server):
     listing = json.loads(get(server.url + "/v1/voices")[1])
     names = [v["name"] for v in listing["voices"]]
     assert listing["default"] in names and len(names) >= 4
-    assert set(listing["voices"][0]) == {"name", "description", "teacher", "sample_rate", "default"}
+    assert set(listing["voices"][0]) == {"name", "description", "teacher", "license", "sample_rate", "default"}
 
 
 def test_demo_page_is_served(server):

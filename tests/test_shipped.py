@@ -1,4 +1,6 @@
 """End-to-end on the shipped checkpoints: loading, codec round trip and speech judged by the ASR."""
+import re
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,7 @@ from tts.model import MODEL_PRESETS
 from tts.voices import VOICES_DIR, load_shipped, voice_presets
 
 DATA = Path(__file__).parent / "data"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +71,23 @@ def test_speech_starts_without_a_click(shipped):
 
 def test_voices_listed():
     assert set(voice_presets()) == {"joe", "slt", "rms", "kumo"}
+
+
+def test_every_voice_has_a_licence_provenance_and_a_model_card_entry():
+    """A voice cannot ship without saying what its weights are licensed under and what it learned from."""
+    card = (ROOT / "docs" / "model-card.md").read_text()
+    for name, preset in voice_presets().items():
+        assert re.fullmatch(r"[A-Za-z0-9.+-]+(?: (?:AND|OR) [A-Za-z0-9.+-]+)*", preset["license"]), name  # SPDX
+        provenance = preset["provenance"]
+        assert provenance["teacher_source"] and provenance["teacher_license"] and provenance["text"], name
+        assert provenance["hours"] > 0, name
+        assert f"### `{name}`" in card, f"docs/model-card.md has no section for {name}"
+
+
+def test_every_runtime_dependency_is_in_third_party():
+    listed = (ROOT / "THIRD_PARTY.md").read_text().lower()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and (ROOT / "LICENSE").exists()
+    for requirement in project["dependencies"]:
+        name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower()
+        assert f"| {name} " in listed or f"| **{name}** " in listed, f"THIRD_PARTY.md does not list {name}"

@@ -1,16 +1,16 @@
-"""Text front end: normalisation, phonemes, incremental text, typed errors."""
+"""Text front end: normalisation, phonemes, typed errors (the normalisation table: test_normalize.py;
+incremental text: test_textstream.py)."""
 import pytest
 
-from streaming.textstream import TextStream
 from tts.text import SYMBOLS, TextError, normalize, phonemize, text_to_sentences
 
 
 @pytest.mark.parametrize("raw, spoken", [
     ("Dr. Smith paid $3.50.", "doctor Smith paid three dollars and fifty cents."),
-    ("On 3/4/2021 at 10:30", "On march fourth, twenty twenty-one at ten thirty"),
+    ("On 3/4/2021 at 10:30", "On March fourth, twenty twenty-one at ten thirty"),
     ("In 1851 the 2nd ship", "In eighteen fifty-one the second ship"),
     ("It costs £1", "It costs one pound"),
-    ("45.5% of 1,200", "forty-five point five percent of one thousand, two hundred"),
+    ("45.5% of 1,200", "forty-five point five percent of one thousand two hundred"),
     ("Mr. & Mrs. Brown", "mister and missus Brown"),
 ])
 def test_normalize(raw, spoken):
@@ -33,38 +33,3 @@ def test_unknown_words_still_get_phonemes():
 def test_unspeakable_text_raises(bad):
     with pytest.raises(TextError):
         text_to_sentences(bad)
-
-
-def _spell(ids):
-    return "".join(SYMBOLS[i] for i in ids)
-
-
-def test_text_stream_speaks_complete_sentences_first():
-    stream = TextStream()
-    stream.push("Hello the")
-    assert stream.take() == ([], False)
-    stream.push("re. How are")
-    units, closed = stream.take()
-    assert _spell(units).startswith("^") and _spell(units).endswith(".$") and not closed
-    stream.push(" you")
-    stream.end()
-    units, closed = stream.take()
-    assert _spell(units).startswith("^") and _spell(units).endswith("$") and closed
-    assert stream.ended
-
-
-def test_text_stream_speaks_long_runs_without_punctuation():
-    stream = TextStream()
-    stream.push(" ".join(["word"] * 20))
-    first, _ = stream.take()
-    assert first and _spell(first)[0] == "^" and _spell(first)[-1] != "$"
-    stream.flush()
-    rest, closed = stream.take()
-    assert _spell(rest)[0] == " " and _spell(rest)[-1] == "$" and closed
-
-
-def test_text_stream_limit():
-    stream = TextStream(max_chars=10)
-    stream.push("short")
-    with pytest.raises(TextError):
-        stream.push("this is too long")

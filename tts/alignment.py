@@ -12,8 +12,16 @@ def frame_phonemes(durations: torch.Tensor) -> torch.Tensor:
 
 
 def start_frames(durations: torch.Tensor) -> torch.Tensor:
-    """First frame of every unit. Example: [2, 0, 3] -> [0, 2, 2]."""
+    """First frame of every unit, along the last axis (any leading axes: a batch of rows).
+    Example: [2, 0, 3] -> [0, 2, 2]; [[1, 1], [0, 4]] -> [[0, 1], [0, 0]]."""
     return torch.cumsum(durations, -1) - durations
+
+
+def predicted_frames(log_durations: torch.Tensor, rate: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """Frames of each unit from the text encoder's log(1 + frames) (the inverse of the training target
+    ``log1p(durations)``), divided by ``rate`` (speed times the voice's pace; a tensor broadcasts per row)
+    and rounded. Example: log1p([3, 0, 5.6]) at rate 2 -> [2, 0, 3] (1.5 rounds to even)."""
+    return torch.round(torch.expm1(log_durations.float()).clamp(min=0) / rate).long()
 
 
 def teacher_forcing_batch(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], codebook_size: int):

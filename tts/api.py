@@ -1,7 +1,14 @@
-"""The Python API: ``synthesize_stream`` yields audio while it is being generated."""
+"""The Python API: ``synthesize_stream`` yields audio while it is being generated.
+
+    for chunk in synthesize_stream("Hello there. How are you?"):
+        play(chunk)                      # a float32 numpy array at chunk.sample_rate
+        chunk.words                      # [{"word": "Hello", "start": 0.02, "end": 0.31}, ...] starting in it
+"""
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -11,22 +18,90 @@ from streaming.engine import Engine
 from tts.text import TextError
 
 from tts import SAMPLE_RATE  # noqa: F401  (re-exported: tts.api.SAMPLE_RATE)
+
+WAIT_S = 30.0  # how long a call waits for a free engine slot while other threads speak
+log = logging.getLogger("tts")
 _engine: Engine | None = None
 _engine_lock = threading.Lock()
 
 
-def get_engine(max_streams: int = 4, compile: bool = False) -> Engine:
-    """The process-wide engine on the shipped voices, loaded on first use. Every step computes all
-    ``max_streams`` slots, so on 2 CPU cores 4 slots is the measured sweet spot (bench/latency.py).
-    ``compile`` compiles the decode step first (seconds; long-lived processes such as the server)."""
+class Chunk(np.ndarray):
+    """One chunk of speech: a float32 mono numpy array (use it as one), plus
+
+    * ``sample_rate``: samples per second;
+    * ``start``: where it starts in the utterance, in seconds;
+    * ``words``: the words that start in it, ``{"word", "start", "end"}`` in seconds on the same clock,
+      as the user wrote them (``"$5"``, not "five dollars").
+
+    Views (slices) keep these attributes; arithmetic and reductions give plain arrays and scalars."""
+
+    sample_rate: int
+    start: float
+    words: list
+
+    def __new__(cls, audio: np.ndarray, sample_rate: int, start: float = 0.0, words: list | None = None) -> "Chunk":
+        chunk = np.asarray(audio, dtype=np.float32).view(cls)
+        chunk.sample_rate, chunk.start, chunk.words = sample_rate, start, list(words or [])
+        return chunk
+
+    def __array_finalize__(self, source) -> None:
+        self.sample_rate = getattr(source, "sample_rate", SAMPLE_RATE)
+        self.start = getattr(source, "start", 0.0)
+        self.words = getattr(source, "words", [])
+
+    def __array_wrap__(self, array, context=None, return_scalar=False):
+        array = array.view(np.ndarray)
+        return array[()] if return_scalar else array
+
+    @property
+    def end(self) -> float:
+        return self.start + len(self) / self.sample_rate
+
+
+def get_engine(max_streams: int | None = None, compile: bool = True) -> Engine:
+    """The process-wide engine on the shipped voices, loaded on first use (about a second).
+
+    Its decode step is the fastest one ready now (`kernels.auto`: ONNX Runtime when its export is cached,
+    else the lean eager step while the export is built in a background process, swapped in when ready,
+    without dropping a stream). A step costs what its active slots cost, so ``max_streams`` (default: the
+    engine's, 8 on a CPU) only bounds how many callers can speak at once. ``compile=False`` (or
+    TTS_NO_COMPILE=1) keeps the plain eager step."""
     global _engine
     with _engine_lock:
         if _engine is None:
+            from kernels import enabled
+            from kernels.auto import default_step_factory
             from tts.voices import load_shipped
+            from tts.text import phonemize
+            started = time.perf_counter()
             torch.set_flush_denormal(True)
+            front_end = threading.Thread(target=phonemize, args=("Hello.",))  # espeak's start-up (0.2-0.5 s),
+            front_end.start()  # on the other core while the weights load
             model, codec, presets = load_shipped()
-            _engine = Engine(model, codec, presets, max_streams=max_streams, compile=compile)
+            front_end.join()  # before the engine's text thread can use espeak, which is not thread-safe
+            factory = default_step_factory() if compile and enabled("compile") else None
+            _engine = Engine(model, codec, presets, max_streams=max_streams, step_factory=factory)
+            log.info("engine ready in %.2f s: %d slots, step %s", time.perf_counter() - started,
+                     _engine.max_streams, _engine.step_kind)
+            faster = getattr(factory, "faster", None)  # a Future: the faster factory, or None if none will come
+            if faster is None:
+                log.info("step in use: %s", _engine.step_kind)
+            else:
+                faster.add_done_callback(_swap_in(_engine, started))
         return _engine
+
+
+def _swap_in(engine: Engine, started: float):
+    """A callback for the future of a faster step factory: hand it to the engine, which switches at a tick
+    boundary without dropping a stream. Logs the step that is then final, for the start-up timeline."""
+    def swap(faster) -> None:
+        if faster.result() is None:
+            log.info("step in use: the fastest there is (nothing faster to build)")
+            return
+        engine.set_step_factory(faster.result())
+        log.info("step in use: %s (built in the background, swapped in %.2f s after loading began)",
+                 getattr(faster.result(), "kind", "?"), time.perf_counter() - started)
+    return swap
 
 
 def _feed(stream, pieces: Iterable[str]) -> None:
@@ -37,17 +112,38 @@ def _feed(stream, pieces: Iterable[str]) -> None:
             stream.push_text(piece)
         stream.end()
     except Exception as err:  # a failing text source ends the utterance with its error
-        stream._finish(err)
+        stream.finish(err)
         stream.cancel()
 
 
+def _chunks(stream) -> Iterator[Chunk]:
+    """The stream's audio as Chunks, each with the words whose start falls in it. Words are scheduled a
+    little ahead of their audio; one that comes later than its chunk goes with the next chunk."""
+    rate, position, pending = stream.engine.sample_rate, 0, []
+    while (audio := stream.read()) is not None:
+        pending += stream.take_word_timings()
+        end = (position + len(audio)) / rate
+        due = next((i for i, w in enumerate(pending) if w["start"] >= end), len(pending))  # in start order
+        yield Chunk(audio, rate, position / rate, pending[:due])
+        pending = pending[due:]
+        position += len(audio)
+    pending += stream.take_word_timings()
+    if pending:  # words scheduled past the last audio (nothing left to voice them): an empty last chunk
+        yield Chunk(np.zeros(0, np.float32), rate, position / rate, pending)
+
+
 def synthesize_stream(text: str | Iterable[str], voice: str | None = None, speed: float = 1.0,
-                      engine: Engine | None = None) -> Iterator[np.ndarray]:
-    """Yield float32 mono chunks at ``SAMPLE_RATE`` as they are decoded.
+                      engine: Engine | None = None, *, seed: int | None = None,
+                      wait_s: float = WAIT_S) -> Iterator[Chunk]:
+    """Yield `Chunk`s (float32 mono numpy arrays with ``sample_rate``, ``start`` and ``words``) as they are
+    decoded.
 
     ``text`` is a string, or an iterable of text pieces (an LLM's tokens): speaking starts once enough
-    text has arrived, without waiting for the end. Raises ``TextError`` for empty, unspeakable or too
-    long text, ``UnknownVoice`` for a voice that is not shipped, ``ValueError`` for a bad speed.
+    text has arrived, without waiting for the end. ``seed`` makes the speech repeatable (the same seed and
+    text give the same audio). When every engine slot is busy (other threads speaking), the call waits up to
+    ``wait_s`` seconds for one, first come first served. Raises ``TextError`` for empty, unspeakable or too
+    long text, ``UnknownVoice`` for a voice that is not shipped, ``ValueError`` for a bad speed or seed,
+    ``ServerFull`` when no slot freed in time.
     """
     engine = engine or get_engine()
     if isinstance(text, str):
@@ -58,22 +154,18 @@ def synthesize_stream(text: str | Iterable[str], voice: str | None = None, speed
         pieces: Iterable[str] = [text]
     else:
         pieces = text
-    stream = engine.open(voice, speed)
+    stream = engine.open(voice, speed, seed=seed, wait_s=wait_s)
     feeder = threading.Thread(target=_feed, args=(stream, pieces), daemon=True)
     feeder.start()
     try:
-        while True:
-            chunk = stream.read()
-            if chunk is None:
-                return
-            yield chunk
+        yield from _chunks(stream)
     finally:
         if not stream.finished:
             stream.cancel()
 
 
 def synthesize(text: str | Iterable[str], voice: str | None = None, speed: float = 1.0,
-               engine: Engine | None = None) -> np.ndarray:
-    """The whole utterance as one float32 array."""
-    chunks = list(synthesize_stream(text, voice, speed, engine))
+               engine: Engine | None = None, *, seed: int | None = None, wait_s: float = WAIT_S) -> np.ndarray:
+    """The whole utterance as one float32 array (the arguments as for `synthesize_stream`)."""
+    chunks = list(synthesize_stream(text, voice, speed, engine, seed=seed, wait_s=wait_s))
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)

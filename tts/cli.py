@@ -1,100 +1,322 @@
-"""Command line: ``tts say``, ``tts voices``, ``tts serve``."""
+"""Command line: ``tts say``, ``tts voices``, ``tts serve``, ``tts wyoming``.
+
+    tts say "Hello there."                       # plays on the sound device while it is generated
+    tts say "Hello there." -o hello.mp3          # format from the suffix: wav mp3 ogg opus flac aac pcm raw
+    echo "Hello." | tts say - -o - > hello.wav   # text from stdin, audio to stdout
+    tts say -i chapter1.txt -i chapter2.txt -o book.ogg --subtitles book.vtt
+"""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import json
 import os
+import signal
 import sys
-import tempfile
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
+from tts import SAMPLE_RATE
+
+EXIT_CODES = """exit codes:
+  0    done
+  1    internal error (a bug: please report it)
+  2    bad input: empty or unspeakable text, unknown voice, bad speed, unknown format, bad flags
+  3    a file could not be read or written
+  4    no sound device or playback package (write a file with -o instead)
+  5    the server could not be reached, or refused for lack of capacity
+  130  interrupted (Ctrl-C): nothing partial is left behind"""
+UTTERANCE_CHARS = 1500  # longer paragraphs are spoken as several utterances, split between sentences
 
 
-def write_wav(path: Path, audio: np.ndarray, sample_rate: int) -> None:
-    """Write a 16-bit mono WAV atomically: a temp file in the same folder, then rename."""
-    import soundfile as sf
+class InputError(ValueError):
+    """Text that cannot be read as asked (no text given, not UTF-8)."""
 
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(suffix=".wav", dir=path.parent or ".")
-    os.close(fd)
+
+# ---- text in ----------------------------------------------------------------------------------------
+def read_texts(text: str | None, files: list[str]) -> list[str]:
+    """The positional text ("-": standard input), then each ``-i`` file, as UTF-8 strings."""
+    if text is None and not files:
+        raise InputError("no text: give it as an argument, '-' to read standard input, or -i FILE")
+    texts = []
+    if text is not None:
+        texts.append(sys.stdin.buffer.read().decode("utf-8") if text == "-" else text)
+    for name in files:
+        try:
+            texts.append(Path(name).read_bytes().decode("utf-8"))
+        except UnicodeDecodeError:
+            raise InputError(f"{name} is not UTF-8 text") from None
+    return texts
+
+
+def utterances(text: str, limit: int = UTTERANCE_CHARS) -> list[str]:
+    """Paragraphs (ended by a blank line); a paragraph longer than ``limit`` characters is cut into runs of
+    whole sentences of at most ``limit`` (a longer sentence stays whole). Sentences are the text front end's
+    (`tts.normalize.split_sentences`: "Dr. Li" does not end one). Markup stays as written.
+    Example, limit 30: "One. Two.\n\nA long first sentence. And more." ->
+    ["One. Two.", "A long first sentence.", "And more."]"""
+    from tts.normalize import split_sentences, tokenize
+    tokens = tokenize(text)
+    out, first = [], None  # first: the token the utterance being gathered starts at
+    for start, stop, _ in split_sentences(tokens, final=True):
+        if first is not None and tokens[stop - 1].end - tokens[first].start > limit:
+            out.append(text[tokens[first].start:tokens[start - 1].end])
+            first = None
+        first = start if first is None else first
+        if tokens[stop - 1].para_end or stop == len(tokens):
+            out.append(text[tokens[first].start:tokens[stop - 1].end])
+            first = None
+    return out
+
+
+# ---- audio out --------------------------------------------------------------------------------------
+def local_chunks(parts: list[str], voice: str | None, speed: float, seed: int | None) -> Iterator:
+    """Chunks of each utterance from the in-process engine, ``None`` after each utterance."""
+    from tts.api import synthesize_stream
+    for i, text in enumerate(parts):
+        yield from synthesize_stream(text, voice, speed, seed=None if seed is None else seed + i)
+        yield None
+
+
+async def _server_chunks(url: str, parts: list[str], voice: str | None, speed: float):
+    from tts.client import connect
+    async with connect(url) as client:
+        for text in parts:
+            async for chunk in client.speak(text, voice, speed):
+                yield chunk
+            yield None
+
+
+def server_chunks(url: str, parts: list[str], voice: str | None, speed: float) -> Iterator:
+    """The same from a running server over one WebSocket, driven one chunk at a time on a private loop."""
+    loop, chunks = asyncio.new_event_loop(), _server_chunks(url, parts, voice, speed)
     try:
-        sf.write(tmp, audio, sample_rate, subtype="PCM_16")
-        os.replace(tmp, path)
+        while True:
+            try:
+                yield loop.run_until_complete(anext(chunks))
+            except StopAsyncIteration:
+                return
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        with contextlib.suppress(RuntimeError):  # still running if Ctrl-C interrupted it: the loop closes anyway
+            loop.run_until_complete(chunks.aclose())
+        loop.close()
 
 
-def play(audio: np.ndarray, sample_rate: int) -> bool:
-    try:
-        import sounddevice
-        sounddevice.play(audio, sample_rate)
-        sounddevice.wait()
-        return True
-    except Exception:  # no sounddevice package, no PortAudio, or no output device
-        return False
+def open_sink(output: str | None, fmt: str | None):
+    """Where the audio goes: the sound device (no ``output``), stdout ("-"), or a file."""
+    from tts.output import Player, file_sink, stdout_sink
+    if output is None:
+        return Player(SAMPLE_RATE)
+    return stdout_sink(fmt) if output == "-" else file_sink(output, fmt)
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def speak(source: Iterator, parts: list[str], write, quiet: bool) -> tuple[int, list[dict]]:
+    """Send every chunk of ``source`` to ``write`` as it comes, with a progress bar over ``parts`` (two or
+    more utterances, on a terminal). Returns the samples written and the words, each utterance's words
+    moved to where its audio starts."""
+    from tqdm import tqdm
+    samples, offset, words, spoken = 0, 0.0, [], iter(parts)
+    with tqdm(total=sum(map(len, parts)), unit="char", file=sys.stderr,
+              disable=True if len(parts) < 2 or quiet else None) as progress:  # None: off unless a terminal
+        for chunk in source:
+            if chunk is None:  # an utterance ended: the next one's clock starts where its audio ends
+                offset = samples / SAMPLE_RATE
+                progress.update(len(next(spoken)))
+                continue
+            write(chunk)
+            samples += len(chunk)
+            words += [{**w, "start": w["start"] + offset, "end": w["end"] + offset}
+                      for w in getattr(chunk, "words", ())]
+    return samples, words
 
 
 def cmd_say(args) -> int:
-    if args.server:
-        from tts.client import say_via_server
-        say_via_server(args.server, args.text, voice=args.voice, out=args.output, speed=args.speed)
-        return 0
-    from tts import SAMPLE_RATE
-    from tts.api import synthesize
-    audio = synthesize(args.text, voice=args.voice, speed=args.speed)
-    if args.output:
-        write_wav(args.output, audio, SAMPLE_RATE)
-        print(f"wrote {args.output} ({len(audio) / SAMPLE_RATE:.2f} s)", file=sys.stderr)
-    elif not play(audio, SAMPLE_RATE):
-        print("no sound device here; write a file instead: tts say \"...\" -o out.wav", file=sys.stderr)
-        return 2
+    from tts import subtitles
+    from tts.output import format_for
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` cleans up like Ctrl-C: no partial file
+    fmt = format_for(args.output, args.format) if args.output else None
+    if args.subtitles:
+        subtitles.subtitle_format(args.subtitles)
+    if args.server and (args.subtitles or args.seed is not None):
+        raise InputError("--subtitles and --seed work with local synthesis only (drop --server)")
+    parts = [u for text in read_texts(args.text, args.input) for u in utterances(text)]
+    if not parts:
+        from tts.text import TextError
+        raise TextError("text is empty")
+    source = server_chunks(args.server, parts, args.voice, args.speed) if args.server else \
+        local_chunks(parts, args.voice, args.speed, args.seed)
+    started = time.perf_counter()
+    with contextlib.closing(source), open_sink(args.output, fmt) as write:
+        samples, words = speak(source, parts, write, args.quiet)
+    if args.subtitles:
+        subtitles.write(args.subtitles, words)
+    if not args.quiet:
+        where = "played" if args.output is None else "wrote stdout" if args.output == "-" else f"wrote {args.output}"
+        print(f"{where}: {samples / SAMPLE_RATE:.2f} s of audio in {time.perf_counter() - started:.2f} s",
+              file=sys.stderr)
     return 0
 
 
-def cmd_voices(_args) -> int:
+# ---- other commands ---------------------------------------------------------------------------------
+def cmd_voices(args) -> int:
     from tts.voices import voice_presets
     presets = voice_presets()
-    name_width, teacher_width = (max(len(p[key]) for p in presets.values()) for key in ("name", "teacher"))
+    if args.json:  # what GET /v1/voices answers
+        from streaming.http_api import VOICE_KEYS
+        from tts.voices import voice_aliases
+        default = next((n for n, v in presets.items() if v.get("default")), next(iter(presets)))
+        listed = [{k: v.get(k) for k in VOICE_KEYS} for v in presets.values()]
+        print(json.dumps({"default": default, "sample_rate": SAMPLE_RATE, "voices": listed,
+                          "aliases": voice_aliases()}, indent=2))
+        return 0
+    name_width, teacher_width, license_width = (
+        max(len(p.get(key, "")) for p in presets.values()) for key in ("name", "teacher", "license"))
     for name, preset in presets.items():
         mark = " (default)" if preset.get("default") else ""
-        print(f"{name:{name_width}s}  {preset['teacher']:{teacher_width}s}  {preset['description']}{mark}")
+        print(f"{name:{name_width}s}  {preset['teacher']:{teacher_width}s}  "
+              f"{preset.get('license', ''):{license_width}s}  {preset['description']}{mark}")
     return 0
 
 
 def cmd_serve(args) -> int:
+    """Loads the engine (about a second: its step is the fastest one ready, a faster one is built in the
+    background and swapped in), then listens."""
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")  # uvicorn's look
     from server import serve
-    serve(host=args.host, port=args.port, compile=not args.no_compile)
+    from streaming.admission import limits_from
+    from tts.api import get_engine
+    engine = get_engine(max_streams=args.max_streams, compile=not args.no_compile)
+    with contextlib.ExitStack() as also:
+        if args.wyoming_uri:  # one engine for both servers
+            from streaming.wyoming import WyomingServer
+            also.enter_context(WyomingServer(engine, args.wyoming_uri, args.zeroconf))
+        serve(host=args.host, port=args.port, engine=engine, api_keys=args.api_key, allow_origins=args.allow_origin,
+              **limits_from(args))
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tts", description="Streaming text-to-speech.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    say = sub.add_parser("say", help="speak text to a WAV file or the sound device")
-    say.add_argument("text")
+def cmd_wyoming(args) -> int:
+    from streaming.wyoming import WyomingServer
+    from tts.api import get_engine
+    engine = get_engine(compile=not args.no_compile)
+    with WyomingServer(engine, args.uri, args.zeroconf):
+        print(f"Wyoming server on {args.uri}; Ctrl-C stops it", file=sys.stderr)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def serve_parser(sub) -> None:
+    from streaming.admission import add_arguments
+    serve = sub.add_parser("serve", help="run the WebSocket/HTTP server", epilog=EXIT_CODES,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-streams", type=int, metavar="INT",
+                       help="utterances the engine speaks at once (its slots; default 8); more wait in the queue")
+    serve.add_argument("--api-key", action="append", metavar="KEY",
+                       default=[k for k in os.environ.get("TTS_API_KEYS", "").split(",") if k],
+                       help="require this key on every /v1 endpoint (repeatable; or TTS_API_KEYS=k1,k2, "
+                            "which keeps keys out of the process list)")
+    serve.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                       help="a browser origin, besides the server's own, that may use the API and gets CORS "
+                            "headers (repeatable; '*' allows any)")
+    serve.add_argument("--no-compile", action="store_true",
+                       help="run the plain eager decode step, no faster one (TTS_NO_COMPILE=1 does the same)")
+    serve.add_argument("--wyoming-uri", help="also serve Home Assistant's Wyoming protocol, e.g. tcp://0.0.0.0:10200")
+    serve.add_argument("--zeroconf", nargs="?", const="", metavar="NAME",
+                       help="announce the Wyoming server on the local network (mDNS), optionally under NAME")
+    add_arguments(serve)  # the server's limits, one flag each: --max-connections, --queue-timeout-s, ...
+    serve.set_defaults(run=cmd_serve)
+
+
+def wyoming_parser(sub) -> None:
+    wyoming = sub.add_parser("wyoming", help="run a Wyoming server for Home Assistant")
+    wyoming.add_argument("--uri", default="tcp://0.0.0.0:10200", help="tcp://HOST:PORT or unix://PATH")
+    wyoming.add_argument("--zeroconf", nargs="?", const="", metavar="NAME",
+                         help="announce the server on the local network (mDNS), optionally under NAME")
+    wyoming.add_argument("--no-compile", action="store_true",
+                         help="run the plain eager decode step, no faster one (TTS_NO_COMPILE=1 does the same)")
+    wyoming.set_defaults(run=cmd_wyoming)
+
+
+# ---- parsing and errors -----------------------------------------------------------------------------
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="tts", description="Streaming text-to-speech.", epilog=EXIT_CODES,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = root.add_subparsers(dest="command", required=True)
+    say = sub.add_parser("say", help="speak text to the sound device, a file or stdout", epilog=EXIT_CODES,
+                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    say.add_argument("text", nargs="?", help="the text; '-' reads standard input")
+    say.add_argument("-i", "--input", action="append", default=[], metavar="FILE",
+                     help="read text from FILE (UTF-8; repeatable); long texts are spoken paragraph by paragraph")
+    say.add_argument("-o", "--output", help="write audio here, the format from the suffix; '-' is stdout "
+                                            "(WAV unless --format); without -o, play it")
+    say.add_argument("--format", choices=["wav", "mp3", "opus", "flac", "aac", "pcm"],
+                     help="the output format, whatever the suffix (pcm: 16-bit little-endian, 24 kHz mono)")
     say.add_argument("--voice", default=None, help="voice name (see `tts voices`); default: the default voice")
     say.add_argument("--speed", type=float, default=1.0,
                      help="speaking rate, 0.25 to 4.0, times the voice's pace (voices.json)")
-    say.add_argument("-o", "--output", type=Path, help="write a 24 kHz mono WAV here")
+    say.add_argument("--seed", type=int, help="repeatable speech: the same seed and text give the same audio")
+    say.add_argument("--subtitles", metavar="FILE", help="also write subtitles from word timings (.srt or .vtt)")
     say.add_argument("--server", help="stream from a running server, e.g. ws://127.0.0.1:8000")
+    say.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
     say.set_defaults(run=cmd_say)
-    sub.add_parser("voices", help="list the voices").set_defaults(run=cmd_voices)
-    serve = sub.add_parser("serve", help="run the WebSocket/HTTP server")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--no-compile", action="store_true",
-                       help="skip compiling the decode step at start-up (starts seconds sooner, steps slower)")
-    serve.set_defaults(run=cmd_serve)
-    args = parser.parse_args(argv)
-    from streaming.engine import EngineError
-    from tts.client import ClientError
-    from tts.text import TextError
+    voices = sub.add_parser("voices", help="list the voices")
+    voices.add_argument("--json", action="store_true", help="as JSON, the same as GET /v1/voices")
+    voices.set_defaults(run=cmd_voices)
+    serve_parser(sub)
+    wyoming_parser(sub)
+    return root
+
+
+def exit_code(err: Exception) -> int | None:
+    """The documented exit code of a failure (EXIT_CODES); None for a bug."""
+    from tts.client import ClientError, ServerError
+    from tts.output import PlaybackError
+    if isinstance(err, ServerError):
+        return 5 if err.code == "server_full" else 2
+    if isinstance(err, ClientError):
+        return 5
+    if isinstance(err, PlaybackError):
+        return 4
+    if isinstance(err, ValueError):  # TextError, UnknownVoice, InputError, a bad speed or format
+        return 2
+    if isinstance(err, OSError):
+        return 3
+    if "streaming.engine" in sys.modules:  # only loaded (with torch) by commands that use the engine
+        from streaming.engine import EngineError
+        return 1 if isinstance(err, EngineError) else None
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     try:
         return args.run(args)
-    except (TextError, EngineError, ClientError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:  # the outputs are already discarded (their with-blocks have unwound)
+        print("interrupted", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)  # not a normal exit: the engine's daemon threads may be inside a native op, and
+        # interpreter shutdown under them aborts the process (SIGABRT) instead of exiting 130
+    except Exception as err:
+        code = exit_code(err)
+        if code is None:
+            raise
+        named = isinstance(err, OSError) and err.filename and err.strerror
+        print(f"error: {f'{err.filename}: {err.strerror}' if named else err}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

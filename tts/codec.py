@@ -131,12 +131,14 @@ class DecoderState:
     start: "DecoderState | None" = None
 
     def reset(self, mask: torch.Tensor) -> None:
-        """Return the streams where ``mask`` (B,) is true to the starting state."""
-        for i, buffer in enumerate(self.buffers):
-            buffer[mask] = 0 if self.start is None else self.start.buffers[i]  # (1, C, N) broadcast to (M, C, N)
+        """Return the streams where ``mask`` (B,) is true to the starting state (a masked write: no host sync)."""
+        for i, buffer in enumerate(self.buffers):  # (B, C, N); the start's (1, C, N) broadcasts
+            start = 0.0 if self.start is None else self.start.buffers[i]
+            buffer.copy_(torch.where(mask[:, None, None], start, buffer))
         if self.lstm is not None:
-            for i, part in enumerate(self.lstm):
-                part[:, mask] = 0 if self.start is None else self.start.lstm[i]  # (1, 1, H) to (1, M, H)
+            for i, part in enumerate(self.lstm):  # (1, B, H); the start's (1, 1, H) broadcasts
+                start = 0.0 if self.start is None else self.start.lstm[i]
+                part.copy_(torch.where(mask[None, :, None], start, part))
 
     def repeat(self, batch: int) -> "DecoderState":
         """``batch`` streams, each in this one-stream state, which `reset` restores."""

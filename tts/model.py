@@ -2,7 +2,7 @@
 
 One step per 20 ms frame; all K codebooks of a frame come out of one step by a delay pattern
 (`tts.delay`). Each step's attention is split into a position-free part over the voice/sink prefix and a
-rotary part over text slots and recent audio, masked by `streaming.masks`. Sampling and I/O live elsewhere.
+rotary part over text slots and recent audio, masked by `tts.masks`. Sampling and I/O live elsewhere.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streaming.masks import audio_mask, text_mask
+from tts.masks import audio_mask, text_mask
 from tts.text import SYMBOLS
 
 

@@ -1,14 +1,21 @@
-"""Text front end: normalise English text, then phonemise it with espeak-ng.
+"""Text front end: normalise English text (`tts.normalize`), then phonemise it with espeak-ng.
 
 The phoneme units are espeak-ng IPA code points (the inventory Piper uses), with
 ``^``/``$`` around every sentence. Every teacher's durations are mapped onto
 these units, so one front end serves every voice.
+
+`sentence_units` phonemises one sentence of tokens and says which token each unit speaks, so
+word timings refer to what the user wrote and incremental text can be spoken word by word.
 """
 from __future__ import annotations
 
 import re
-import unicodedata
 from functools import lru_cache
+
+from tts.normalize import TextError, Token, end_mark, join_spoken, normalize, speak, split_sentences, tokenize
+
+__all__ = ["SYMBOLS", "SYMBOL_ID", "MAX_TEXT_CHARS", "TextError", "normalize", "phonemize", "text_to_sentences",
+           "sentence_units", "to_ids"]
 
 
 # Index 0 is padding. The order is frozen: model checkpoints index into it.
@@ -19,106 +26,138 @@ PAD, BOS, EOS = 0, SYMBOL_ID["^"], SYMBOL_ID["$"]
 MAX_TEXT_CHARS = 20_000
 
 
-class TextError(ValueError):
-    """Text that cannot be spoken: empty, nothing speakable, or too long."""
-
-
-def num2words(number: int, **kwargs) -> str:
-    from num2words import num2words as spell  # imported on use: training on the GPU needs only SYMBOLS
-    return spell(number, **kwargs)
-
-
-_ABBREVIATIONS = {
-    "mr": "mister", "mrs": "missus", "ms": "miz", "dr": "doctor", "st": "saint", "jr": "junior",
-    "sr": "senior", "prof": "professor", "gen": "general", "col": "colonel", "capt": "captain",
-    "lt": "lieutenant", "sgt": "sergeant", "gov": "governor", "rev": "reverend", "hon": "honorable",
-    "vs": "versus", "etc": "et cetera", "no": "number", "approx": "approximately", "dept": "department",
-    "jan": "january", "feb": "february", "mar": "march", "apr": "april", "aug": "august",
-    "sept": "september", "oct": "october", "nov": "november", "dec": "december",
-}
-_MONTHS = ["january", "february", "march", "april", "may", "june", "july", "august",
-           "september", "october", "november", "december"]
-_CURRENCY = {"$": ("dollar", "dollars", "cent", "cents"), "£": ("pound", "pounds", "penny", "pence"),
-             "€": ("euro", "euros", "cent", "cents")}
-_PUNCT_MAP = str.maketrans({"—": ", ", "–": ", ", "‘": "'", "’": "'", "“": '"', "”": '"', "…": ".", "&": " and ",
-                            "%": " percent", "+": " plus ", "=": " equals ", "@": " at ", "/": " slash "})
-
-
-def _money(match: re.Match) -> str:
-    unit, units, sub, subs = _CURRENCY[match.group(1)]
-    whole = int(match.group(2).replace(",", ""))
-    cents = int((match.group(3) or "0").ljust(2, "0")[:2])
-    parts = []
-    if whole or not cents:
-        parts.append(f"{num2words(whole)} {unit if whole == 1 else units}")
-    if cents:
-        parts.append(f"{num2words(cents)} {sub if cents == 1 else subs}")
-    return " and ".join(parts)
-
-
-def _date(match: re.Match) -> str:
-    month, day, year = int(match.group(1)), int(match.group(2)), int(match.group(3))
-    if not (1 <= month <= 12 and 1 <= day <= 31):
-        return match.group(0).replace("/", " ")
-    return f"{_MONTHS[month - 1]} {num2words(day, to='ordinal')}, {num2words(year, to='year')}"
-
-
-def _clock(match: re.Match) -> str:
-    hours, minutes = int(match.group(1)), int(match.group(2))
-    if minutes == 0:
-        return f"{num2words(hours)} o'clock"
-    return f"{num2words(hours)} {'oh ' if minutes < 10 else ''}{num2words(minutes)}"
-
-
-def _number(match: re.Match) -> str:
-    text = match.group(0).replace(",", "")
-    if re.fullmatch(r"\d+(st|nd|rd|th)", text):
-        return num2words(int(text[:-2]), to="ordinal")
-    if "," not in match.group(0) and re.fullmatch(r"1[1-9]\d\d|20\d\d", text):
-        return num2words(int(text), to="year")
-    if "." in text:
-        whole, frac = text.split(".", 1)
-        return f"{num2words(int(whole or 0))} point {' '.join(num2words(int(d)) for d in frac)}"
-    return num2words(int(text))
-
-
-def normalize(text: str) -> str:
-    """Spell out what a reader would say: ``"Dr. Li paid $3.50 on 3/4/2021"`` ->
-    ``"doctor Li paid three dollars and fifty cents on march fourth, twenty twenty-one"``."""
-    text = unicodedata.normalize("NFKC", text)
-    text = re.sub(r"([$£€])\s?(\d[\d,]*)(?:\.(\d{1,2}))?", _money, text)
-    text = re.sub(r"\b(\d{1,2})/(\d{1,2})/(\d{4})\b", _date, text)
-    text = re.sub(r"\b(\d{1,2}):(\d\d)\b", _clock, text).translate(_PUNCT_MAP)
-    text = re.sub(r"\b(\d+)-(\d+)\b", r"\1 to \2", text)
-    text = re.sub(r"\b([A-Za-z]+)\.(?=\s|$)",
-                  lambda m: _ABBREVIATIONS.get(m.group(1).lower(), m.group(0)) if m.group(1).lower() in _ABBREVIATIONS
-                  and m.group(1)[0].isupper() else m.group(0), text)
-    text = re.sub(r"\d[\d,]*(?:\.\d+)?(?:st|nd|rd|th)?", _number, text)
-    text = re.sub(r"[\"()\[\]{}*_#<>|~^\\]", " ", text)
-    text = re.sub(r"\s+", " ", text).strip()
-    return text
-
-
 @lru_cache(maxsize=1)
 def _espeak():
     from piper.phonemize_espeak import EspeakPhonemizer
     return EspeakPhonemizer()
 
 
-def phonemize(text: str) -> list[list[str]]:
-    """Normalised text -> sentences of phoneme units, each wrapped in ``^ ... $``.
-
-    >>> phonemize("Hi. Go!")   # doctest: +SKIP
-    [['^', 'h', 'ˈ', 'a', 'ɪ', '.', '$'], ['^', 'ɡ', 'ˈ', 'o', 'ʊ', '!', '$']]
-    """
+def _espeak_units(text: str) -> list[list[str]]:
+    """espeak's sentences of ``text`` as units (no ``^``/``$``), trailing spaces removed."""
     sentences = []
+    text = re.sub(r"\.(?:\s*\.)+", ".", text)  # espeak keeps a trailing ".." and says "dot" in its next call
     for units in _espeak().phonemize("en-us", text):
         units = [u for u in units if u in SYMBOL_ID and u not in "^$_"]
         while units and units[-1] == " ":
             units.pop()
-        if any(u.isalpha() or u in "ɐɑɒɔəɚɛɜɪʊʌ" for u in units):
-            sentences.append(["^", *units, "$"])
+        sentences.append(units)
     return sentences
+
+
+def _speakable(units: list[str]) -> bool:
+    return any(u.isalpha() or u in "ɐɑɒɔəɚɛɜɪʊʌ" for u in units)
+
+
+def phonemize(text: str) -> list[list[str]]:
+    """Normalised text -> sentences of phoneme units, each wrapped in ``^ ... $`` (espeak's sentences).
+
+    >>> phonemize("Hi. Go!")   # doctest: +SKIP
+    [['^', 'h', 'ˈ', 'a', 'ɪ', '.', '$'], ['^', 'ɡ', 'ˈ', 'o', 'ʊ', '!', '$']]
+    """
+    return [["^", *units, "$"] for units in _espeak_units(text) if _speakable(units)]
+
+
+# A pause is spoken as commas, which the model pauses on: with none, two words are about PAUSE_BASE_MS
+# apart (a word gap and a stop's closure); each comma adds about PAUSE_COMMA_MS. Measured on the shipped
+# model with `python -m bench.incremental --pauses` (silence for 0/250/500/1000/2000 ms asked).
+PAUSE_BASE_MS, PAUSE_COMMA_MS = 280, 240
+_GAP = set(" ,.;:!?")  # units between words
+
+
+def pause_units(ms: int) -> list[str]:
+    """Units for a pause of about ``ms`` milliseconds between two words. Example: 1000 -> ", , ," (three
+    commas: 280 + 3 * 240 = 1000 ms); 250 -> none (a word gap is already about that long)."""
+    commas = max(0, round((ms - PAUSE_BASE_MS) / PAUSE_COMMA_MS))
+    return [",", " "] * commas
+
+
+@lru_cache(maxsize=65536)
+def _word_units(word: str) -> str:
+    """One spoken word's units on its own: the reference the sentence's units are aligned to."""
+    return "".join(u for sentence in _espeak_units(word) for u in sentence if u not in _GAP)
+
+
+def _run_units(run: list[tuple[int, str]]) -> tuple[list[str], list[int]]:
+    """Units of consecutive words phonemised together (espeak's clause context), and the token of each unit.
+
+    Owners come from aligning the units with each word's units on its own (longest common subsequence), so words
+    that espeak joins ("on the" -> ɔnðə) are still told apart. -1: spaces and punctuation.
+    Example: [(4, "on"), (5, "the")] -> units ɔ n ð ə, owners 4 4 5 5."""
+    from rapidfuzz.distance import Indel
+    text = join_spoken(said for _, said in run)
+    sentences = [s for s in _espeak_units(text) if s]
+    units = [u for k, s in enumerate(sentences) for u in ([" "] if k else []) + s]
+    reference, ref_owner = [], []
+    for index, said in run:
+        for word in said.split():
+            ref = _word_units(word)
+            reference.append(ref + " ")
+            ref_owner += [index] * len(ref) + [-1]
+    owners = [-1] * len(units)
+    # insertions and deletions only (a longest common subsequence): equal units pair up, others attach
+    for tag, a0, a1, b0, b1 in Indel.opcodes("".join(reference), "".join(units)):
+        if tag == "equal":
+            owners[b0:b1] = ref_owner[a0:a1]
+        elif tag == "insert" and a0 < len(ref_owner):  # units the words alone lack: the word they stand in
+            owners[b0:b1] = [ref_owner[a0]] * (b1 - b0)
+    last = run[0][0] if run else -1
+    for k, unit in enumerate(units):  # gaps own nothing; units still unowned belong to the word before
+        if unit in _GAP:
+            owners[k] = -1
+        else:
+            owners[k] = last = max(owners[k], last)
+    return units, owners
+
+
+def sentence_units(tokens: list[Token], spoken: list[str], closed: bool) -> tuple[list[str], list[int]]:
+    """One sentence's units (``^`` first, ``$`` last if ``closed``) and, per unit, the index of the token
+    it speaks (-1: ``^``, ``$``, spaces and punctuation). Words are phonemised a run at a time; inline
+    phonemes and pauses go in as they are."""
+    units, owners = ["^"], [-1]
+    run: list[tuple[int, str]] = []
+
+    def add(more: list[str], more_owners: list[int]) -> None:
+        if more and len(units) > 1 and units[-1] != " " and more[0] != " ":
+            units.append(" ")
+            owners.append(-1)
+        units.extend(more)
+        owners.extend(more_owners)
+
+    for index, (token, said) in enumerate(zip(tokens, spoken)):
+        if token.kind == "word":
+            if said:
+                run.append((index, said))
+            continue
+        if run:
+            add(*_run_units(run))
+            run = []
+        more = list(token.phonemes) if token.kind == "phonemes" else pause_units(token.pause_ms)
+        add(more, [index] * len(more))
+    if run:
+        add(*_run_units(run))
+    while units[-1] == " ":
+        units.pop()
+        owners.pop()
+    mark = end_mark(tokens)
+    if closed and mark and units[-1] not in ".!?":  # the sentence ends after markup: "... [[ˈoʊ]]."
+        units.append(mark)
+        owners.append(-1)
+    if closed:
+        units.append("$")
+        owners.append(-1)
+    return units, owners
+
+
+def text_sentences(text: str) -> list[tuple[list[Token], list[str], list[int]]]:
+    """Raw text -> per sentence: its tokens, units (``^ ... $``) and each unit's token."""
+    tokens = tokenize(text)
+    result = []
+    for start, stop, _ in split_sentences(tokens, final=True):
+        sentence = tokens[start:stop]
+        units, owners = sentence_units(sentence, speak(sentence), closed=True)
+        if _speakable(units):
+            result.append((sentence, units, owners))
+    return result
 
 
 def to_ids(units: list[str]) -> list[int]:
@@ -133,7 +172,7 @@ def text_to_sentences(text: str) -> list[list[str]]:
         raise TextError(f"text is {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
     if not text.strip():
         raise TextError("text is empty")
-    sentences = phonemize(normalize(text))
+    sentences = [units for _, units, _ in text_sentences(text)]
     if not sentences:
         raise TextError("text has nothing speakable in it")
     return sentences

@@ -10,7 +10,7 @@ VOICES_DIR = Path(os.environ.get("TTS_VOICES_DIR", Path(__file__).resolve().pare
 
 
 def voice_presets(folder: Path = VOICES_DIR) -> dict[str, dict]:
-    """name -> preset (name, description, teacher, sample_rate, index, default)."""
+    """name -> preset (name, description, teacher, sample_rate, index, default, license, provenance)."""
     manifest = json.loads((folder / "voices.json").read_text())
     return {v["name"]: v for v in manifest["voices"]}
 
@@ -92,6 +92,13 @@ def _weight(text: str, spec: str) -> float:
     if not (math.isfinite(weight) and weight > 0):
         raise ValueError(f"blend {spec!r}: weight {text!r} must be a positive number")
     return weight
+def attribution(preset: dict) -> str:
+    """What a voice learned from and the licence of its weights, for listings (``tts voices``, Wyoming's info).
+
+    >>> attribution({"teacher": "flite rms", "license": "Apache-2.0"})
+    'learned from flite rms; weights Apache-2.0'
+    """
+    return f"learned from {preset.get('teacher', 'unknown')}; weights {preset.get('license', 'unknown licence')}"
 
 
 def load_shipped(folder: Path = VOICES_DIR, device: str = "cpu"):

@@ -1,0 +1,258 @@
+"""Speak while the text is still arriving: held-out sentences sent word by word, against the same sentences
+sent whole. One JSON object.
+
+    python -m bench.incremental                     # 50 Harvard sentences at 5, 10, 20 words/s and 1.2x speech
+    python -m bench.incremental --lookahead 0 1 2   # one block per lookahead ("auto" waits for sentence ends)
+    python -m bench.incremental --server            # through the real server on loopback, a WebSocket client
+    python -m bench.incremental --units             # no model: units word by word against whole sentences
+    python -m bench.incremental --pauses            # no text timing: silence a <break> gives, per length
+    python -m bench.incremental --quick             # 8 sentences, 10 words/s, no DNSMOS
+
+Words go out as an LLM client sends them, each with its trailing space ("The ", "birch ", ...), word i at
+i / rate seconds; the last word is followed by `end`. Per rate: ``first_audio_ms`` from the first word sent to
+the first audio chunk (p50/p99); ``stalls_per_min``: underruns of a player that starts at the first chunk
+and plays every chunk as it comes (a chunk later than the audio before it ran out, by more than 20 ms), per
+minute of audio; ``wer`` (Whisper tiny.en, `tts.asr`) and ``dnsmos`` (speechmos OVRL) of the audio, with the
+same for the sentences sent whole. Each sentence is spoken with the same seed both ways, so word by word and
+whole differ only where their units or holds differ. ``1.2x`` is 1.2 times the speaking rate of the whole
+sentences (words per second of their audio), the slowest text the targets promise no stall for.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import time
+
+import numpy as np
+import soxr
+
+from bench.common import harvard, percentiles
+from tts import SAMPLE_RATE
+from tts.asr import transcribe, wer
+
+STALL_S = 0.02
+
+
+def words_of(sentence: str) -> list[str]:
+    return [word + " " for word in sentence.split()]
+
+
+def speak_engine(engine, sentence: str, rate: float | None, lookahead, seed: int) -> tuple[np.ndarray, list]:
+    """Audio of ``sentence`` pushed word by word at ``rate`` words/s (None: whole), and (seconds since the
+    first word, samples) per chunk."""
+    stream = engine.open(seed=seed, lookahead_words=lookahead)
+    pieces = words_of(sentence) if rate else [sentence]
+    started = time.perf_counter()
+
+    def feed():
+        for i, piece in enumerate(pieces):
+            delay = started + (i / rate if rate else 0) - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            stream.push_text(piece)
+        stream.end()
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    chunks, arrivals = [], []
+    while (chunk := stream.read(timeout=60)) is not None:
+        arrivals.append((time.perf_counter() - started, len(chunk)))
+        chunks.append(chunk)
+    feeder.join()
+    return np.concatenate(chunks), arrivals
+
+
+def speak_server(url: str, sentence: str, rate: float | None) -> tuple[np.ndarray, list]:
+    """The same through the WebSocket protocol with the project's client (default lookahead)."""
+    from tts.client import connect
+
+    async def pieces():
+        for i, piece in enumerate(words_of(sentence) if rate else [sentence]):
+            delay = started + (i / rate if rate else 0) - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            yield piece
+
+    async def run():
+        chunks, arrivals = [], []
+        async with connect(url) as client:
+            nonlocal started
+            started = time.perf_counter()
+            async for chunk in client.speak(pieces()):
+                arrivals.append((time.perf_counter() - started, len(chunk)))
+                chunks.append(chunk)
+        return np.concatenate(chunks), arrivals
+
+    started = time.perf_counter()
+    return asyncio.run(run())
+
+
+def stalls(arrivals: list) -> tuple[int, float]:
+    """Underruns of a player that starts at the first chunk: (count, seconds of silence they add)."""
+    count, silent, play_end = 0, 0.0, None
+    for at, samples in arrivals:
+        seconds = samples / SAMPLE_RATE
+        if play_end is None:
+            play_end = at + seconds
+        elif at > play_end + STALL_S:
+            count, silent, play_end = count + 1, silent + at - play_end, at + seconds
+        else:
+            play_end = max(play_end, at) + seconds
+    return count, silent
+
+
+def dnsmos(audio: np.ndarray) -> float:
+    from speechmos import dnsmos as model
+    audio16 = soxr.resample(audio.astype(np.float32), SAMPLE_RATE, 16_000)
+    return float(model.run(np.clip(audio16 / max(np.abs(audio16).max(), 1e-6), -1, 1), 16_000)["ovrl_mos"])
+
+
+class Scorer:
+    """WER and DNSMOS per clip; a clip equal to one already scored reuses its scores."""
+
+    def __init__(self, with_dnsmos: bool):
+        self.with_dnsmos, self.seen = with_dnsmos, []
+
+    def __call__(self, sentence: str, audio: np.ndarray) -> tuple[float, float | None]:
+        for text, clip, scores in self.seen:
+            if text == sentence and len(clip) == len(audio) and np.allclose(clip, audio, atol=1e-4):
+                return scores
+        scores = (wer(sentence, transcribe(audio, SAMPLE_RATE)), dnsmos(audio) if self.with_dnsmos else None)
+        self.seen.append((sentence, audio, scores))
+        return scores
+
+
+def measure(speak, sentences: list[str], rates: list, lookaheads: list, score: Scorer) -> dict:
+    """Whole sentences once (the lookahead does not matter when all the text is there), then each lookahead
+    at each rate."""
+    whole = [speak(s, None, None, k) for k, s in enumerate(sentences)]
+    whole_scores = [score(s, audio) for s, (audio, _) in zip(sentences, whole)]
+    speech_rate = sum(len(s.split()) for s in sentences) / sum(len(a) / SAMPLE_RATE for a, _ in whole)
+    report = {"sentences": len(sentences), "speaking_rate_wps": round(speech_rate, 2),
+              "whole": summary([a for a, _ in whole], whole_scores, whole)}
+    for lookahead in lookaheads:
+        block = report.setdefault(f"lookahead_{'default' if lookahead is None else lookahead}", {})
+        for rate in rates:
+            wps = 1.2 * speech_rate if rate == "1.2x" else float(rate)
+            runs = [speak(s, wps, lookahead, k) for k, s in enumerate(sentences)]
+            scores = [score(s, audio) for s, (audio, _) in zip(sentences, runs)]
+            block[str(rate)] = {"words_per_s": round(wps, 2), **summary([a for a, _ in runs], scores, runs)}
+            print(f"lookahead {lookahead}, {rate}: {block[str(rate)]}", file=sys.stderr, flush=True)
+    return report
+
+
+def summary(audios: list, scores: list, runs: list | None) -> dict:
+    out = {"wer": round(float(np.mean([w for w, _ in scores])), 4)}
+    if scores[0][1] is not None:
+        out["dnsmos"] = round(float(np.mean([d for _, d in scores])), 3)
+    if runs:
+        minutes = sum(len(a) for a in audios) / SAMPLE_RATE / 60
+        counted = [stalls(arrivals) for _, arrivals in runs]
+        out["first_audio_ms"] = percentiles([arrivals[0][0] * 1000 for _, arrivals in runs])
+        out["stalls_per_min"] = round(sum(c for c, _ in counted) / minutes, 2)
+        out["stall_seconds"] = round(sum(s for _, s in counted), 3)
+    return out
+
+
+def units_report(sentences: list[str], lookaheads: list, rates: list[float]) -> dict:
+    """Without the model: units taken word by word against the whole sentence's, the cost of a take, and
+    ``text_ready_ms``: when (after the first word, at each rate) the units the engine needs for its first
+    step are there (a unit is encoded once the text encoder's right context exists, and the first step
+    reads `ahead` units past the first: text_lookahead + ahead + 1 units)."""
+    from rapidfuzz.distance import Levenshtein
+    from streaming.textstream import TextStream
+    from tts.model import MODEL_PRESETS
+    from tts.text import SYMBOLS, text_to_sentences
+    cfg = MODEL_PRESETS["shipped"]
+    needed = cfg.text_lookahead + cfg.ahead + 1
+    report = {"units_for_first_step": needed}
+    for lookahead in lookaheads:
+        same = edits = total = takes = 0
+        ready_at = []  # words that had arrived when the first step's units were there
+        started = time.perf_counter()
+        for sentence in sentences:
+            stream, ids, ready = TextStream(lookahead_words=lookahead), [], None
+            for k, piece in enumerate(words_of(sentence)):
+                stream.push(piece)
+                ids += stream.take()[0]
+                takes += 1
+                ready = k if ready is None and len(ids) >= needed else ready
+            stream.end()
+            ids += stream.take()[0]
+            ready_at.append(len(words_of(sentence)) - 1 if ready is None else ready)
+            got = "".join(SYMBOLS[i] for i in ids)
+            whole = "".join(u for s in text_to_sentences(sentence) for u in s)
+            same, edits, total = same + (got == whole), edits + Levenshtein.distance(got, whole), total + len(whole)
+        report[str(lookahead)] = {
+            "identical_sentences": same, "sentences": len(sentences), "unit_edit_rate": round(edits / total, 5),
+            "take_ms": round(1000 * (time.perf_counter() - started) / takes, 3),
+            "text_ready_ms": {str(r): percentiles([1000 * k / r for k in ready_at]) for r in rates}}
+    return report
+
+
+def pauses_report(engine, lengths_ms: list[int]) -> dict:
+    """For <break time=...> between two words: the longest silence inside the utterance (20 ms frames
+    40 dB under the peak) and the ASR's WER against the words (no babble in the pause), 3 seeds each."""
+    report = {}
+    words = "Take the left road and then stop."
+    for ms in [0, *lengths_ms]:
+        text = words.replace("road ", f'road <break time="{ms}ms"/> ') if ms else words
+        gaps, wers = [], []
+        for seed in range(3):
+            audio, _ = speak_engine(engine, text, None, None, seed)
+            frames = audio[:len(audio) // 480 * 480].reshape(-1, 480)
+            quiet = 20 * np.log10(np.sqrt((frames ** 2).mean(1)) + 1e-9) < 20 * np.log10(np.abs(audio).max()) - 40
+            run = best = 0
+            for q in quiet[5:-5]:  # inside the utterance
+                run = run + 1 if q else 0
+                best = max(best, run)
+            gaps.append(best * 20)
+            wers.append(round(wer(words, transcribe(audio, SAMPLE_RATE)), 3))
+        report[str(ms)] = {"longest_silence_ms": gaps, "wer": wers}
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=int, default=50)
+    parser.add_argument("--rates", nargs="+", default=["5", "10", "20", "1.2x"])
+    parser.add_argument("--lookahead", nargs="+", default=[None], help="words; 'auto'; default: the engine's")
+    parser.add_argument("--server", action="store_true", help="through the real server on loopback")
+    parser.add_argument("--units", action="store_true", help="no model: units word by word against whole")
+    parser.add_argument("--pauses", action="store_true", help="silence a <break> gives, per length")
+    parser.add_argument("--no-dnsmos", action="store_true")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    lookaheads = [None if a in (None, "default") else a if a == "auto" else int(a) for a in args.lookahead]
+    if args.quick:
+        args.n, args.rates, args.no_dnsmos = 8, ["10"], True
+    sentences = harvard(args.n)
+    if args.units:
+        rates = [float(r) for r in args.rates if r != "1.2x"]
+        print(json.dumps(units_report(harvard(max(args.n, 200)), lookaheads if lookaheads != [None] else
+                                      [0, 1, 2, "auto"], rates), indent=1))
+        return
+    from tts.api import get_engine
+    engine = get_engine(compile=True)  # as `tts serve` runs it
+    if args.pauses:
+        print(json.dumps(pauses_report(engine, [250, 500, 1000, 2000]), indent=1))
+        return
+    score = Scorer(not args.no_dnsmos)
+    speak_engine(engine, sentences[0], 10, None, 0)  # warm-up, not counted
+    report = {"sentences": "harvard", "path": "server" if args.server else "engine"}
+    if args.server:
+        from server import ServerThread
+        with ServerThread(engine) as server:
+            report.update(measure(lambda s, r, _, k: speak_server(server.ws_url, s, r), sentences, args.rates,
+                                  [None], score))
+    else:
+        report.update(measure(lambda s, r, lookahead, k: speak_engine(engine, s, r, lookahead, k), sentences,
+                              args.rates, lookaheads, score))
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Decode-step implementations side by side on the shipped model. One JSON object.
+
+    python -m bench.steps                  # every kind, batch 1 2 4 8, one thread (the engine's share of 2 cores)
+    python -m bench.steps --quick          # fewer steps, no inductor compile
+    python -m bench.steps --threads 4      # more intra-op threads, where the machine has the cores
+
+For each kind and batch size: step time p50/p99 (wall clock and the thread's CPU time, which is less
+disturbed by other processes on a shared machine) after warm-up, with full rings and every slot active;
+kinds are interleaved in rounds so that load from other processes falls on all of them alike. Build
+times are taken in fresh processes: ``cold`` with an empty cache directory, ``warm`` with the one the
+cold build left, and ``rss_mb`` is what the build added to the process. ``max_abs_logit_diff`` compares
+each kind's logits with the eager ``decode_step``'s on the same inputs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+KINDS = ("eager", "lean", "onnxruntime", "compiled")  # also "aot_inductor", on request: minutes to build
+
+
+def aot_inductor_factory(model):
+    """`LeanStep` compiled ahead of time by AOTInductor, one package per batch size, cached beside the ONNX
+    steps. Benchmark only: here it was slower than ONNX Runtime and took minutes per batch size to build."""
+    from kernels import ort
+    from kernels.lean import lean_module, ring_tensors, write_rings
+
+    def make(model, caches, batch, device):
+        path = ort.cache_dir() / f"aot-b{batch}-{ort.onnx_path(model).stem}.pt2"
+        args = (*step_inputs(model.cfg, batch, 0), caches.text[0].positions, caches.audio[0].positions,
+                *ring_tensors(caches))
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            program = torch.export.export(lean_module(model), args, strict=False)
+            torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+        runner = torch._inductor.aoti_load_package(str(path))
+
+        def step(model, caches, tokens, frame, unit, active):
+            logits, *writes = runner(tokens, frame, unit, active, caches.text[0].positions,
+                                     caches.audio[0].positions, *ring_tensors(caches))
+            write_rings(caches, *writes)
+            return logits
+        return step
+    return make
+
+
+def factory(kind: str, model):
+    """A step factory for ``kind``, built (and, for onnxruntime, exported) now."""
+    from streaming.decode import decode_step
+    if kind == "eager":
+        return lambda model, caches, batch, device: decode_step
+    if kind == "lean":
+        from kernels.lean import lean_factory
+        return lean_factory
+    if kind == "onnxruntime":
+        from kernels import ort
+        path = ort.load(model)
+        if path is None:
+            path = ort.onnx_path(model)
+            ort.export(model, path)
+        return ort.factory(path)
+    if kind == "compiled":
+        from kernels.compiled import CompiledStep
+        return CompiledStep
+    if kind == "aot_inductor":
+        return aot_inductor_factory(model)
+    raise ValueError(kind)
+
+
+def full_caches(cfg, batch: int, seed: int = 0):
+    """Caches as in steady speech: every ring slot holds a visible position, keys and values random."""
+    from streaming.decode import StepCaches
+    caches = StepCaches.empty(cfg, batch)
+    g = torch.Generator().manual_seed(seed)
+    for tensor in [t for pair in caches.sinks for t in pair] + [t for r in caches.text + caches.audio
+                                                                for t in (r.keys, r.values)]:
+        tensor.copy_(torch.randn(tensor.shape, generator=g) * 0.5)
+    caches.audio[0].positions.copy_(torch.arange(1000 - caches.audio[0].capacity, 1000).expand(batch, -1))
+    caches.text[0].positions.copy_(torch.arange(330, 330 + caches.text[0].capacity).expand(batch, -1))
+    return caches
+
+
+def step_inputs(cfg, batch: int, frame: int):
+    tokens = torch.randint(0, cfg.codebook_size, (batch, cfg.codebooks), generator=torch.Generator().manual_seed(1))
+    frames = torch.full((batch,), frame)
+    return tokens, frames, frames // 3, torch.ones(batch, dtype=torch.bool)
+
+
+def time_steps(model, kinds: dict, batch: int, rounds: int, per_round: int) -> dict:
+    """Interleaved rounds of ``per_round`` steps per kind (after 20 warm-up steps each)."""
+    cfg = model.cfg
+    state = {kind: [full_caches(cfg, batch), 1000] for kind in kinds}
+    steps = {kind: make(model, state[kind][0], batch, "cpu") for kind, make in kinds.items()}
+    wall = {kind: [] for kind in kinds}
+    cpu = {kind: [] for kind in kinds}
+    for round_ in range(rounds + 1):
+        for kind, step in steps.items():
+            caches, frame = state[kind]
+            for i in range(per_round if round_ else 20):
+                inputs = step_inputs(cfg, batch, frame + i)
+                start_wall, start_cpu = time.perf_counter(), time.thread_time()
+                step(model, caches, *inputs)
+                if round_:
+                    cpu[kind].append((time.thread_time() - start_cpu) * 1000)
+                    wall[kind].append((time.perf_counter() - start_wall) * 1000)
+            state[kind][1] = frame + per_round
+    summary = {}
+    for kind in kinds:
+        w, c = np.asarray(wall[kind]), np.asarray(cpu[kind])
+        summary[kind] = {"p50": round(float(np.percentile(w, 50)), 3), "p99": round(float(np.percentile(w, 99)), 3),
+                         "cpu_p50": round(float(np.percentile(c, 50)), 3),
+                         "cpu_p99": round(float(np.percentile(c, 99)), 3)}
+    return summary
+
+
+def logit_diff(model, kinds: dict, batch: int = 2, steps: int = 30) -> dict:
+    from streaming.decode import decode_step
+    cfg = model.cfg
+    out = {}
+    for kind, make in kinds.items():
+        caches, ref = full_caches(cfg, batch), full_caches(cfg, batch)
+        step, worst = make(model, caches, batch, "cpu"), 0.0
+        for i in range(steps):
+            inputs = step_inputs(cfg, batch, 1000 + i)
+            want = decode_step(model, ref, *inputs)
+            worst = max(worst, float((step(model, caches, *inputs) - want).abs().max()))
+        out[kind] = worst
+    return out
+
+
+def build_in_fresh_process(kind: str, cache: str, threads: int) -> dict:
+    env = dict(os.environ, TTS_CACHE_DIR=cache, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))
+    done = subprocess.run([sys.executable, "-m", "bench.steps", "--build-only", kind, "--threads", str(threads)],
+                          env=env, capture_output=True, text=True)
+    if done.returncode:
+        return {"error": done.stderr.strip().splitlines()[-1:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def build_only(kind: str) -> None:
+    """Load the model, then time building ``kind``'s step for batch 1 (what a process pays before its first step)."""
+    import psutil
+    from tts.model import load_model
+    from tts.voices import VOICES_DIR
+    model, _ = load_model(VOICES_DIR)
+    rss = psutil.Process().memory_info().rss
+    start = time.perf_counter()
+    make = factory(kind, model)
+    step = make(model, full_caches(model.cfg, 1), 1, "cpu")  # held: the lean step's weights live as long as it
+    print(json.dumps({"build_s": round(time.perf_counter() - start, 2),
+                      "rss_mb": round((psutil.Process().memory_info().rss - rss) / 2**20, 1)}))
+    del step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 2, 4, 8])
+    parser.add_argument("--kinds", nargs="*", default=None, help=f"default: {' '.join(KINDS)} (--quick: no compiled)")
+    parser.add_argument("--build-only", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    torch.set_grad_enabled(False)
+    if args.build_only:
+        return build_only(args.build_only)
+    kinds = args.kinds or [k for k in KINDS if not (args.quick and k == "compiled")]
+    builds = {}
+    with tempfile.TemporaryDirectory() as cache:
+        for kind in kinds:
+            builds[kind] = {"cold": build_in_fresh_process(kind, cache, args.threads),
+                            "warm": build_in_fresh_process(kind, cache, args.threads)}
+    from tts.model import load_model
+    from tts.voices import VOICES_DIR
+    model, _ = load_model(VOICES_DIR)
+    made = {kind: factory(kind, model) for kind in kinds}
+    load_before = os.getloadavg()[0]
+    rounds, per_round = (3, 50) if args.quick else (6, 100)
+    timings = {str(b): time_steps(model, made, b, rounds, per_round) for b in args.batches}
+    result = {"threads": args.threads, "cores": os.cpu_count(), "torch": torch.__version__,
+              "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+              "step_ms": {kind: {b: timings[b][kind] for b in timings} for kind in kinds},
+              "build": builds, "max_abs_logit_diff": logit_diff(model, made)}
+    try:
+        import onnxruntime
+        result["onnxruntime"] = onnxruntime.__version__
+    except ImportError:
+        pass
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""The decode step run by ONNX Runtime, exported once per model and kept in a disk cache.
+
+`kernels.lean.LeanStep` is exported to ONNX (batch size left dynamic, so one file serves every bucket of
+slots) and run on ONNX Runtime's CPU provider: its per-node overhead is a few microseconds where eager
+PyTorch's is tens, so the step costs about what its matrix products cost. The ring caches are bound
+in place with IOBinding (ONNX Runtime reads the torch tensors' memory: no copies); the few keys and values
+a step writes come back in small output buffers and `kernels.lean.write_rings` stores them.
+
+Cache: ``$TTS_CACHE_DIR`` (default ``~/.cache/tts``) ``/kernels/step-<key>.onnx``, the key hashing the
+weights, the model config, this step's source, and the torch and onnxruntime versions. A file that
+does not load is deleted and rebuilt. Exporting takes a few seconds (TorchScript exporter; the dynamo
+exporter took 18-60 s here for the same graph), so `kernels.auto` runs it in a background process.
+Kill switch: TTS_NO_ORT=1.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kernels import enabled
+from kernels import lean
+from kernels.lean import lean_module, ring_tensors, write_rings
+from streaming.decode import StepCaches
+from tts.model import TTSModel
+
+INPUTS = ["tokens", "frame", "unit", "active", "text_pos", "audio_pos"]
+OUTPUTS = ["logits", "new_keys", "new_values", "new_pos", "slot"]
+_NUMPY = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_}
+_sessions: dict[Path, object] = {}
+_keys: "weakref.WeakKeyDictionary[TTSModel, str]" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def available() -> bool:
+    """ONNX Runtime and the ONNX exporter's dependency are installed and TTS_NO_ORT is not set."""
+    return enabled("ort") and all(importlib.util.find_spec(m) for m in ("onnxruntime", "onnx"))
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TTS_CACHE_DIR") or Path.home() / ".cache" / "tts"
+    return Path(root) / "kernels"
+
+
+def onnx_path(model: TTSModel) -> Path:
+    """Where the export of ``model``'s step lives. The key changes with the weights, the config, the
+    graph's source, torch (the exporter) and onnxruntime (the runner). Computed once per model (hashing
+    the shipped model's 46 MB takes about 0.1 s)."""
+    import onnxruntime
+    if model not in _keys:
+        weights = hashlib.sha256()
+        for name, tensor in model.state_dict().items():
+            weights.update(name.encode())
+            weights.update(tensor.detach().cpu().contiguous().numpy())
+        key = "\n".join([weights.hexdigest(), repr(model.cfg), inspect.getsource(lean), torch.__version__,
+                         onnxruntime.__version__])
+        _keys[model] = hashlib.sha256(key.encode()).hexdigest()[:24]
+    return cache_dir() / f"step-{_keys[model]}.onnx"
+
+
+def _names(layers: int) -> list[str]:
+    rings = ("sink_k", "sink_v", "text_k", "text_v", "audio_k", "audio_v")
+    return INPUTS + [f"{name}{i}" for i in range(layers) for name in rings]
+
+
+def export(model: TTSModel, path: Path) -> None:
+    """Write ``model``'s `LeanStep` as ONNX to ``path`` atomically (a temporary file, then a rename)."""
+    module = lean_module(model)
+    cfg, batch = model.cfg, 2
+    caches = StepCaches.empty(cfg, batch)
+    zeros = torch.zeros(batch, dtype=torch.long)
+    args = (torch.zeros(batch, cfg.codebooks, dtype=torch.long), zeros, zeros.clone(),
+            torch.zeros(batch, dtype=torch.bool), caches.text[0].positions, caches.audio[0].positions,
+            *ring_tensors(caches))
+    names = _names(cfg.layers)
+    axes = {name: {0: "batch"} for name in names + ["logits", "new_pos", "slot"]}
+    axes.update(new_keys={1: "batch"}, new_values={1: "batch"})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".onnx.tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")  # the exporter's notes on advanced indexing and deprecation
+            torch.onnx.export(module, args, tmp, dynamo=False, input_names=names, output_names=OUTPUTS,
+                              dynamic_axes=axes, opset_version=17)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def export_in_background_process(model: TTSModel, path: Path) -> None:
+    """Export in a child process at low priority: the export is seconds of Python that would otherwise
+    hold this process's GIL and stall the engine thread. Raises if the child fails."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, saved = tempfile.mkstemp(suffix=".pt.tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save(model, saved)
+        done = subprocess.run([sys.executable, "-m", "kernels.ort", saved, str(path)], capture_output=True,
+                              text=True, cwd=Path(__file__).resolve().parent.parent)
+        if done.returncode:
+            raise RuntimeError(f"ONNX export failed: {done.stderr.strip()[-2000:]}")
+    finally:
+        Path(saved).unlink(missing_ok=True)
+
+
+def session(path: Path):
+    """The ONNX Runtime session of ``path``, created once per process; one intra-op thread per torch
+    thread (the engine gives the step half the cores and the codec worker the rest). Raises if the file
+    does not load (corrupted or truncated)."""
+    import onnxruntime as ort
+    with _lock:
+        if path not in _sessions:
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = torch.get_num_threads()
+            options.inter_op_num_threads = 1
+            options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # leave idle cores to the codec
+            options.log_severity_level = 3
+            _sessions[path] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        return _sessions[path]
+
+
+def load(model: TTSModel) -> Path | None:
+    """The cached export of ``model`` if one exists and loads; a file that does not load is deleted."""
+    path = onnx_path(model)
+    if not path.exists():
+        return None
+    try:
+        session(path)
+        return path
+    except Exception as err:
+        warnings.warn(f"cached ONNX step {path} does not load, rebuilding it: {err}")
+        path.unlink(missing_ok=True)
+        return None
+
+
+class OrtStep:
+    """`decode_step` run by ONNX Runtime over ``caches`` bound in place. Inputs are copied into fixed
+    buffers (tens of bytes); logits come back in one fixed (B, K, N) buffer, valid until the next call."""
+    kind = "onnxruntime"
+
+    def __init__(self, model: TTSModel, caches: StepCaches, batch: int, path: Path):
+        cfg = model.cfg
+        self.session = session(path)
+        self.inputs = [torch.zeros(batch, cfg.codebooks, dtype=torch.long), torch.zeros(batch, dtype=torch.long),
+                       torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.bool)]
+        rows = (cfg.layers, batch, cfg.heads, cfg.head_dim)
+        self.outputs = [torch.zeros(batch, cfg.codebooks, cfg.codebook_size), torch.zeros(rows),
+                        torch.zeros(rows), torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long)]
+        self.binding, self.bound = self.session.io_binding(), []
+        for name, tensor in zip(OUTPUTS, self.outputs):
+            self._bind(self.binding.bind_output, name, tensor)
+        for name, tensor in zip(INPUTS, self.inputs):
+            self._bind(self.binding.bind_input, name, tensor)
+        self._bind_caches(caches)
+
+    def _bind(self, bind, name: str, tensor: torch.Tensor) -> None:
+        if not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise ValueError(f"{name}: ONNX Runtime binds contiguous CPU tensors only")
+        bind(name, "cpu", 0, _NUMPY[tensor.dtype], tuple(tensor.shape), tensor.data_ptr())
+
+    def _bind_caches(self, caches: StepCaches) -> None:
+        """Bind the caches' memory, unless it is already bound: the engine may pass a new view object of
+        the same storage every tick, and rebinding all 2 + 6 * layers tensors costs more than checking."""
+        tensors = [caches.text[0].positions, caches.audio[0].positions] + ring_tensors(caches)
+        where = [(t.data_ptr(), t.shape) for t in tensors]
+        if where == self.bound:
+            return
+        for name, tensor in zip(_names(len(caches.audio))[len(self.inputs):], tensors):
+            self._bind(self.binding.bind_input, name, tensor)
+        self.bound = where
+
+    def __call__(self, model, caches, tokens, frame, unit, active) -> torch.Tensor:
+        self._bind_caches(caches)
+        for buffer, value in zip(self.inputs, (tokens, frame, unit, active)):
+            buffer.copy_(value)
+        self.session.run_with_iobinding(self.binding)
+        write_rings(caches, *self.outputs[1:])
+        return self.outputs[0]
+
+
+def factory(path: Path):
+    """A step factory over the export at ``path`` (cheap to call: the session is shared)."""
+    def build(model, caches, batch, device):
+        return OrtStep(model, caches, batch, path)
+    build.kind = OrtStep.kind
+    return build
+
+
+if __name__ == "__main__":  # the background export: python -m kernels.ort MODEL.pt OUT.onnx
+    os.nice(10)  # behind the engine and the codec, which are serving meanwhile
+    torch.set_num_threads(1)
+    saved_model = torch.load(sys.argv[1], weights_only=False)
+    os.unlink(sys.argv[1])  # ours now: if the parent has exited meanwhile, nothing is left behind
+    export(saved_model, Path(sys.argv[2]))

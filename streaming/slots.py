@@ -1,0 +1,161 @@
+"""The batch of slots as device tensors: one row per slot, changed only by masked, batched ops.
+
+Next to `StepCaches` (what the model attends to), `Slots` holds what the engine knows of each slot's stream:
+its step, tokens and delay-pattern history, how many units are encoded and how many frames they span, each
+text-ring entry's frames, the chunk schedule, sampling temperature and seed. A tick reads and updates all of
+it in a fixed number of tensor ops, whatever the number of slots; the host sees one small `meta` table per
+tick.
+
+**Text ring.** Units are encoded ahead and written into the text ring (capacity R) once, at slot
+``unit % R``, with the unit's first frame and its end frame kept beside the entry (``unit_start``,
+``unit_end``). A step at unit ``p`` attends to units ``p - behind .. p + ahead`` (the mask), so writing unit
+``u`` is safe once no future step reads unit ``u - R``, i.e. while ``u < p + R - behind``
+(`encode_limit`). Worked example, R = 32, behind = 3: at unit p = 10 the oldest unit still read is 7, in
+ring slot 7; units up to 38 may be written (38 -> slot 6, which held unit 6, no longer read); unit 39 would
+overwrite unit 7, so the limit is ``p + R - behind = 39`` (exclusive).
+
+**Aligned unit.** The unit of frame ``f`` is the ring entry with ``unit_start <= f < unit_end``: the
+largest unit with a frame at or before ``f`` (zero-frame units own no frame). Past the last scheduled
+frame (the delay-pattern tail) it is the last frame's unit. Example: entries units [4, 5, 6] with frames
+[10, 13), [13, 13), [13, 15): frame 12 -> unit 4, frame 13 -> unit 6 (unit 5 has no frames), and with
+15 frames known, step 17 (tail) -> frame 14 -> unit 6.
+
+**Delay pattern.** Codebook k of frame f comes out at step f + k (`tts.delay`), so frame f is complete at
+step f + K - 1, and its codes are in the history ring of the last K steps at columns (f + k) % K.
+Example, K = 4: at step 9 frame 6 completes; its codebooks 0..3 came out at steps 6, 7, 8, 9, in history
+columns 2, 3, 0, 1.
+
+**Chunk schedule.** Completed frames wait in ``pending`` until a chunk is due: ``schedule[slot, chunks]``
+frames (the last entry repeats), or whatever is left when the utterance is done. Example, (2, 4, 8, 16, 16):
+a stream's chunks hold frames 0-1, 2-5, 6-13, 14-29, 30-45, ..., and the tail. With ``stagger`` the fourth
+chunk of slot s is ``16 - s % 8`` frames, so streams that started in the same tick hand out their 16-frame
+chunks in 8 different ticks, not all in one: slot 3's chunks hold frames 0-1, 2-5, 6-13, 14-26, 27-42, ...
+"""
+from __future__ import annotations
+
+import torch
+
+from streaming.sampling import stream_key
+from tts.model import ModelConfig
+
+# Frames per codec decode: small first chunks for a fast first sound, then 320 ms. On 2 CPU cores the
+# decoder's fixed cost per call (short convolutions, the LSTM's per-call setup) makes 8-frame chunks cost
+# about 1.4 times as much per second of audio as 16-frame ones (`python -m bench.codec --quick`).
+CHUNK_SCHEDULE = (2, 4, 8, 16)
+NEVER = 1 << 40
+# Columns of the per-tick table the host reads (`Slots.advance`).
+META = ("unit", "ready", "completed", "pending", "due", "done")
+
+
+class Slots:
+    def __init__(self, cfg: ModelConfig, batch: int, ring: int, device=None, stagger: bool = False):
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+        books = cfg.codebooks
+        self.batch, self.ring, self.books, self.empty = batch, ring, books, cfg.codebook_size
+        self.behind, self.ahead = cfg.behind, cfg.ahead
+        self.codebook = torch.arange(books, device=device)  # (K,)
+        schedule = torch.tensor([*CHUNK_SCHEDULE, CHUNK_SCHEDULE[-1]], device=device).repeat(batch, 1)  # (B, S)
+        if stagger:
+            schedule[:, len(CHUNK_SCHEDULE) - 1] -= torch.arange(batch, device=device) % 8
+        self.schedule = schedule
+        self.live, self.paused, self.closed, self.ended = (zeros(batch, dtype=torch.bool) for _ in range(4))
+        self.step, self.frames, self.encoded, self.pending, self.chunks = (zeros(batch) for _ in range(5))
+        self.key = zeros(batch)  # each stream's sampling-noise key (`streaming.sampling.stream_key` of its seed)
+        self.temperature = torch.ones(batch, 1, 1, device=device)  # (B, 1, 1)
+        self.tokens = torch.full((batch, books), self.empty, dtype=torch.long, device=device)  # (B, K) last step's
+        self.history = zeros(batch, books, books)  # (B, K, K): codebook k of the last K steps, column step % K
+        self.unit_start, self.unit_end = zeros(batch, ring), zeros(batch, ring)  # (B, R) frames of each entry
+        self.codes = zeros(batch, books, max(CHUNK_SCHEDULE))  # (B, K, C) completed frames awaiting the codec
+
+    def reset(self, mask: torch.Tensor) -> None:
+        """Rows where ``mask`` (B,) is true return to an empty, idle slot (not live)."""
+        for flag in (self.live, self.paused, self.closed, self.ended):
+            flag.masked_fill_(mask, False)
+        for count in (self.step, self.frames, self.encoded, self.pending, self.chunks):
+            count.masked_fill_(mask, 0)
+        self.tokens.masked_fill_(mask[:, None], self.empty)
+        self.history.masked_fill_(mask[:, None, None], 0)
+
+    def start(self, rows: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+        """Fresh streams in ``rows`` (M,) with their seeds (M,) and temperatures (M,). Returns the (B,) mask."""
+        mask = torch.zeros(self.batch, dtype=torch.bool, device=rows.device)
+        mask[rows] = True
+        self.reset(mask)
+        self.live[rows] = True
+        self.key[rows] = stream_key(seeds)
+        self.temperature[rows, 0, 0] = temperatures
+        return mask
+
+    def encode_limit(self, unit: torch.Tensor | int) -> torch.Tensor | int:
+        """Units below this may be written into the ring while the slot is at ``unit`` (module docstring)."""
+        return unit + self.ring - self.behind
+
+    def add_units(self, rows: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, start: torch.Tensor,
+                  end: torch.Tensor) -> None:
+        """Record encoded units: ``positions`` (M, E) unit indices (distinct modulo R) of the slots ``rows`` (M,),
+        ``keep`` (M, E) which are real, ``start``/``end`` (M, E) their frames. The units' keys and values go
+        into the text ring by `StepCaches.write_text` at the same ring slots."""
+        at = positions % self.ring
+        batch = rows[:, None].expand_as(at)
+        self.unit_start[batch, at] = torch.where(keep, start, self.unit_start[batch, at])
+        self.unit_end[batch, at] = torch.where(keep, end, self.unit_end[batch, at])
+        self.encoded[rows] = torch.where(keep, positions + 1, 0).amax(1)
+        self.frames[rows] = torch.where(keep, end, 0).amax(1)
+
+    def plan(self, n: int, ring_units: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` slots' aligned units (n,) (-1: no frame yet) and which may step now (n,) bool.
+        ``ring_units`` (n, R): the unit index in each text-ring entry (-1 empty), i.e. the text ring's positions.
+        A slot steps when live, not paused, not finished, its frame is scheduled (or the text has ended) and
+        the units it attends to are encoded (or nothing more will come before them: closed or ended)."""
+        s = slice(0, n)
+        step, frames, ended = self.step[s], self.frames[s], self.ended[s]
+        frame = torch.minimum(step, (frames - 1).clamp(min=0))[:, None]  # (n, 1)
+        owns = (ring_units >= 0) & (self.unit_start[s] <= frame) & (self.unit_end[s] > self.unit_start[s])
+        unit = torch.where(owns, ring_units, -1).amax(1)  # (n,)
+        total = self.total_steps(s)
+        text_ready = ended | self.closed[s] | (unit + self.ahead < self.encoded[s])
+        ready = (self.live[s] & ~self.paused[s] & (step < total) & (ended | (step < frames)) & text_ready
+                 & (unit >= 0))
+        return unit, ready
+
+    def total_steps(self, s: slice) -> torch.Tensor:
+        """Steps of each utterance once its text has ended (frames + K - 1; 0 for none), else NEVER."""
+        frames = self.frames[s]
+        return torch.where(self.ended[s], torch.where(frames > 0, frames + self.books - 1, 0), NEVER)
+
+    def advance(self, sampled: torch.Tensor, ready: torch.Tensor, unit: torch.Tensor,
+                keep_codes: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """After a step of the first n slots: take the ``sampled`` tokens (n, K) of the ``ready`` (n,) rows,
+        update the delay-pattern history, collect each completed frame's codes (into ``codes`` at
+        ``pending`` if ``keep_codes``) and run the chunk schedule. Returns the host's table (n, len(META))
+        long, taken before due chunks are cleared, and the codes (n, K) of the frame each row completed."""
+        n, books = ready.shape[0], self.books
+        s = slice(0, n)
+        step, frames, ended = self.step[s], self.frames[s], self.ended[s]
+        frame_of = step[:, None] - self.codebook  # (n, K): codebook k of this step belongs to frame step - k
+        limit = torch.where(ended, frames, NEVER)[:, None]
+        tokens = torch.where((frame_of >= 0) & (frame_of < limit), sampled, self.empty)
+        self.tokens[s] = torch.where(ready[:, None], tokens, self.tokens[s])
+        history = self.history[s]
+        column = (step % books)[:, None, None].expand(-1, books, 1)  # (n, K, 1)
+        history.scatter_(2, column, torch.where(ready[:, None, None], tokens[:, :, None], history.gather(2, column)))
+        done_frame = step - (books - 1)
+        completed = ready & (done_frame >= 0) & (done_frame < frames)
+        columns = ((done_frame[:, None] + self.codebook) % books)[:, :, None]  # (n, K, 1)
+        codes = history.gather(2, columns)[:, :, 0]  # (n, K)
+        step += ready
+        pending = self.pending[s]
+        if keep_codes:
+            at = pending.clamp(max=self.codes.shape[2] - 1)[:, None, None].expand(-1, books, 1)
+            held = self.codes[s]
+            held.scatter_(2, at, torch.where(completed[:, None, None], codes[:, :, None], held.gather(2, at)))
+        pending += completed
+        done = self.live[s] & ended & (step >= self.total_steps(s))
+        chunks = self.chunks[s]
+        size = self.schedule[s].gather(1, chunks.clamp(max=self.schedule.shape[1] - 1)[:, None])[:, 0]
+        due = (pending >= size) | (done & (pending > 0))
+        meta = torch.stack([unit, ready.long(), completed.long(), pending, due.long(), done.long()], 1)
+        pending.masked_fill_(due, 0)
+        chunks += due
+        return meta, codes

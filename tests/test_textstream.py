@@ -1,0 +1,198 @@
+"""Incremental text: words spoken as they arrive, the same units as whole sentences, holds, sentence ends,
+flush/end, markup split across pieces, word timings."""
+import pytest
+
+from streaming.textstream import PARTIAL_WORDS, TextStream
+from tts.text import SYMBOLS, TextError, text_to_sentences
+
+SENTENCES = [
+    "The birch canoe slid on the smooth planks.",
+    "Dr. Smith paid $5 million on March 4, 2024 in the apple store. Then he left!",
+    "It's easy to tell the depth of a well, isn't it? Yes: over the fence and into the river.",
+    "St. Mark St. is 3.5 km away; e.g. about 10 min by car at 9:30 am.",
+]
+
+
+def spell(ids):
+    return "".join(SYMBOLS[i] for i in ids)
+
+
+def word_by_word(text, lookahead, pieces=None):
+    stream, taken = TextStream(lookahead_words=lookahead), []
+    for piece in pieces or [w + " " for w in text.split()]:
+        stream.push(piece)
+        taken.append(spell(stream.take()[0]))
+    stream.end()
+    units, closed = stream.take()
+    assert closed and stream.ended
+    return taken + [spell(units)]
+
+
+def whole(text):
+    return "".join(u for s in text_to_sentences(text) for u in s)
+
+
+@pytest.mark.parametrize("lookahead", [1, 2, "auto"])
+@pytest.mark.parametrize("text", SENTENCES)
+def test_word_by_word_equals_whole(text, lookahead):
+    assert "".join(word_by_word(text, lookahead)) == whole(text)
+
+
+@pytest.mark.parametrize("text", SENTENCES)
+def test_no_lookahead_differs_at_most_by_stress_and_linking_sounds(text):
+    from rapidfuzz.distance import Levenshtein
+    got, want = "".join(word_by_word(text, 0)), whole(text)
+    plain = str.maketrans("", "", "ʲɹˈˌ")
+    assert got.translate(plain) == want.translate(plain)
+    assert Levenshtein.distance(got, want) <= 0.02 * len(want)
+
+
+def test_llm_pieces_speak_only_complete_words():
+    pieces = ["The", " bi", "rch", " can", "oe", " slid", " on", " the", " smooth", " planks", "."]
+    taken = word_by_word(None, 1, pieces)
+    assert taken[:3] == ["", "", ""]  # "The" is complete only once " bi" arrives, and then waits for one word
+    assert taken[3] == "^ðə"
+    assert "".join(taken) == whole("The birch canoe slid on the smooth planks.")
+
+
+def test_lookahead_zero_speaks_a_content_word_at_once_and_holds_what_the_next_word_changes():
+    stream = TextStream(lookahead_words=0)
+    stream.push("Birds ")
+    assert spell(stream.take()[0]) == "^bˈɜːdz"
+    for piece in ["paid ", "$5 "]:  # "$5" may be "$5 million": it waits for the next word
+        stream.push(piece)
+    assert spell(stream.take()[0]) == " pˈeɪd"
+    stream.push("million ")
+    assert spell(stream.take()[0]) == " fˈaɪv mˈɪliən dˈɑːlɚz"
+    stream.push("the ")  # "the" waits for its next word ("the apple": ðɪ)
+    assert stream.take() == ([], False)
+    stream.push("apple ")
+    assert spell(stream.take()[0]).startswith(" ðɪ")
+
+
+def test_sentence_end_comes_with_the_next_word_or_the_end():
+    stream = TextStream(lookahead_words=0)
+    stream.push("I met Dr. ")
+    assert "$" not in spell(stream.take()[0])  # "Dr." may end the sentence or be a title: it waits
+    stream.push("Li. ")
+    assert "dˈɑːktɚ" in spell(stream.take()[0])
+    stream.push("Then ")
+    assert spell(stream.take()[0]).endswith(".$^ðˈɛn")
+
+
+def test_auto_waits_for_sentence_ends_or_twelve_words():
+    stream = TextStream(lookahead_words="auto")
+    stream.push("Hello the")
+    assert stream.take() == ([], False)
+    stream.push("re. How are")
+    units, closed = stream.take()
+    assert spell(units).startswith("^") and spell(units).endswith(".$") and not closed
+    stream = TextStream(lookahead_words="auto")
+    stream.push(" ".join(["word"] * (PARTIAL_WORDS + 8)))
+    first, _ = stream.take()
+    assert first and spell(first)[0] == "^" and spell(first)[-1] != "$"
+    stream.flush()
+    rest, closed = stream.take()
+    assert spell(rest)[0] == " " and spell(rest)[-1] == "$" and closed
+    assert spell(first + rest) == whole(" ".join(["word"] * (PARTIAL_WORDS + 8)))
+
+
+def test_flush_closes_the_open_sentence_and_the_stream_goes_on():
+    stream = TextStream()
+    stream.push("Hold on")
+    stream.flush()
+    units, closed = stream.take()
+    assert spell(units) == whole("Hold on") and closed and not stream.ended
+    stream.push("Next one.")
+    stream.end()
+    units, closed = stream.take()
+    assert spell(units) == whole("Next one.") and closed and stream.ended
+
+
+def test_take_without_new_text_is_empty():
+    stream = TextStream()
+    stream.push("Some words here ")
+    assert stream.pending and stream.take()[0]
+    assert not stream.pending and stream.take() == ([], False)
+
+
+def test_markup_split_across_pieces_waits_until_closed():
+    stream = TextStream(lookahead_words=1)
+    for piece in ["Say ", "<break ti", 'me="500ms"/> ', "hi ", "there "]:
+        stream.push(piece)
+        stream.take()
+    stream.end()
+    stream.take()
+    assert stream.ended
+    pieces = word_by_word(None, 1, ["Say ", "<break ti", 'me="500ms"/> ', "hi ", "[[h ə", " l ˈoʊ]] ", "there."])
+    assert "".join(pieces) == whole('Say <break time="500ms"/> hi [[h ə l ˈoʊ]] there.')
+
+
+def test_bad_markup_is_a_text_error_at_take():
+    stream = TextStream()
+    stream.push("[[QQ]] and more")
+    stream.end()
+    with pytest.raises(TextError):
+        stream.take()
+
+
+@pytest.mark.parametrize("bad", [-1, 33, 1.5, "two", True])
+def test_lookahead_must_be_words_or_auto(bad):
+    with pytest.raises(ValueError):
+        TextStream(lookahead_words=bad)
+
+
+def test_text_limit():
+    stream = TextStream(max_chars=10)
+    stream.push("short")
+    with pytest.raises(TextError):
+        stream.push("this is too long")
+    with pytest.raises(TextError):
+        stream.push(b"bytes")
+
+
+def test_word_timings_refer_to_what_was_written():
+    stream, taken = TextStream(lookahead_words=1), []
+    for piece in ["Dr. ", "Li ", "paid ", "$3.50 ", "<break/> ", "on ", "3/4/2021."]:
+        stream.push(piece)
+        taken.append(stream.take()[0])
+    stream.end()
+    taken.append(stream.take()[0])
+    words, unit, frame = [], 0, 0
+    for ids in taken:  # schedule each take as it came, every unit 2 frames long, 20 ms frames
+        starts = list(range(frame, frame + 2 * len(ids), 2))
+        words += stream.word_timings(unit, starts, [2] * len(ids), 0.02)
+        unit, frame = unit + len(ids), frame + 2 * len(ids)
+    assert [w["word"] for w in words] == ["Dr.", "Li", "paid", "$3.50", "on", "3/4/2021."]
+    assert all(0 <= w["start"] < w["end"] for w in words)
+    assert all(a["end"] <= b["start"] for a, b in zip(words, words[1:]))
+    money = words[3]  # "three dollars and fifty cents": 5 words of units, ~26 units of 40 ms
+    assert money["end"] - money["start"] > 0.6
+
+
+def test_word_timings_wait_for_all_of_a_words_units():
+    stream = TextStream(lookahead_words=1)
+    stream.push("Hello world ")
+    ids, _ = stream.take()
+    assert spell(ids) == "^həlˈoʊ"
+    half = len(ids) - 2
+    assert stream.word_timings(0, list(range(half)), [1] * half, 0.02) == []
+    assert stream.word_timings(half, [half, half + 1], [1, 1], 0.02) == [{"word": "Hello", "start": 0.02,
+                                                                          "end": 0.14}]
+
+
+def test_a_long_text_reaches_the_engine_a_few_sentences_a_take():
+    from streaming.textstream import TAKE_CHARS
+    text = " ".join(SENTENCES * 12)
+    assert len(text) > 3 * TAKE_CHARS
+    stream = TextStream()
+    stream.push(text)
+    stream.end()
+    first, closed = stream.take()
+    assert first and not closed and len(first) < len(text) / 2
+    taken = [first]
+    assert stream.pending
+    while not stream.ended:
+        units, closed = stream.take()
+        taken.append(units)
+    assert closed and spell([u for ids in taken for u in ids]) == whole(text)
