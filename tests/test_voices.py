@@ -1,7 +1,14 @@
-"""Voice blending: spec parsing beside the voice table, and the model's weighted voice rows."""
+"""Voice blending: spec parsing beside the voice table, the model's weighted voice rows, and blends
+spoken by the engine."""
+import copy
+
+import numpy as np
 import pytest
 import torch
+from helpers import tiny_model_and_codec
 
+from streaming.engine import Engine, SamplingConfig, UnknownVoice
+from tts.api import synthesize
 from tts.model import MODEL_PRESETS, TTSModel
 from tts.voices import blend_preset, voice_mix
 
@@ -36,7 +43,6 @@ def test_one_hot_weights_equal_the_index_path_exactly(model):
 
 def test_a_blend_speaks_as_a_voice_whose_rows_are_the_mix(model):
     """0.6 joe + 0.4 row 2 gives what a model would give whose row 0 held the mixed rows."""
-    import copy
     weights = torch.tensor([[0.6, 0.0, 0.4, 0.0, 0.0]])  # (1, V)
     units = torch.randint(1, 20, (1, 9))
     mixed = copy.deepcopy(model)
@@ -86,3 +92,75 @@ def test_blend_preset_names_the_mix_and_means_its_settings():
 def test_bad_specs_are_refused_with_a_reason(spec, message):
     with pytest.raises(ValueError, match=message):
         voice_mix(spec, PRESETS)
+
+
+GREEDY = SamplingConfig(temperature=0.0)
+TEXT = "Hello there. How are you today?"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    model, codec, voices = tiny_model_and_codec()
+    voices = {**voices, "dusk": {"name": "dusk", "blend": "joe:0.5+rms:0.5", "description": "a named blend"}}
+    return Engine(model, codec, voices, max_streams=3, sampling=GREEDY)
+
+
+def row_holding(model: TTSModel, weights: torch.Tensor, row: int) -> TTSModel:
+    """A copy of ``model`` whose voice row ``row`` holds the mix ``weights`` (V,) of its rows."""
+    mixed = copy.deepcopy(model)
+    with torch.no_grad():
+        for table in (mixed.text.voice.weight, mixed.sinks):
+            table[row] = torch.tensordot(weights, table.clone(), dims=1)
+    return mixed
+
+
+def test_the_engine_speaks_a_blend_as_a_voice_whose_rows_are_the_mix(engine):
+    blended = synthesize(TEXT, voice="joe:0.6+rms:0.4", engine=engine)
+    weights = torch.tensor([0.6, 0.0, 0.4, 0.0, 0.0])
+    reference_engine = Engine(row_holding(engine.model, weights, 0), engine.codec, engine.voices, max_streams=1,
+                              sampling=GREEDY)
+    reference = synthesize(TEXT, voice="joe", engine=reference_engine)
+    reference_engine.close()
+    assert len(blended) == len(reference)
+    np.testing.assert_allclose(blended, reference, atol=1e-4)
+    for voice in ("joe", "rms"):
+        alone = synthesize(TEXT, voice=voice, engine=engine)
+        assert len(alone) != len(blended) or not np.allclose(alone, blended, atol=1e-3)
+
+
+def test_blends_and_voices_share_a_batch(engine):
+    """A blend beside shipped voices in one batch: each stream sounds as it does alone."""
+    voices = ["dusk", "joe:0.5+rms:0.5", "slt"]
+    alone = [synthesize(TEXT, voice=v, engine=engine) for v in voices]
+    streams = [engine.open(v, seed=0) for v in voices]
+    for stream in streams:
+        stream.push_text(TEXT)
+        stream.end()
+    together = []
+    for stream in streams:
+        chunks = []
+        while (chunk := stream.read(timeout=60)) is not None:
+            chunks.append(chunk)
+        together.append(np.concatenate(chunks))
+    for a, b in zip(alone, together):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    np.testing.assert_allclose(alone[0], alone[1], atol=1e-5)  # the named blend is its spec
+    assert [s.voice for s in streams] == ["dusk", "joe:0.5+rms:0.5", "slt"]
+
+
+def test_the_engine_names_a_blend_by_its_normalised_spec_and_computes_its_prefix_once(engine, monkeypatch):
+    calls = []
+    real = engine.model.voice_prefix
+    monkeypatch.setattr(engine.model, "voice_prefix", lambda voice: calls.append(voice.tolist()) or real(voice))
+    stream = engine.open("rms:0.25+joe:0.75")
+    stream.cancel()
+    assert stream.voice == "joe:0.75+rms:0.25"
+    for spelling in ("joe:0.75+rms:0.25", "rms:0.25 + joe:0.75", "joe:0.75+rms:0.25"):
+        synthesize("Hi.", voice=spelling, engine=engine)
+    assert calls == [[[0.75, 0.0, 0.25, 0.0, 0.0]]]
+
+
+@pytest.mark.parametrize("voice", ["bob", "", "joe:0.7+rms:0.7", "joe:0.5+bob:0.5", "joe:abc+rms:1"])
+def test_the_engine_refuses_a_bad_blend_with_unknown_voice(engine, voice):
+    with pytest.raises(UnknownVoice):
+        engine.open(voice)
