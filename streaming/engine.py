@@ -26,7 +26,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -44,6 +44,7 @@ from tts.alignment import predicted_frames, start_frames
 from tts.codec import Codec
 from tts.model import TTSModel
 from tts.text import MAX_TEXT_CHARS, TextError
+from tts.voices import blend_preset
 
 StepFactory = Callable[..., Callable]  # factory(model, caches, batch, device) -> step (see COMMON contracts)
 UNIT, READY, COMPLETED, PENDING, DUE, DONE = range(len(META))
@@ -51,6 +52,7 @@ URGENT_LEAD = 8  # units encoded ahead of a slot's aligned unit below which its 
 ROUTINE_TICKS = 8  # otherwise top-ups wait for every 8th tick, so one text-encoder call serves many slots
 CPU_STREAMS = 8  # default slots on a CPU: a step costs what its active slots cost, so idle slots are free
 GPU_STREAMS_CAP = 1024  # default cap on a GPU; memory would allow far more (`default_max_streams`)
+BLEND_PREFIXES = 64  # blends whose prefix keys/values stay cached (64 KB each for the shipped model)
 
 
 class EngineError(RuntimeError):
@@ -76,7 +78,7 @@ class Utterance:
     """Host side of one live slot; only the engine thread touches it. Unit indices are absolute."""
     stream: Stream
     slot: int
-    voice_id: int
+    voice: dict  # the stream's preset (`Engine.voice_preset`): a shipped voice or a blend
     rate: float  # frames-per-unit divisor: the stream's speed times the voice's pace
     units: list[int] = field(default_factory=list)  # unit ids from absolute index unit_base on
     unit_base: int = 0
@@ -135,6 +137,7 @@ class Engine:
         self.slots = Slots(self.cfg, batch, TEXT_RING, self.device, stagger=self.frame_codec)
         with torch.no_grad():  # prefix caching: every voice's prefix keys/values (V, H, S, D), computed once
             self.prefixes = self.model.voice_prefix(torch.arange(self.cfg.voices, device=self.device))
+        self._blend_prefixes: OrderedDict[tuple, list] = OrderedDict()  # blends' prefixes (`_voice_prefix`)
         if self.frame_codec:
             self.frame_decoder = FrameCodec(self.codec, batch, self.device)
             self.outbox = AudioOutbox(batch, max(CHUNK_SCHEDULE), self.codec.cfg.hop)
@@ -166,12 +169,11 @@ class Engine:
     # ---- public API -------------------------------------------------------------------------
     def open(self, voice: str | None = None, speed: float = 1.0, *, seed: int | None = None,
              lookahead_words: int | None = None, wait_s: float = 0.0) -> Stream:
-        """A new stream. ``seed`` fixes its sampling noise (same seed, same tokens, whatever else runs); unseeded
+        """A new stream. ``voice``: a shipped voice's name or a blend of them (``"joe:0.6+kumo:0.4"``, see
+        `voice_preset`). ``seed`` fixes its sampling noise (same seed, same tokens, whatever else runs); unseeded
         streams draw one from the engine's generator. When every slot is busy, wait up to ``wait_s`` seconds in
         a first-come-first-served queue (at most ``max_waiting`` callers) for one, then raise ServerFull."""
-        voice = self.default_voice if voice is None else voice
-        if voice not in self.voices:
-            raise UnknownVoice(f"unknown voice {voice!r}; choose one of {sorted(self.voices)}")
+        preset = self.voice_preset(self.default_voice if voice is None else voice)
         if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0.25 <= speed <= 4.0:
             raise ValueError(f"speed must be a number from 0.25 to 4.0, not {speed!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -179,13 +181,25 @@ class Engine:
         with self._lock:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (), generator=self.seeds))
-        stream = Stream(self, voice, float(speed), self.max_chars, seed % 2**63, lookahead_words)
+        stream = Stream(self, preset["name"], float(speed), self.max_chars, seed % 2**63, lookahead_words)
         try:
-            self.admission.admit(stream, wait_s, lambda s: self._inbox.append(("start", s, None)))
+            self.admission.admit(stream, wait_s, lambda s: self._inbox.append(("start", s, preset)))
         except Full as err:
             raise ServerFull(str(err)) from None
         self.wake()
         return stream
+
+    def voice_preset(self, voice: str) -> dict:
+        """The preset ``voice`` speaks with (`tts.voices.blend_preset`): pace, temperature, ``mix`` (row ->
+        weight) and ``weights``, the mix as a (V,) list for the text encoder. Raises UnknownVoice."""
+        try:
+            preset = blend_preset(voice, self.voices, self.sampling.temperature)
+        except ValueError as err:
+            raise UnknownVoice(str(err)) from None
+        weights = [0.0] * self.cfg.voices
+        for row, weight in preset["mix"].items():
+            weights[row] = weight
+        return preset | {"weights": weights}
 
     def warm_up(self) -> None:
         """Build the step (and on a GPU the codec's graph) of every slot bucket now, rather than when streams
@@ -312,13 +326,12 @@ class Engine:
             return True
         return False
 
-    def _on_start(self, stream: Stream, _) -> None:
+    def _on_start(self, stream: Stream, preset: dict) -> None:
         if stream.cancelled:
             self._release()
             return
         slot = heapq.heappop(self._free)
-        preset = self.voices[stream.voice]
-        u = Utterance(stream, slot, preset["index"], stream.speed * preset.get("pace", 1.0))
+        u = Utterance(stream, slot, preset, stream.speed * preset["pace"])
         self.utterances[slot], self._by_stream[stream] = u, u
         self._live[slot] = True
         self._generation[slot] += 1
@@ -428,10 +441,11 @@ class Engine:
         starts = [u for u in todo.starts if self.utterances[u.slot] is u]  # a slot freed and taken again: the last
         if starts:
             rows = [u.slot for u in starts]
-            rows_d, voices_d = upload(rows), upload([u.voice_id for u in starts])
-            temperatures = [max(self.voices[u.stream.voice].get("temperature", self.sampling.temperature), 1e-4)
-                            for u in starts]  # positive: a voice samples, never divides by 0
-            self.caches.start(rows_d, [(k[voices_d], v[voices_d]) for k, v in self.prefixes])
+            rows_d = upload(rows)
+            temperatures = [max(u.voice["temperature"], 1e-4) for u in starts]  # positive: never divides by 0
+            prefixes = [self._voice_prefix(u.voice) for u in starts]  # per start, per layer (1, H, S, D)
+            self.caches.start(rows_d, [tuple(torch.cat([p[layer][i] for p in prefixes]) for i in (0, 1))
+                                       for layer in range(self.cfg.layers)])
             self.slots.start(rows_d, upload([u.stream.seed for u in starts]), upload(temperatures, torch.float32))
             if self.frame_codec:
                 self._codec_resets += rows
@@ -451,6 +465,24 @@ class Engine:
         if paused:
             self.slots.paused[upload(list(paused))] = upload(list(paused.values()), torch.bool)
 
+    def _voice_prefix(self, preset: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (1, H, S, D) prefix keys/values of a voice: a shipped voice's row of ``prefixes``; a
+        blend's computed once and kept, keyed by its mix (the normalised spec), the least recently used of
+        more than BLEND_PREFIXES dropped (a stream holds its own copy in the caches)."""
+        if len(preset["mix"]) == 1:
+            row = next(iter(preset["mix"]))
+            return [(k[row:row + 1], v[row:row + 1]) for k, v in self.prefixes]
+        key = tuple(preset["mix"].items())
+        if key in self._blend_prefixes:
+            self._blend_prefixes.move_to_end(key)
+        else:
+            with torch.no_grad():
+                weights = self._upload([preset["weights"]], torch.float32)  # (1, V)
+                self._blend_prefixes[key] = self.model.voice_prefix(weights)
+            if len(self._blend_prefixes) > BLEND_PREFIXES:
+                self._blend_prefixes.popitem(last=False)
+        return self._blend_prefixes[key]
+
     def _prefill(self, chosen: list[tuple[Utterance, int]]) -> None:
         """Encode the chosen slots' next units in one padded text-encoder call: durations -> frames on the
         device, keys/values written into the text ring. Each row reads ``text_lookahead`` units of context on
@@ -460,7 +492,7 @@ class Engine:
         units, rows, offsets, counts, firsts, voices, rates = self._prefill_windows(chosen)
         upload = self._upload
         rows_d, counts_d, first_d = upload(rows), upload(counts), upload(firsts)
-        states, log_dur = self.model.text(upload(units), upload(voices))  # (M, L, C), (M, L)
+        states, log_dur = self.model.text(upload(units), upload(voices, torch.float32))  # (M, L, C), (M, L)
         at = torch.arange(max(counts), device=self.device)  # (E,)
         keep = at < counts_d[:, None]  # (M, E)
         columns = (upload(offsets)[:, None] + at).clamp(max=units.shape[1] - 1)
@@ -489,7 +521,7 @@ class Engine:
             offsets.append(start - lo)
             counts.append(stop - start)
             firsts.append(start)
-            voices.append(u.voice_id)
+            voices.append(u.voice["weights"])  # (V,): one-hot for a shipped voice
             rates.append(u.rate)
             self._encoded[u.slot] = stop
             old = stop - look - 1 - u.unit_base  # host memory stays flat on long speech

@@ -70,6 +70,15 @@ def rotate(x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+def voice_rows(table: torch.Tensor, voice: torch.Tensor) -> torch.Tensor:
+    """Rows of a per-voice table (V, ...) for a batch: ``voice`` holds row indices (B,), or mixing weights
+    (B, V) for blended voices (the weighted sum of rows). Example: rows r0, r1, r2 and weights
+    [[0.6, 0, 0.4], [0, 1, 0]] give [0.6 r0 + 0.4 r2, r1]; a one-hot weight row gives its row exactly."""
+    if voice.is_floating_point():
+        return torch.tensordot(voice.to(table.dtype), table, dims=1)  # (B, V) x (V, ...) -> (B, ...)
+    return table[voice]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -124,9 +133,9 @@ class TextEncoder(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, units: torch.Tensor, voice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """units (B, N), voice (B,) -> states (B, N, C), log(1 + frames) (B, N)."""
+        """units (B, N), voice (B,) row indices or (B, V) blend weights -> states (B, N, C), log(1 + frames) (B, N)."""
         pad = (units == 0)[..., None]
-        x = (self.embed(units) + self.voice(voice)[:, None]).masked_fill(pad, 0)
+        x = (self.embed(units) + voice_rows(self.voice.weight, voice)[:, None]).masked_fill(pad, 0)
         for conv, norm in zip(self.convs, self.norms):
             x = x + self.drop(F.gelu(conv(norm(x).masked_fill(pad, 0).transpose(1, 2)).transpose(1, 2)))
             x = x.masked_fill(pad, 0)
@@ -154,8 +163,9 @@ class TTSModel(nn.Module):
 
     def voice_prefix(self, voice: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer keys/values (B, H, S, D) of the voice prefix, which attends only to itself.
-        They depend on the voice alone, so the engine computes them once per voice and caches them."""
-        x, prefix = self.sinks[voice], []
+        They depend on the voice alone, so the engine computes them once per voice and caches them.
+        ``voice``: row indices (B,) or blend weights (B, V), as in `TextEncoder.forward`."""
+        x, prefix = voice_rows(self.sinks, voice), []
         no_context = torch.zeros(x.shape[0], self.cfg.heads, 0, self.cfg.head_dim, device=x.device, dtype=x.dtype)
         zero_pos = rope_angles(torch.zeros(x.shape[:2], dtype=torch.long, device=x.device), self.cfg.head_dim,
                                self.cfg.rope_base)
