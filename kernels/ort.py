@@ -65,7 +65,7 @@ def onnx_path(model: TTSModel) -> Path:
             weights.update(tensor.detach().cpu().contiguous().numpy())
         rings = StepCaches.empty(model.cfg, 1)  # ring capacities are baked into the graph's shapes
         key = "\n".join([weights.hexdigest(), repr(model.cfg), inspect.getsource(lean), torch.__version__,
-                         onnxruntime.__version__, f"rings {rings.text_capacity} {rings.audio[0].capacity}"])
+                         onnxruntime.__version__, f"rings {rings.text[0].capacity} {rings.audio[0].capacity}"])
         _keys[model] = hashlib.sha256(key.encode()).hexdigest()[:24]
     return cache_dir() / f"step-{_keys[model]}.onnx"
 

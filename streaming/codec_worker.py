@@ -51,7 +51,11 @@ class CodecWorker:
 
     def decode(self, rows: list[int], streams: list[Stream], codes: torch.Tensor, lengths: list[int]) -> None:
         """Decode the first ``lengths[i]`` frames of ``codes`` (M, K, T) for slot ``rows[i]``, each continuing its
-        own state, and deliver the audio to ``streams[i]``. Rows of one length share a decoder call."""
+        own state, and deliver the audio to ``streams[i]``. Rows of one length share a decoder call, except a
+        stream with ``decode_alone`` (a seeded one): on the CPU a row's float result depends on the batch it
+        is computed in (a 1-row matmul takes another kernel than a 4-row one, differing by ~1e-7), so such a
+        stream gets a call of its own and its audio is the same bit for bit whoever else is speaking.
+        Example: lengths [4, 4, 4] with row 1 seeded -> calls {rows 0, 2} and {row 1}."""
         self.jobs.put(("decode", rows, streams, codes, lengths))
 
     def finish(self, stream: Stream, error: Exception | None) -> None:
@@ -84,10 +88,10 @@ class CodecWorker:
                     stream.finish(EngineError(f"internal error: {err}"))
 
     def _decode(self, rows: list[int], streams: list[Stream], codes: torch.Tensor, lengths: list[int]) -> None:
-        groups: dict[int, list[int]] = {}
+        groups: dict[tuple[int, int], list[int]] = {}
         for i, length in enumerate(lengths):
-            groups.setdefault(length, []).append(i)
-        for length, members in groups.items():
+            groups.setdefault((length, i if streams[i].decode_alone else -1), []).append(i)
+        for (length, _), members in groups.items():
             started = time.perf_counter()
             select = torch.tensor([rows[i] for i in members], device=self.device)
             sub = self.state.select(select)

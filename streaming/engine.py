@@ -170,7 +170,7 @@ class Engine:
     def open(self, voice: str | None = None, speed: float = 1.0, *, seed: int | None = None,
              lookahead_words: int | None = None, wait_s: float = 0.0) -> Stream:
         """A new stream. ``voice``: a shipped voice's name or a blend of them (``"joe:0.6+kumo:0.4"``, see
-        `voice_preset`). ``seed`` fixes its sampling noise (same seed, same tokens, whatever else runs); unseeded
+        `voice_preset`). ``seed`` fixes its sampling noise and so its audio, bit for bit, whatever else runs; unseeded
         streams draw one from the engine's generator. When every slot is busy, wait up to ``wait_s`` seconds in
         a first-come-first-served queue (at most ``max_waiting`` callers) for one, then raise ServerFull."""
         preset = self.voice_preset(self.default_voice if voice is None else voice)
@@ -178,10 +178,12 @@ class Engine:
             raise ValueError(f"speed must be a number from 0.25 to 4.0, not {speed!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an integer, not {seed!r}")
+        seeded = seed is not None
         with self._lock:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (), generator=self.seeds))
         stream = Stream(self, preset["name"], float(speed), self.max_chars, seed % 2**63, lookahead_words)
+        stream.decode_alone = seeded  # bit-identical audio whatever else runs (see CodecWorker.decode)
         try:
             self.admission.admit(stream, wait_s, lambda s: self._inbox.append(("start", s, preset)))
         except Full as err:

@@ -33,6 +33,7 @@ class Stream:
         self.max_queued_samples = int(engine.max_queued * engine.sample_rate)
         self.cancelled = self.finished = False
         self.paused = False  # set by the engine while the reader is behind (backpressure)
+        self.decode_alone = False  # the CPU codec decodes this stream's chunks in calls of their own
         self.opened_at = time.perf_counter()
         self.first_text_at: float | None = None
         self.first_audio_at: float | None = None

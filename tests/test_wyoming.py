@@ -16,6 +16,7 @@ from wyoming.tts import (Synthesize, SynthesizeChunk, SynthesizeStart, Synthesiz
                          SynthesizeVoice)
 
 from streaming import wyoming as wyoming_server
+from helpers import tiny_random
 from streaming.engine import Engine, SamplingConfig
 from streaming.wyoming import WyomingServer
 from tts.api import synthesize
@@ -36,7 +37,7 @@ def run(coro):
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine.tiny_random(max_streams=3, sampling=GREEDY)
+    return tiny_random(max_streams=3, sampling=GREEDY)
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +219,7 @@ def test_a_client_that_disconnects_mid_utterance_frees_its_slot(server, engine):
 
 def test_server_full_is_an_error_after_waiting(monkeypatch):
     monkeypatch.setattr(wyoming_server, "OPEN_WAIT_S", 0.3)
-    busy = Engine.tiny_random(max_streams=1)
+    busy = tiny_random(max_streams=1)
     with WyomingServer(busy, f"tcp://127.0.0.1:{free_port()}") as running:
         async def go():
             async with client(running) as holder, client(running) as other:

@@ -191,7 +191,7 @@ def cmd_serve(args) -> int:
     import logging
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")  # uvicorn's look
     from server import serve
-    from streaming.admission import limits_from
+    from streaming.limits import limits_from
     from tts.api import get_engine
     engine = get_engine(max_streams=args.max_streams, compile=not args.no_compile)
     with contextlib.ExitStack() as also:
@@ -217,7 +217,7 @@ def cmd_wyoming(args) -> int:
 
 
 def serve_parser(sub) -> None:
-    from streaming.admission import add_arguments
+    from streaming.limits import add_arguments
     serve = sub.add_parser("serve", help="run the WebSocket/HTTP server", epilog=EXIT_CODES,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("--host", default="127.0.0.1")
