@@ -38,7 +38,13 @@ def test_chunks_are_float32_arrays_with_rate_start_and_words(engine):
 def test_a_seed_repeats_the_speech_and_busy_slots_make_callers_wait(engine):
     first = synthesize("The same words again.", engine=engine, seed=7)
     assert np.array_equal(first, synthesize("The same words again.", engine=engine, seed=7))
-    busy = [synthesize_stream(f"Caller {i} talks for a while here.", engine=engine) for i in range(engine.max_streams)]
+    release = threading.Event()
+
+    def held_open(i):  # a text source that has not ended: the caller's slot stays taken until release
+        yield f"Caller {i} talks for a while here."
+        release.wait(60)
+
+    busy = [synthesize_stream(held_open(i), engine=engine) for i in range(engine.max_streams)]
     for chunks in busy:
         next(chunks)  # every slot speaking
     with pytest.raises(ServerFull):
@@ -48,6 +54,7 @@ def test_a_seed_repeats_the_speech_and_busy_slots_make_callers_wait(engine):
     waiter.start()
     time.sleep(0.5)
     assert waiter.is_alive()  # queued for a slot, not refused
+    release.set()
     for chunks in busy:
         chunks.close()  # the callers stop: their slots free, and the waiting call gets one
     waiter.join(timeout=60)
