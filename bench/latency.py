@@ -2,11 +2,12 @@
 
     python -m bench.latency            # full run, includes 600 s of continuous speech
     python -m bench.latency --quick    # about a minute: no 600 s run, one baseline repeat, 1 and 4 streams
-    python -m bench.latency --no-compile   # the eager CPU step (TTS_NO_COMPILE=1 does the same)
+    python -m bench.latency --step compiled   # the TorchInductor step instead of the default (ONNX Runtime)
+    python -m bench.latency --step eager      # the plain eager step
     python -m bench.latency --device cuda --streams 64 128 256 512 1024 --arrival-rate 25   # the GPU load table
 
-Step times are AR step + sampling per frame tick, after warm-up; on the CPU the engine's step is compiled
-unless ``--no-compile``. Baselines run eagerly, batch 1, on the same weights: ``ring`` is our step through
+Step times are AR step + sampling per frame tick, after warm-up; on the CPU the engine's step is the one
+every user path gets (ONNX Runtime) unless ``--step`` says otherwise. Baselines run eagerly, batch 1, on the same weights: ``ring`` is our step through
 the ring caches, ``no_cache`` recomputes the whole prefix for every step, ``concat_cache`` grows a
 concatenated KV cache and attends to everything (what a default dynamic cache does). The speed-ups compare
 the baselines with ``ring``, measured the same way in the same run.
@@ -157,14 +158,26 @@ def baseline_step_ms(model: TTSModel, frames: int, kind: str, device: str, repea
     return {"step_ms": round(float(np.median(times)), 3), "memory_bytes": memory}
 
 
-def concurrency(model, codec, presets, device: str, counts: list[int], compile: bool,
+def cpu_step_factory(model, device: str, step: str):
+    """The CPU step of ``--step``: "default", what every user path gets (`kernels.default_step_factory`: ONNX
+    Runtime, built now if the disk cache lacks it, and waited for); "compiled", TorchInductor; "eager", the
+    plain `decode_step` (None)."""
+    if step == "eager":
+        return None
+    if step == "compiled":
+        return kernels.default_step_factory(device, compile=True)
+    factory = kernels.default_step_factory(device)
+    factory(model, StepCaches.empty(model.cfg, 1), 1, device)  # starts the export when it is not cached
+    return factory.faster.result(timeout=900) or factory
+
+
+def concurrency(model, codec, presets, device: str, counts: list[int], factory,
                 jitter_s: float = 0.2) -> list[dict]:
     """N streams at once on an engine of N slots; a stream is real-time if no chunk arrives after its
     playback deadline (first chunk's arrival + the audio before it + a ``jitter_s`` buffer)."""
     rows = []
     for n in counts:
-        engine = Engine(model, codec, presets, max_streams=n, device=device,
-                        step_factory=kernels.default_step_factory(device, compile))
+        engine = Engine(model, codec, presets, max_streams=n, device=device, step_factory=factory)
         engine.warm_up()  # every bucket's step built (compiled) before the clock starts
         synthesize(TEN_WORDS, engine=engine)
         rows.append({"streams": n, **load(engine, PARAGRAPH, [0.0] * n, jitter_s)})
@@ -292,7 +305,8 @@ def main() -> None:
                         help="loads to try (default 1 2 4 6 8; --quick: 1 4; cuda: 64 128 256 512 1024)")
     parser.add_argument("--slots", type=int, default=1,
                         help="engine slots for the single-stream figures (1: batch 1; see concurrency for more)")
-    parser.add_argument("--no-compile", action="store_true", help="eager CPU step instead of the compiled one")
+    parser.add_argument("--step", choices=["default", "compiled", "eager"], default="default",
+                        help="CPU step: the default paths' (ONNX Runtime), TorchInductor's, or plain eager")
     parser.add_argument("--arrival-rate", type=float, default=25.0, help="cuda: Poisson arrivals a second")
     parser.add_argument("--poisson-max", type=int, help="cuda: Poisson arrivals only for loads up to this")
     parser.add_argument("--sentences", type=int, default=8, help="Harvard sentences each stream speaks")
@@ -307,9 +321,8 @@ def main() -> None:
         print(json.dumps(gpu_table(model, codec, presets, args.device, args.streams or [64, 128, 256, 512, 1024],
                                    args.arrival_rate, text, args.profile, args.poisson_max), indent=1))
         return
-    compile = not args.no_compile
-    engine = Engine(model, codec, presets, max_streams=args.slots, device=args.device,
-                    step_factory=kernels.default_step_factory(args.device, compile))
+    factory = cpu_step_factory(model, args.device, args.step)
+    engine = Engine(model, codec, presets, max_streams=args.slots, device=args.device, step_factory=factory)
     frame_ms = 1000 / codec.cfg.frame_rate
     engine.warm_up()
     synthesize(TEN_WORDS, engine=engine)  # warm-up
@@ -332,7 +345,7 @@ def main() -> None:
     result["speedup_vs_no_cache_60s"] = round(baselines["no_cache"][60]["step_ms"] / ring, 2)
     result["speedup_vs_concat_cache_60s"] = round(baselines["concat_cache"][60]["step_ms"] / ring, 2)
     load_rows = concurrency(model, codec, presets, args.device,
-                            args.streams or ([1, 4] if args.quick else [1, 2, 4, 6, 8]), compile)
+                            args.streams or ([1, 4] if args.quick else [1, 2, 4, 6, 8]), factory)
     result["concurrency"] = load_rows
     passing = [row for row in load_rows if row["realtime"]]
     result["streams_realtime"] = max((row["streams"] for row in passing), default=0)
