@@ -24,6 +24,14 @@ def transcribe(audio: np.ndarray, sample_rate: int = 24_000) -> str:
     return " ".join(s.text.strip() for s in segments)
 
 
+def transcribe_words(audio: np.ndarray, sample_rate: int = 24_000) -> list[tuple[str, float, float]]:
+    """Whisper's words with their start and end in seconds (its cross-attention alignment)."""
+    audio16 = soxr.resample(np.asarray(audio, dtype=np.float32), sample_rate, 16_000)
+    segments, _ = _model().transcribe(audio16, language="en", beam_size=1, condition_on_previous_text=False,
+                                      word_timestamps=True)
+    return [(w.word.strip(), w.start, w.end) for s in segments for w in s.words]
+
+
 def words(text: str) -> list[str]:
     """Spell out numbers and symbols, lower-case, drop punctuation: "Dr. Li, 3 cats" -> doctor li three cats."""
     text = normalize(text).lower().replace("-", " ")
