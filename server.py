@@ -52,6 +52,7 @@ from tts.text import TextError
 __all__ = ["Limits", "ServerThread", "create_app", "serve"]
 log = logging.getLogger("tts.server")
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
+RESUME_GRACE_S = 5.0  # how long a connection over the caps has to say it resumes a waiting session
 
 
 # ---- WebSocket sessions -------------------------------------------------------------------------
@@ -209,19 +210,18 @@ class Session:
             self.expiry = None
 
     # ---- resuming --------------------------------------------------------------------------------
-    def _claim(self, msg: Resume) -> tuple["Session", dict]:
-        """The session `msg.token` names and where each of its contexts resumes, or resume_expired /
+    @staticmethod
+    def claim(hub: Hub, msg: Resume) -> tuple["Session", tuple]:
+        """(the session `msg.token` names, (where each of its contexts resumes, the token)), or resume_expired /
         resume_used / resume_offset. Claiming spends the token (synchronously: of two resumes racing with one
         token, one wins)."""
-        if self.received or self.utterances:
-            raise ProtocolError("bad_state", "resume must be the first message on a new connection")
-        tokens = self.hub.resume_tokens
+        tokens = hub.resume_tokens
         if msg.token in tokens and tokens[msg.token] is None:
             raise ProtocolError("resume_used", "this resume token has been used; a resumed session's token is the "
                                 "one its `resumed` event gave")
         target = tokens.get(msg.token)
         if target is None or target.closed:
-            window = f"{self.limits.resume_window_s:g} s" if self.limits.resume_window_s else "off on this server"
+            window = f"{hub.limits.resume_window_s:g} s" if hub.limits.resume_window_s else "off on this server"
             raise ProtocolError("resume_expired", f"no session to resume: the token is unknown, or its session "
                                 f"has ended or expired (the resume window is {window})")
         positions = {p.context_id: (p.bytes, p.events) for p in msg.contexts}
@@ -351,7 +351,9 @@ class Session:
             raise ProtocolError("bad_value", f"ack: {err}") from None
 
     async def _on_resume(self, msg: Resume) -> None:
-        raise _Resumed(*self._claim(msg))
+        if self.received or self.utterances:
+            raise ProtocolError("bad_state", "resume must be the first message on a new connection")
+        raise _Resumed(*self.claim(self.hub, msg))
 
 
 class _Resumed(Exception):
@@ -529,11 +531,9 @@ async def stream_endpoint(ws: WebSocket) -> None:
     await ws.accept()
     try:
         hub.admission.connect(clients)
+        step = (Session(hub, clients), None)
     except ProtocolError as err:
-        await ws.send_text(json.dumps(_error(err)))
-        await ws.close(1013, err.code)  # 1013: try again later
-        return
-    step = (Session(hub, clients), None)
+        step = await _resume_past_caps(ws, hub, err)
     while step is not None:  # a resume moves the socket to the session it names
         session, resume = step
         try:
@@ -542,6 +542,26 @@ async def stream_endpoint(ws: WebSocket) -> None:
             log.exception("WebSocket session failed")
             await session.close()
             step = None
+
+
+async def _resume_past_caps(ws: WebSocket, hub: Hub, refusal: ProtocolError) -> tuple | None:
+    """A connection over the connection caps may still resume a session that waits for it: that session's own
+    place in the caps is what it takes (else a client whose every connection dropped at once could not come back,
+    its waiting sessions filling its cap). (session, resume) when its first message resumes one; else the
+    refusal (or why the resume failed) is sent, the socket closed (1013: try again later), and None returned."""
+    if any(session.link is None for session in hub.sessions):
+        with contextlib.suppress(TimeoutError, ValidationError, TypeError, KeyError):
+            async with asyncio.timeout(RESUME_GRACE_S):
+                message = await ws.receive()
+            if isinstance(msg := CLIENT_MESSAGE.validate_json(message["text"]), Resume):
+                try:
+                    return Session.claim(hub, msg)
+                except ProtocolError as err:
+                    refusal = err
+    with contextlib.suppress(WebSocketDisconnect, WebSocketDisconnected, OSError):
+        await ws.send_text(json.dumps(_error(refusal)))
+        await ws.close(1013, refusal.code)
+    return None
 
 
 class _DemoRoute(Route):

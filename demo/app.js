@@ -236,8 +236,11 @@ function onAudio(buffer) {
 }
 
 function onDone(event) {
-  session.outboxBase += session.outbox.length;  // the server has had every message of the utterance
-  session.outbox = [];
+  // The server has had every message up to the end or cancel that ended this utterance (a start sent since,
+  // after a Stop, belongs to the next one).
+  const ended = session.outbox.findIndex((text) => /^\{"type":"(end|cancel)"/.test(text)) + 1;
+  session.outbox.splice(0, ended);
+  session.outboxBase += ended;
   demo.lastDone = event;
   dropping = false;
   audio?.node.port.postMessage({ type: "final" });

@@ -126,7 +126,8 @@ class Hub:
 
     def stats(self) -> dict:
         figures = {"status": "ok", "sample_rate": SAMPLE_RATE, **self.admission.stats(),
-                   "max_connections": self.limits.max_connections, "max_queue": self.limits.max_queue}
+                   "max_connections": self.limits.max_connections, "max_queue": self.limits.max_queue,
+                   "awaiting_resume": sum(session.link is None for session in self.sessions)}
         if self._engine is not None:
             figures["slots"] = self._engine.max_streams
             if callable(stats := getattr(self._engine, "stats", None)):

@@ -365,3 +365,40 @@ def test_the_client_reports_a_session_it_cannot_resume(make_server, tiny_engine)
     with pytest.raises(ServerError) as failure:
         run(go())
     assert failure.value.code == "resume_expired"
+
+
+def test_a_resume_gets_past_the_connection_caps_its_waiting_session_fills(make_server, tiny_engine):
+    """One connection per client: the dropped session still counts, so another connection is refused
+    (client_limit) while a resume of that session is let in and completes the audio exactly."""
+    server = make_server(tiny_engine, resume_window_s=10, max_connections_per_client=1)
+
+    async def go():
+        reference, _ = await client_audio(server.ws_url, SENTENCE * 4)
+        await asyncio.to_thread(wait_until, lambda: server.hub.admission.connections == 0)
+        chunks = []
+        async with connect(server.ws_url, backoff_s=0.05) as client:
+            async for chunk in client.speak(SENTENCE * 4, seed=7):
+                chunks.append(chunk)
+                if len(chunks) == 2:
+                    client.ws.transport.abort()
+                    await asyncio.to_thread(wait_until, lambda: any(s.link is None for s in server.hub.sessions))
+                    async with websockets.connect(server.ws_url) as other:
+                        await send(other, type="start")
+                        refused = json.loads(await other.recv())
+            return reference, np.concatenate(chunks), client.reconnects, refused
+
+    reference, audio, reconnects, refused = run(go())
+    assert refused["code"] == "client_limit"
+    assert reconnects == 1 and audio.tobytes() == reference.tobytes()
+
+
+def test_stopping_the_server_ends_the_sessions_waiting_for_a_resume(make_server, tiny_engine):
+    server = make_server(tiny_engine, resume_window_s=60)
+
+    async def go():
+        await dropped_session(server.ws_url)
+        return await asyncio.to_thread(wait_until, lambda: any(s.link is None for s in server.hub.sessions))
+
+    assert run(go()) and tiny_engine.active_streams >= 1
+    server.stop()
+    assert wait_until(lambda: tiny_engine.active_streams == 0 and not server.hub.sessions, 5)
