@@ -156,6 +156,8 @@ class Session:
                 log = self.logs[context_id] = ReplayLog(self.limits.resume_buffer_bytes)
             entry, self.seq = log.add(self.seq, audio=audio, event=event), self.seq + 1
         while (link := self.link) is not None or (entry is not None and wait):
+            if self.closed:  # (a sender whose cancellation was lost on the way, say) nothing more goes out
+                raise LinkBroken("the session has ended")
             if link is None:
                 await self.linked.wait()
             elif entry is not None and entry.seq < link.first_seq:

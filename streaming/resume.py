@@ -141,6 +141,7 @@ class Link:
             work.close()
             raise LinkBroken("the connection is gone")
         task, cut = asyncio.ensure_future(work), asyncio.ensure_future(self.broken.wait())
+        task.add_done_callback(_retrieve)  # a failure once the link is given up is no news
         try:
             await asyncio.wait((task, cut), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -152,6 +153,11 @@ class Link:
         if self.broken.is_set():
             raise LinkBroken("the connection is gone")
         raise TimeoutError(f"no progress for {timeout_s:g} s")
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def dropped(message: dict) -> bool:

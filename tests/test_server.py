@@ -880,6 +880,7 @@ def test_aborted_connections_in_a_tight_loop_leak_nothing(make_server, tiny_engi
     async def go():
         for i in range(30):
             await abort_at(i % 4)
+        await asyncio.to_thread(wait_until, lambda: server.hub.stats()["awaiting_resume"] == 0)  # slots held
         async with websockets.connect(server.ws_url) as ws:
             return await utterance(ws, "Still serving.")
 
