@@ -73,7 +73,7 @@ class Session:
         self.linked = asyncio.Event()
         self.received = 0  # client messages taken, acks and resumes aside: a resume's `received`
         self.seq = 0  # log entries so far
-        self.token, self.tokens = None, []  # the token ready names; all that resume it (a drop mid-resume: two)
+        self.token, self.tokens = None, []  # the token ready names; every one it has had (to forget them)
         self.expiry: asyncio.Task | None = None
         self.closed = self.resumable = False
         self.last_active = time.monotonic()
