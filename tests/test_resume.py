@@ -184,8 +184,8 @@ async def resume(url: str, token: str, *contexts: dict) -> dict:
         return json.loads(await asyncio.wait_for(ws.recv(), 10))
 
 
-def test_stale_offsets_unknown_and_spent_tokens_get_typed_errors(make_server, tiny_engine):
-    server = make_server(tiny_engine, resume_window_s=10, resume_buffer_bytes=65_536)
+def test_stale_offsets_unknown_and_spent_tokens_get_typed_errors(resume_server):
+    server = resume_server
 
     async def go():
         token, got = await dropped_session(server.ws_url)
@@ -235,8 +235,9 @@ def test_without_acks_the_replay_log_is_bounded(make_server, tiny_engine):
         token, _ = await dropped_session(server.ws_url, ack=False)
         await asyncio.to_thread(wait_until, lambda: len(server.hub.sessions) == 1)
         log = next(iter(server.hub.sessions)).logs[None]
-        (nbytes, events), held = log.start, log.size
-        refused = await resume(server.ws_url, token, {"bytes": nbytes - 4, "events": events})
+        # the newest entry held: it stays even should the pump log one more chunk that it read before the drop
+        nbytes, events, held = log.entries[-1].at_bytes, log.entries[-1].at_events, log.size
+        refused = await resume(server.ws_url, token, {"bytes": 0, "events": events})
         got = Received()
         async with websockets.connect(server.ws_url) as ws:
             await send(ws, type="resume", token=token, contexts=[{"bytes": nbytes, "events": events}])
