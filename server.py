@@ -19,9 +19,11 @@ the access checks, `streaming.http_api`.
 from __future__ import annotations
 
 import asyncio
-import base64
+import contextlib
+import functools
 import json
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -41,26 +43,44 @@ from streaming import http_api
 from streaming.limits import Limits
 from streaming.containers import Encoder
 from streaming.hub import Hub, clients_of
-from streaming.protocol import (CLIENT_MESSAGE, Cancel, End, Flush, ProtocolError, Start, Text, check_text,
-                                validation_error)
+from streaming.protocol import (CLIENT_MESSAGE, UNCOUNTED, Ack, Cancel, End, Flush, ProtocolError, Resume, Start,
+                                Text, check_text, validation_error)
+from streaming.resume import Link, LinkBroken, ReplayLog, dropped
 from tts import SAMPLE_RATE
 from tts.text import TextError
 
 __all__ = ["Limits", "ServerThread", "create_app", "serve"]
 log = logging.getLogger("tts.server")
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
+RESUME_GRACE_S = 5.0  # how long a connection over the caps has to say it resumes a waiting session
 
 
 # ---- WebSocket sessions -------------------------------------------------------------------------
 class Session:
-    """One WebSocket connection: a loop over client messages and up to max_contexts utterances, each with
-    its own audio pump. Messages name their utterance by context_id (none: the default one)."""
+    """One client's WebSocket session: a loop over its messages and up to max_contexts utterances, each with
+    its own audio pump. Messages name their utterance by context_id (none: the default one).
 
-    def __init__(self, ws: WebSocket, hub: Hub, clients: tuple):
-        self.ws, self.hub, self.limits, self.clients = ws, hub, hub.limits, clients
+    A session outlives its socket (streaming/resume.py). Everything it sends goes through `transmit`, which keeps
+    it in the context's replay log until the client acknowledges it. When the socket drops without a clean close,
+    the pumps wait (their engine streams fill and pause), and a client that resumes within resume_window_s on a
+    new socket gets exactly the rest; otherwise the session expires and frees everything."""
+
+    def __init__(self, hub: Hub, clients: tuple):
+        self.hub, self.limits, self.clients = hub, hub.limits, clients
         self.utterances: dict[str | None, Utterance] = {}
+        self.logs: dict[str | None, ReplayLog] = {}
+        self.link: Link | None = None  # the socket serving the session; None while it waits for a resume
+        self.linked = asyncio.Event()
+        self.received = 0  # client messages taken, acks and resumes aside: a resume's `received`
+        self.seq = 0  # log entries so far
+        self.token, self.tokens = None, []  # the token ready names; every one it has had (to forget them)
+        self.expiry: asyncio.Task | None = None
+        self.closed = self.resumable = False
         self.last_active = time.monotonic()
         self.sent_bytes = 0
+        hub.sessions.add(self)
+        if self.limits.resume_window_s > 0:
+            self._new_token()
 
     @property
     def stream(self):
@@ -68,39 +88,180 @@ class Session:
         utterance = self.utterances.get(None)
         return utterance.stream if utterance else None
 
-    async def run(self) -> None:
-        while (message := await self._receive()) is not None:
-            try:
-                await self._handle(message)
-            except ProtocolError as err:
-                await self.send_error(err, getattr(err, "context_id", None))
+    def offer_resume(self) -> dict:
+        """What `ready` says about resuming (nothing when the server keeps no sessions for a resume). Once it
+        has been said, a drop leaves the session waiting for the client to resume it."""
+        if self.token is None:
+            return {}
+        self.resumable = True
+        return {"resume_token": self.token, "resume_window_s": self.limits.resume_window_s}
+
+    async def serve(self, ws: WebSocket, resume: tuple | None = None) -> tuple | None:
+        """Serve the session on `ws` until the socket ends. `resume`: (the client's positions per context, the
+        token it used); the rest of each context's output is sent first. Returns (session, resume) when the
+        client resumed another session on this socket, else None."""
+        if self.closed:  # expired just as a resume named it
+            await ws.send_text(json.dumps(_error(ProtocolError("resume_expired", "the session has expired"))))
+            return None
+        if self.link is not None:
+            self.link.cut(replaced=True)  # the server still thought the old socket alive: it is half-open
+        self._unlink(self.link)
+        self._stop_expiry()
+        link, moving = Link(ws, self.seq, self.limits.idle_timeout_s), None
+        try:
+            if resume is not None:
+                await self._replay(link, resume[0])
+            self.link = link
+            self.linked.set()
+            self.last_active = time.monotonic()
+            moving = await self._read(link)
+        except (WebSocketDisconnect, WebSocketDisconnected, OSError):
+            link.cut(dropped=True)
+        finally:
+            self._unlink(link)
+        if link.replaced:
+            return None  # another socket serves the session now
+        if resume is not None and not link.heard:  # dropped before the client said a word: it may not have
+            self._accept_token(resume[1])  # had `resumed`, so the token it resumed with still works
+        if link.dropped and moving is None and self.resumable and not self.closed:
+            self.expiry = asyncio.create_task(self._expire())
+        else:
+            await self.close()
+        return moving
 
     async def close(self) -> None:
+        """End the session: its utterances stop, and its slots, its place in the connection caps and its tokens
+        are freed. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop_expiry()
         for utterance in list(self.utterances.values()):
             await utterance.stop()
+        for token in self.tokens:
+            self.hub.resume_tokens.pop(token, None)
+        self.hub.sessions.discard(self)
+        self.hub.admission.disconnect(self.clients)
 
-    async def send_json(self, message: dict) -> None:
-        """Send an event. A client that reads nothing for idle_timeout_s raises TimeoutError: it is dropped."""
-        await asyncio.wait_for(self.ws.send_text(json.dumps(message)), self.limits.idle_timeout_s)
+    async def transmit(self, context_id: str | None, *, event: dict | None = None, audio: bytes | None = None,
+                       keep: bool = True, wait: bool = True) -> None:
+        """Send an event or audio on a context. `keep`: log it for a resume (all but `queued` and the answers to
+        a resume). While there is no socket: a pump (`wait`) waits for the resume (meanwhile its engine stream
+        fills and pauses); the others leave a kept message to the resume's replay."""
+        if event is not None and context_id is not None:
+            event = {**event, "context_id": context_id}
+        entry = None
+        if keep:
+            if (log := self.logs.get(context_id)) is None:
+                log = self.logs[context_id] = ReplayLog(self.limits.resume_buffer_bytes)
+            entry, self.seq = log.add(self.seq, audio=audio, event=event), self.seq + 1
+        while (link := self.link) is not None or (entry is not None and wait):
+            if self.closed:  # (a sender whose cancellation was lost on the way, say) nothing more goes out
+                raise LinkBroken("the session has ended")
+            if link is None:
+                await self.linked.wait()
+            elif entry is not None and entry.seq < link.first_seq:
+                return  # the resume has replayed it, or the client had it
+            else:
+                try:
+                    await self._send(link, context_id, event, audio)
+                    return
+                except TimeoutError:  # the client read nothing for idle_timeout_s: dropped for good
+                    link.cut()
+                    return self._unlink(link)
+                except (WebSocketDisconnect, WebSocketDisconnected, OSError):
+                    link.cut(dropped=True)
+                    self._unlink(link)
 
-    async def send_event(self, event: dict, context_id: str | None) -> None:
-        await self.send_json(event if context_id is None else {**event, "context_id": context_id})
+    async def send_error(self, err: ProtocolError, context_id: str | None = None, **how) -> None:
+        await self.transmit(context_id, event=_error(err), **how)
 
-    async def send_error(self, err: ProtocolError, context_id: str | None = None) -> None:
-        await self.send_event({"type": "error", "code": err.code, "message": err.message}, context_id)
-
-    async def send_audio(self, data: bytes, context_id: str | None) -> None:
-        """Audio of the default utterance goes as binary frames; of a named context, as JSON with base64
-        (a binary frame cannot say which utterance it belongs to)."""
-        if context_id is None:
-            await asyncio.wait_for(self.ws.send_bytes(data), self.limits.idle_timeout_s)
-        else:
-            await self.send_json({"type": "audio", "context_id": context_id,
-                                  "audio": base64.b64encode(data).decode("ascii")})
-        self.sent_bytes += len(data)
+    async def _send(self, link: Link, context_id: str | None, event: dict | None, audio: bytes | None) -> None:
+        if audio is None:
+            if "resume_token" in event:  # a ready sent before a resume: the token it names is spent
+                event = {**event, "resume_token": self.token}
+            return await link.send_text(json.dumps(event))
+        await link.send_audio(audio, context_id)
+        self.sent_bytes += len(audio)
         self.last_active = time.monotonic()
 
-    async def _receive(self) -> dict | None:
+    def _unlink(self, link: Link | None) -> None:
+        if link is not None and self.link is link:
+            self.link = None
+            self.linked.clear()
+
+    def _new_token(self) -> None:
+        """Spend the tokens that resume the session (a second resume with one is resume_used) and make one."""
+        for token in self.tokens:
+            self.hub.resume_tokens[token] = None
+        self.token = secrets.token_urlsafe(16)  # 128 random bits
+        self._accept_token(self.token)
+
+    def _accept_token(self, token: str) -> None:
+        self.tokens.append(token)
+        self.hub.resume_tokens[token] = self
+
+    async def _expire(self) -> None:
+        await asyncio.sleep(self.limits.resume_window_s)
+        self.expiry = None
+        await self.close()
+
+    def _stop_expiry(self) -> None:
+        if self.expiry is not None:
+            self.expiry.cancel()
+            self.expiry = None
+
+    # ---- resuming --------------------------------------------------------------------------------
+    @staticmethod
+    def claim(hub: Hub, msg: Resume) -> tuple["Session", tuple]:
+        """(the session `msg.token` names, (where each of its contexts resumes, the token)), or resume_expired /
+        resume_used / resume_offset. Claiming spends the token (synchronously: of two resumes racing with one
+        token, one wins)."""
+        tokens = hub.resume_tokens
+        if msg.token in tokens and tokens[msg.token] is None:
+            raise ProtocolError("resume_used", "this resume token has been used; a resumed session's token is the "
+                                "one its `resumed` event gave")
+        target = tokens.get(msg.token)
+        if target is None or target.closed:
+            window = f"{hub.limits.resume_window_s:g} s" if hub.limits.resume_window_s else "off on this server"
+            raise ProtocolError("resume_expired", f"no session to resume: the token is unknown, or its session "
+                                f"has ended or expired (the resume window is {window})")
+        positions = {p.context_id: (p.bytes, p.events) for p in msg.contexts}
+        for context_id, (nbytes, events) in positions.items():
+            try:
+                target._log_or_empty(context_id).check(nbytes, events)
+            except ValueError as err:
+                raise ProtocolError("resume_offset", f"context {context_id or '(default)'}: {err}") from None
+        target._stop_expiry()
+        target._new_token()
+        return target, (positions, msg.token)
+
+    def _log_or_empty(self, context_id: str | None) -> ReplayLog:
+        return self.logs.get(context_id) or ReplayLog(self.limits.resume_buffer_bytes)
+
+    async def _replay(self, link: Link, positions: dict) -> None:
+        """`resumed`, then what each context's client lacks, in order. Only entries logged before this socket:
+        later ones are their senders' to send."""
+        await link.send_text(json.dumps({"type": "resumed", "resume_token": self.token,
+                                         "resume_window_s": self.limits.resume_window_s, "received": self.received}))
+        for context_id, (nbytes, events) in positions.items():
+            for entry in self._log_or_empty(context_id).since(nbytes, events):
+                if entry.seq < link.first_seq:
+                    await self._send(link, context_id, entry.event, entry.audio)
+
+    # ---- the client's messages -------------------------------------------------------------------
+    async def _read(self, link: Link) -> tuple | None:
+        while (message := await self._receive(link)) is not None:
+            try:
+                await self._handle(message)
+            except _Resumed as resumed:
+                return resumed.args
+            except ProtocolError as err:
+                keep = getattr(err, "keep", True)
+                await self.send_error(err, getattr(err, "context_id", None), keep=keep, wait=False)
+        return None
+
+    async def _receive(self, link: Link) -> dict | None:
         """The next client message, or None when the client has gone or has been idle too long. Idle means no
         text received and no audio sent; other messages do not count, and waiting in the queue is not idle."""
         while True:
@@ -109,30 +270,42 @@ class Session:
                 self.last_active, wait = time.monotonic(), self.limits.idle_timeout_s
             if wait <= 0:
                 await self.close()
-                async with asyncio.timeout(1.0):  # a client that reads nothing gets no goodbye
-                    await self.send_error(ProtocolError(
-                        "idle_timeout", f"no text and no audio for {self.limits.idle_timeout_s:g} s"))
-                    await self.ws.close(1000, "idle_timeout")
+                with contextlib.suppress(WebSocketDisconnect, WebSocketDisconnected, OSError, TimeoutError):
+                    async with asyncio.timeout(1.0):  # a client that reads nothing gets no goodbye
+                        await link.send_text(json.dumps(_error(ProtocolError(
+                            "idle_timeout", f"no text and no audio for {self.limits.idle_timeout_s:g} s"))))
+                        await link.ws.close(1000, "idle_timeout")
                 return None
             try:
-                message = await asyncio.wait_for(self.ws.receive(), timeout=wait)
-            except asyncio.TimeoutError:
+                message = await link.race(link.ws.receive(), wait)
+            except TimeoutError:
                 continue  # audio may have been sent meanwhile: check again
-            if message["type"] == "websocket.disconnect":
+            except LinkBroken:
                 return None
+            if message["type"] == "websocket.disconnect":
+                link.cut(dropped=dropped(message))
+                return None
+            link.heard = True
             return message
 
     async def _handle(self, message: dict) -> None:
-        if message.get("text") is None:
+        if (text := message.get("text")) is None:
+            self.received += 1
             raise ProtocolError("bad_message", "messages must be JSON text; binary messages are not accepted")
         try:
-            parsed = CLIENT_MESSAGE.validate_json(message["text"])
+            parsed = CLIENT_MESSAGE.validate_json(text)
         except ValidationError as err:
-            raise validation_error(err) from None
+            kind = _type_of(text)
+            self.received += kind not in UNCOUNTED
+            error = validation_error(err)
+            error.keep = kind != "resume"  # an answer to a resume is no part of the session's output
+            raise error from None
+        self.received += parsed.type not in UNCOUNTED
         try:
             await getattr(self, f"_on_{parsed.type}")(parsed)
         except ProtocolError as err:
             err.context_id = parsed.context_id  # the error belongs to the utterance the message named
+            err.keep = parsed.type != "resume"
             raise
 
     def _utterance(self, context_id: str | None, what: str) -> "Utterance":
@@ -172,6 +345,33 @@ class Session:
         utterance = self.utterances.get(msg.context_id)
         if utterance is not None:  # none: the cancel crossed a done on the wire
             await utterance.cancel()
+
+    async def _on_ack(self, msg: Ack) -> None:
+        try:
+            self._log_or_empty(msg.context_id).ack(msg.bytes, msg.events)
+        except ValueError as err:
+            raise ProtocolError("bad_value", f"ack: {err}") from None
+
+    async def _on_resume(self, msg: Resume) -> None:
+        if self.received or self.utterances:
+            raise ProtocolError("bad_state", "resume must be the first message on a new connection")
+        raise _Resumed(*self.claim(self.hub, msg))
+
+
+class _Resumed(Exception):
+    """The client resumed another session on this socket: args (session, (positions, token))."""
+
+
+def _error(err: ProtocolError) -> dict:
+    return {"type": "error", "code": err.code, "message": err.message}
+
+
+def _type_of(text: str):
+    """The `type` of a message that failed validation, if it has one (a resume's answers are not logged)."""
+    with contextlib.suppress(ValueError):
+        if isinstance(message := json.loads(text), dict):
+            return message.get("type")
+    return None
 
 
 class Utterance:
@@ -261,7 +461,8 @@ class Utterance:
             self.pending = []
             seed = {} if self.start.seed is None else {"seed": self.start.seed}
             await self._event({"type": "ready", "sample_rate": self.encoder.rate, "format": self.start.format,
-                               "voice": self.stream.voice, "speed": self.start.speed, **seed})
+                               "voice": self.stream.voice, "speed": self.start.speed, **seed,
+                               **self.session.offer_resume()})
             await self._pump()
         except ProtocolError as err:
             if self.stream is None:  # refused before ready: no utterance was opened
@@ -278,7 +479,8 @@ class Utterance:
             await self._finish(failed=True)
 
     async def _queued(self, position: int) -> None:
-        await self._event({"type": "queued", "position": position})
+        await self.session.transmit(self.context_id, event={"type": "queued", "position": position}, keep=False,
+                                    wait=False)  # a place in the queue is news only while it holds
 
     async def _pump(self) -> None:
         """Engine -> socket. Each send waits while the socket is backed up, and no read happens meanwhile,
@@ -300,11 +502,11 @@ class Utterance:
     async def _send_audio(self, data: bytes, samples: int) -> None:
         self.samples += samples  # an encoder may hold a chunk back, but it is in the utterance
         if data:
-            await self.session.send_audio(data, self.context_id)
+            await self.session.transmit(self.context_id, audio=data)
             self.first_audio_at = self.first_audio_at or time.perf_counter()
 
     async def _event(self, event: dict) -> None:
-        await self.session.send_event(event, self.context_id)
+        await self.session.transmit(self.context_id, event=event)
 
     def _leave(self) -> None:
         """Free the context for the next start (before the last event goes, so a client answering it is served)."""
@@ -331,22 +533,37 @@ async def stream_endpoint(ws: WebSocket) -> None:
     await ws.accept()
     try:
         hub.admission.connect(clients)
+        step = (Session(hub, clients), None)
     except ProtocolError as err:
-        await ws.send_text(json.dumps({"type": "error", "code": err.code, "message": err.message}))
-        await ws.close(1013, err.code)  # 1013: try again later
-        return
-    session = Session(ws, hub, clients)
-    hub.sessions.add(session)
-    try:
-        await session.run()
-    except (WebSocketDisconnect, WebSocketDisconnected, OSError, TimeoutError):
-        pass  # gone, or stalled past the idle timeout
-    except Exception:  # a bug must cost one connection, never the server
-        log.exception("WebSocket session failed")
-    finally:
-        await session.close()
-        hub.sessions.discard(session)
-        hub.admission.disconnect(clients)
+        step = await _resume_past_caps(ws, hub, err)
+    while step is not None:  # a resume moves the socket to the session it names
+        session, resume = step
+        try:
+            step = await session.serve(ws, resume)
+        except Exception:  # a bug must cost one connection, never the server
+            log.exception("WebSocket session failed")
+            await session.close()
+            step = None
+
+
+async def _resume_past_caps(ws: WebSocket, hub: Hub, refusal: ProtocolError) -> tuple | None:
+    """A connection over the connection caps may still resume a session that waits for it: that session's own
+    place in the caps is what it takes (else a client whose every connection dropped at once could not come back,
+    its waiting sessions filling its cap). (session, resume) when its first message resumes one; else the
+    refusal (or why the resume failed) is sent, the socket closed (1013: try again later), and None returned."""
+    if any(session.link is None for session in hub.sessions):
+        with contextlib.suppress(TimeoutError, ValidationError, TypeError, KeyError):
+            async with asyncio.timeout(RESUME_GRACE_S):
+                message = await ws.receive()
+            if isinstance(msg := CLIENT_MESSAGE.validate_json(message["text"]), Resume):
+                try:
+                    return Session.claim(hub, msg)
+                except ProtocolError as err:
+                    refusal = err
+    with contextlib.suppress(WebSocketDisconnect, WebSocketDisconnected, OSError):
+        await ws.send_text(json.dumps(_error(refusal)))
+        await ws.close(1013, refusal.code)
+    return None
 
 
 class _DemoRoute(Route):
@@ -379,10 +596,18 @@ def create_app(engine=None, limits: Limits | None = None, *, api_keys=(), allow_
                                         allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type",
                                                                                       "X-API-Key"],
                                         expose_headers=["X-Sample-Rate", "Retry-After"]))
-    app = Starlette(routes=routes, middleware=middleware,
+    app = Starlette(routes=routes, middleware=middleware, lifespan=functools.partial(_lifespan, hub),
                     exception_handlers={HTTPException: api.http_exception, Exception: api.server_error})
     app.state.hub = hub
     return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(hub: Hub, app: Starlette):
+    """At shutdown, end the sessions that wait for a resume (their engine streams would outlive the server)."""
+    yield
+    for session in list(hub.sessions):
+        await session.close()
 
 
 # ---- running it -----------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ const demo = {
   lastTtfaMs: null,        // text sent -> first audio frame, measured in the page
   lastDone: null,          // the server's last done event
   errors: [],              // every error event, {code, message}
+  reconnects: 0,           // dropped connections resumed (the audio goes on where it stopped)
+  reconnecting: false,
 };
 window.ttsDemo = demo;
 
@@ -31,6 +33,15 @@ let gotAudio = false;
 let sentText = "";         // type-as-you-go: what of the text box has been sent
 let pauseTimer = 0;
 const levels = [];
+// Resuming after a dropped connection (docs/protocol.md, Resume): what this session has received, what it has
+// sent since the last done (the server may not have had it), and the token ready gave.
+const RESUME_TRIES = 5;
+const ACK_BYTES = 65536;
+let session = newSession();
+
+function newSession() {
+  return { token: null, bytes: 0, events: 0, acked: 0, outbox: [], outboxBase: 0 };
+}
 
 function setState(state, note) {
   demo.state = state;
@@ -101,35 +112,104 @@ function drawMeter() {
 }
 
 // ---- the connection ------------------------------------------------------------------------------
-function connect() {
+function openSocket() {
   return new Promise((resolve, reject) => {
     const scheme = location.protocol === "https:" ? "wss" : "ws";
     const query = API_KEY ? `?api_key=${encodeURIComponent(API_KEY)}` : "";
     const socket = new WebSocket(`${scheme}://${location.host}/v1/stream${query}`);
     socket.binaryType = "arraybuffer";
-    socket.onopen = () => { ws = socket; setState("idle"); resolve(socket); };
-    socket.onmessage = (event) => onMessage(event.data);
-    socket.onclose = (event) => {
-      if (ws === socket) ws = null;
-      setState("closed", `disconnected (${event.code}${event.reason ? " " + event.reason : ""}); Speak reconnects`);
-      if (waiting) waiting.reject(new Error("connection closed"));
-      reject(new Error("connection failed"));
-    };
+    socket.onopen = () => resolve(socket);
+    socket.onclose = () => reject(new Error("connection failed"));
   });
 }
 
+function adopt(socket) {
+  ws = socket;
+  socket.onmessage = (event) => onMessage(event.data);
+  socket.onclose = (event) => onClose(socket, event);
+}
+
+async function connect() {
+  const socket = await openSocket();
+  session = newSession();
+  adopt(socket);
+  setState("idle");
+  return socket;
+}
+
+function onClose(socket, event) {
+  if (ws !== socket) return;
+  ws = null;
+  if (!event.wasClean && session.token && BUSY.includes(demo.state)) return resumeSession();  // a drop
+  setState("closed", `disconnected (${event.code}${event.reason ? " " + event.reason : ""}); Speak reconnects`);
+  if (waiting) waiting.reject(new Error("connection closed"));
+}
+
+// A dropped connection mid-utterance: reconnect (a few tries, backing off), resume the session with what has
+// arrived, and send again what the server had not received; the audio goes on where it stopped.
+async function resumeSession() {
+  demo.reconnecting = true;
+  for (let attempt = 0; attempt < RESUME_TRIES; attempt++) {
+    $("status").textContent = `connection lost: resuming (try ${attempt + 1} of ${RESUME_TRIES})`;
+    await new Promise((r) => setTimeout(r, 200 * 2 ** attempt));
+    let socket;
+    try { socket = await openSocket(); } catch { continue; }
+    const answer = await new Promise((resolve) => {
+      socket.onmessage = (event) => resolve(JSON.parse(event.data));  // resumed, or an error
+      socket.onclose = () => resolve(null);
+      socket.send(JSON.stringify({ type: "resume", token: session.token,
+                                   contexts: [{ bytes: session.bytes, events: session.events }] }));
+    });
+    if (answer && answer.type === "resumed") {
+      session.token = answer.resume_token;
+      adopt(socket);
+      for (const text of session.outbox.slice(answer.received - session.outboxBase)) socket.send(text);
+      demo.reconnects += 1;
+      demo.reconnecting = false;
+      setState(demo.state);
+      return;
+    }
+    socket.close();
+    if (answer && !["server_full", "client_limit"].includes(answer.code)) {
+      showError(answer.code, answer.message);
+      break;
+    }
+  }
+  demo.reconnecting = false;
+  session = newSession();
+  setState("closed", "disconnected, and the session could not be resumed; Speak reconnects");
+  if (waiting) waiting.reject(new Error("connection closed"));
+}
+
 async function socket() {
+  if (demo.reconnecting) throw new Error("reconnecting");
   return ws && ws.readyState === WebSocket.OPEN ? ws : connect();
 }
 
+// Every message but acks is kept until its utterance's done, to be sent again after a resume.
 function send(message) {
-  ws.send(JSON.stringify(message));
+  const text = JSON.stringify(message);
+  session.outbox.push(text);
+  if (ws && ws.readyState === WebSocket.OPEN) ws.send(text);
+}
+
+function acknowledge() {
+  session.acked = session.bytes;
+  if (ws && ws.readyState === WebSocket.OPEN) {
+    ws.send(JSON.stringify({ type: "ack", bytes: session.bytes, events: session.events }));
+  }
 }
 
 function onMessage(data) {
-  if (data instanceof ArrayBuffer) return onAudio(data);
+  if (data instanceof ArrayBuffer) {
+    session.bytes += data.byteLength;
+    if (session.bytes - session.acked >= ACK_BYTES) acknowledge();
+    return onAudio(data);
+  }
   const event = JSON.parse(data);
+  if (event.type !== "queued") session.events += 1;
   if (event.type === "ready") {
+    session.token = event.resume_token || null;
     if (waiting) waiting.resolve(event);
   } else if (event.type === "queued") {  // every slot is busy: the server keeps our place in its queue
     setState("starting", `waiting for a free slot (place ${event.position} in the queue)`);
@@ -156,6 +236,11 @@ function onAudio(buffer) {
 }
 
 function onDone(event) {
+  // The server has had every message up to the end or cancel that ended this utterance (a start sent since,
+  // after a Stop, belongs to the next one).
+  const ended = session.outbox.findIndex((text) => /^\{"type":"(end|cancel)"/.test(text)) + 1;
+  session.outbox.splice(0, ended);
+  session.outboxBase += ended;
   demo.lastDone = event;
   dropping = false;
   audio?.node.port.postMessage({ type: "final" });
@@ -204,7 +289,7 @@ async function speak() {
 function stop() {
   audio?.node.port.postMessage({ type: "clear" });  // silence at once
   demo.bufferedSamples = 0;
-  if (!BUSY.includes(demo.state) || !ws) return;
+  if (!BUSY.includes(demo.state) || (!ws && !demo.reconnecting)) return;
   dropping = true;
   send({ type: "cancel" });
   if (waiting) waiting.reject(new Error("stopped"));  // a start still waiting in the server's queue

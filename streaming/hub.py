@@ -30,7 +30,8 @@ class Hub:
         self.api_keys, self.allow_origins = tuple(api_keys), tuple(allow_origins)
         self.admission = Admission(limits, slots=None if engine is None else engine.max_streams)
         self.pool = ThreadPoolExecutor(2 * limits.max_connections + 2, thread_name_prefix="tts-io")
-        self.sessions: set = set()  # the WebSocket sessions (server.Session)
+        self.sessions: set = set()  # the WebSocket sessions (server.Session), those waiting for a resume too
+        self.resume_tokens: dict = {}  # resume token -> its session, or None once spent (resume_used)
         self.streams: set = set()  # engine streams open for clients, WebSocket and HTTP
 
     async def call(self, fn, *args):
@@ -125,7 +126,8 @@ class Hub:
 
     def stats(self) -> dict:
         figures = {"status": "ok", "sample_rate": SAMPLE_RATE, **self.admission.stats(),
-                   "max_connections": self.limits.max_connections, "max_queue": self.limits.max_queue}
+                   "max_connections": self.limits.max_connections, "max_queue": self.limits.max_queue,
+                   "awaiting_resume": sum(session.link is None for session in self.sessions)}
         if self._engine is not None:
             figures["slots"] = self._engine.max_streams
             if callable(stats := getattr(self._engine, "stats", None)):

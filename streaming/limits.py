@@ -23,11 +23,21 @@ class Limits:
     idle_timeout_s: float = _limit(30.0, "a WebSocket that sends no text and receives no audio this long is closed")
     send_buffer_bytes: int = _limit(65536, "kernel send buffer of each connection; audio beyond it waits in the engine")
     max_message_bytes: int = _limit(65536, "largest client message or request body")
+    resume_window_s: float = _limit(30.0, "how long a WebSocket session whose connection dropped waits for its "
+                                    "client to resume it, holding its slots and its place in the connection "
+                                    "caps (0: no resume)")
+    resume_buffer_bytes: int = _limit(1 << 20, "output of one context kept for a resume until the client "
+                                      "acknowledges it")
 
     def __post_init__(self):
         for name, value in vars(self).items():
-            if not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"limit {name} must be a positive number, not {value!r}")
+            least = 0 if name in _MAY_BE_ZERO else 1e-9
+            if not (isinstance(value, (int, float)) and value >= least):
+                raise ValueError(f"limit {name} must be a {'non-negative' if least == 0 else 'positive'} number, "
+                                 f"not {value!r}")
+
+
+_MAY_BE_ZERO = ("resume_window_s",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

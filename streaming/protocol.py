@@ -1,6 +1,7 @@
 """The server's client messages and errors, validated by pydantic; docs/protocol.md specifies them.
 
-A WebSocket client sends JSON messages tagged by ``type`` (``start``, ``text``, ``flush``, ``end``, ``cancel``),
+A WebSocket client sends JSON messages tagged by ``type`` (``start``, ``text``, ``flush``, ``end``, ``cancel``,
+and ``ack`` / ``resume`` for resuming after a dropped connection),
 each optionally naming a ``context_id`` (several utterances on one socket); an OpenAI-style HTTP client posts one
 `SpeechRequest`. Any invalid message becomes a `ProtocolError` whose ``code`` is one of the documented error
 codes (`ERRORS`), e.g. an unknown key -> ``unknown_key``; over HTTP the code also picks the status and OpenAI's
@@ -20,10 +21,12 @@ ERRORS = {
     "too_many_contexts": 400, "body_too_large": 413, "invalid_api_key": 401, "origin_not_allowed": 403,
     "not_found": 404, "method_not_allowed": 405, "client_limit": 429, "server_full": 503,
     "engine_error": 500, "internal": 500, "idle_timeout": 408,
+    "resume_expired": 410, "resume_used": 409, "resume_offset": 416,
 }
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
-                413: "invalid_request_error", 429: "rate_limit_error"}  # any 5xx: server_error
+                409: "invalid_request_error", 410: "invalid_request_error", 413: "invalid_request_error",
+                416: "invalid_request_error", 429: "rate_limit_error"}  # any 5xx: server_error
 
 
 class ProtocolError(Exception):
@@ -85,7 +88,32 @@ class Cancel(_Strict):
     type: Literal["cancel"]
 
 
-CLIENT_MESSAGE = TypeAdapter(Annotated[Union[Start, Text, Flush, End, Cancel], Field(discriminator="type")])
+Count = Annotated[int, Field(ge=0, lt=2**63)]
+
+
+class Ack(_Strict):
+    """The client holds the context's output up to here: the server may drop it from its replay log."""
+    type: Literal["ack"]
+    bytes: Count  # audio bytes received on the context since the session began
+    events: Count  # events received on it (not queued, audio, or the answers to a resume)
+
+
+class Position(_Strict):
+    """What the client has received of one context, in a resume."""
+    bytes: Count
+    events: Count
+
+
+class Resume(_Strict):
+    """Take over a session whose connection dropped: the rest of each context's output follows."""
+    type: Literal["resume"]
+    token: str = Field(min_length=1, max_length=64)
+    contexts: list[Position] = Field(default=[], max_length=64)
+
+
+CLIENT_MESSAGE = TypeAdapter(Annotated[Union[Start, Text, Flush, End, Cancel, Ack, Resume],
+                                       Field(discriminator="type")])
+UNCOUNTED = ("ack", "resume")  # client messages a resume's `received` does not count
 
 
 class VoiceRef(BaseModel):
@@ -117,7 +145,7 @@ _ERROR_CODES = {"json_invalid": "bad_json", "union_tag_invalid": "unknown_type",
                 "literal_error": "unsupported_format", "greater_than_equal": "bad_value",
                 "less_than_equal": "bad_value", "less_than": "bad_value", "finite_number": "bad_value",
                 "string_too_short": "bad_value", "string_too_long": "bad_value", "string_pattern_mismatch": "bad_value"}
-_MESSAGE_TYPES = ("start", "text", "flush", "end", "cancel")
+_MESSAGE_TYPES = ("start", "text", "flush", "end", "cancel", "ack", "resume")
 
 
 def validation_error(err: ValidationError) -> ProtocolError:

@@ -165,3 +165,78 @@ def test_with_an_api_key_and_a_busy_server_the_page_waits_in_the_queue(make_serv
         page.wait_for_function("window.ttsDemo.lastDone && !window.ttsDemo.lastDone.cancelled", timeout=60_000)
         assert demo(page)["errors"] == [] and demo(page)["chunksReceived"] > 0
         browser.close()
+
+
+class CuttableLink:
+    """A TCP forwarder in front of the server, in a thread of its own: `cut()` drops every connection through it
+    at once (both ends reset, no closing handshake), as a lost network would; new connections still go through."""
+
+    def __init__(self, port: int):
+        import asyncio
+        import threading
+        self.target, self.loop, self.writers = port, asyncio.new_event_loop(), set()
+        listening = asyncio.run_coroutine_threadsafe(self._listen(), self.loop)
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.port = listening.result(10)
+
+    async def _listen(self) -> int:
+        import asyncio
+        self.server = await asyncio.start_server(self._forward, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _forward(self, reader, writer) -> None:
+        import asyncio
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        self.writers |= {writer, up_writer}
+
+        async def pipe(source, sink):
+            try:
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            except OSError:
+                pass
+            finally:
+                sink.close()
+                self.writers.discard(sink)
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def cut(self) -> None:
+        def abort_all():
+            for writer in list(self.writers):
+                writer.transport.abort()
+        self.loop.call_soon_threadsafe(abort_all)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.cut()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_a_dropped_connection_is_resumed_and_the_audio_goes_on_whole(make_server, tiny_engine):
+    """The network between page and server is cut mid-utterance: the page reconnects, resumes the session and
+    receives the rest: every sample of the utterance once (the count equals the server's), and no error shown."""
+    server = make_server(tiny_engine)
+    link = CuttableLink(server.port)
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    try:
+        with sync_api.sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+            page = browser.new_page()
+            errors = []
+            page.on("pageerror", lambda error: errors.append(error))
+            page.goto(f"http://127.0.0.1:{link.port}/")
+            page.wait_for_function("window.ttsDemo && window.ttsDemo.state === 'idle'", timeout=20_000)
+            page.fill("#text", "The quick brown fox jumps over the lazy dog. " * 20)
+            page.click("#speak")
+            page.wait_for_function("window.ttsDemo.chunksReceived >= 3", timeout=60_000)
+            link.cut()
+            page.wait_for_function("window.ttsDemo.lastDone !== null", timeout=60_000)
+            state = demo(page)
+            browser.close()
+    finally:
+        link.close()
+    assert state["reconnects"] == 1 and state["errors"] == [] and errors == []
+    assert not state["lastDone"]["cancelled"]
+    assert state["samplesReceived"] == round(state["lastDone"]["audio_seconds"] * 24_000)

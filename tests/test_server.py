@@ -105,6 +105,8 @@ def test_pcm_stream_has_the_announced_format_and_length(server):
             return await utterance(ws, SENTENCE * 2, format="pcm_s16le")
 
     ready, frames, done = run(go())
+    token, window = ready.pop("resume_token"), ready.pop("resume_window_s")  # for a resume (test_resume.py)
+    assert len(token) >= 22 and window == 30  # 128 random bits, url-safe; the default window
     assert ready == {"type": "ready", "sample_rate": SR, "format": "pcm_s16le", "voice": "joe", "speed": 1.0}
     assert len(frames) >= 2, "audio arrives in several chunks, not at the end"
     data = b"".join(frames)
@@ -386,7 +388,10 @@ def test_cancel_with_nothing_to_cancel_is_ignored(server):
     assert run(go())["type"] == "done"
 
 
-def test_a_client_that_vanishes_mid_stream_frees_its_slot(server, tiny_engine):
+def test_a_client_that_vanishes_mid_stream_frees_its_slot(make_server, tiny_engine):
+    """With resume off; with it on, the slot is freed when the resume window passes (test_resume.py)."""
+    server = make_server(tiny_engine, resume_window_s=0)
+
     async def go():
         ws = await websockets.connect(server.ws_url)
         await open_long_utterance(ws, sentences=6)
@@ -859,7 +864,11 @@ def test_an_empty_voice_name_is_an_unknown_voice_on_the_socket(server):
     assert run(go())["code"] == "unknown_voice"
 
 
-def test_aborted_connections_in_a_tight_loop_leak_nothing(server, tiny_engine):
+@pytest.mark.parametrize("resume_window_s", [0, 0.3])
+def test_aborted_connections_in_a_tight_loop_leak_nothing(make_server, tiny_engine, resume_window_s):
+    """With resume off, and on (a dropped session then waits out its window, holding its slot)."""
+    server = make_server(tiny_engine, resume_window_s=resume_window_s)
+
     async def abort_at(step):
         ws = await websockets.connect(server.ws_url)
         for message in ({"type": "start"}, {"type": "text", "text": SENTENCE * 3}, {"type": "end"})[:step]:
@@ -871,6 +880,7 @@ def test_aborted_connections_in_a_tight_loop_leak_nothing(server, tiny_engine):
     async def go():
         for i in range(30):
             await abort_at(i % 4)
+        await asyncio.to_thread(wait_until, lambda: server.hub.stats()["awaiting_resume"] == 0)  # slots held
         async with websockets.connect(server.ws_url) as ws:
             return await utterance(ws, "Still serving.")
 

@@ -9,11 +9,14 @@
 comes. `synthesize_via_server` is the blocking form, and `say_via_server` (used by
 `tts say "..." --server ws://host:port`) writes a sound file atomically or plays through a sound device.
 A server started with API keys wants one: `connect(url, api_key=...)` (default: the TTS_API_KEY variable).
+A connection that drops mid-utterance is resumed on a new one (`connect(..., resume=False)` to fail instead):
+the audio goes on where it stopped, nothing lost or repeated.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import tempfile
@@ -63,30 +66,115 @@ async def _pieces(text: TextSource) -> AsyncIterator[str]:
             yield piece
 
 
-class StreamClient:
-    """One connection to /v1/stream; utterances are spoken one after another on it (the server also takes
-    several at once, by context_id: see docs/protocol.md; this client keeps to one)."""
+ACK_BYTES = 16_384  # acknowledge audio this often: the server keeps what is unacknowledged for a resume
+RETRY_CODES = ("server_full", "client_limit")  # a refused reconnection: try again after the back-off
 
-    def __init__(self, ws):
-        self.ws = ws
+
+class StreamClient:
+    """One session on /v1/stream; utterances are spoken one after another on it (the server also takes
+    several at once, by context_id: see docs/protocol.md; this client keeps to one).
+
+    A connection that drops (no close from the server) is resumed: the client reconnects, `retries` times at
+    most with a back-off from `backoff_s` doubling, and the server sends what did not arrive while the client
+    sends again what the server did not get, so the caller sees one uninterrupted stream (`reconnects` counts
+    them). `reopen` opens a new connection (None: no resuming)."""
+
+    def __init__(self, ws, reopen=None, retries: int = 5, backoff_s: float = 0.1):
+        self.ws, self._reopen, self.retries, self.backoff_s = ws, reopen, retries, backoff_s
         self.ready: dict | None = None
         self.done: dict | None = None
         self.queue_position: int | None = None  # while the server is full: the place of our start in its queue
         self.timings: list[dict] = []  # the utterance's timing events, when asked for
+        self.resume_token: str | None = None
+        self.reconnects = 0
         self._lock = asyncio.Lock()  # one utterance at a time on a connection
+        self._send_lock = asyncio.Lock()  # a resume's resending and new messages keep their order
+        self._got_bytes = self._got_events = self._acked_bytes = 0  # received over the session
+        self._outbox: list[str] = []  # sent since the last done: the server may not have had them
+        self._outbox_base = 0  # messages sent before _outbox[0] (acks and resumes are not counted)
+
+    async def _send(self, message: dict) -> None:
+        """Send a message, kept until the utterance's done to be sent again should a resume need it."""
+        text = json.dumps(message)
+        async with self._send_lock:
+            self._outbox.append(text)
+            with contextlib.suppress(websockets.ConnectionClosed, OSError):
+                await self.ws.send(text)  # on a dropped connection, the receiving side resumes
+
+    async def _recv(self) -> str | bytes:
+        """The next message; a connection that dropped is resumed first."""
+        while True:
+            try:
+                message = await self.ws.recv()
+            except websockets.ConnectionClosed as closed:
+                if closed.rcvd is not None or self.resume_token is None or self._reopen is None:
+                    raise  # the server closed it, or it cannot be resumed
+                await self._resume()
+                continue
+            if isinstance(message, bytes):
+                self._got_bytes += len(message)
+                if self._got_bytes - self._acked_bytes >= ACK_BYTES:
+                    await self._ack()
+            return message
 
     async def _next_event(self) -> dict | bytes:
-        message = await self.ws.recv()
+        message = await self._recv()
         if isinstance(message, bytes):
             return message
         event = json.loads(message)
-        if event.get("type") == "error":
+        kind = event.get("type")
+        self._got_events += kind not in ("queued", "resumed")
+        if kind == "error":
             raise ServerError(event.get("code", "unknown"), event.get("message", ""))
+        if kind == "ready":
+            self.resume_token = event.get("resume_token", self.resume_token)
+        elif kind == "done":  # the server has had every message of the utterance
+            self._outbox_base += len(self._outbox)
+            self._outbox = []
         return event
+
+    async def _ack(self) -> None:
+        self._acked_bytes = self._got_bytes
+        with contextlib.suppress(websockets.ConnectionClosed, OSError):
+            await self.ws.send(json.dumps({"type": "ack", "bytes": self._got_bytes, "events": self._got_events}))
+
+    async def _resume(self) -> None:
+        """Reconnect and resume the session. Raises ServerError when the server cannot resume it (the session
+        expired, ...), ClientError when no try got through."""
+        failure = None
+        for attempt in range(self.retries):
+            await asyncio.sleep(self.backoff_s * 2 ** attempt)
+            try:
+                ws = await self._reopen()
+                await ws.send(json.dumps({"type": "resume", "token": self.resume_token,
+                                          "contexts": [{"bytes": self._got_bytes, "events": self._got_events}]}))
+                async with asyncio.timeout(10):
+                    answer = json.loads(await ws.recv())
+            except (OSError, TimeoutError, ClientError, websockets.WebSocketException) as err:
+                failure = err
+                continue
+            if answer.get("type") == "error":
+                await ws.close()
+                failure = ServerError(answer.get("code", "unknown"), answer.get("message", ""))
+                if failure.code in RETRY_CODES:
+                    continue
+                break
+            self.resume_token = answer["resume_token"]
+            async with self._send_lock:
+                self.ws = ws
+                for text in self._outbox[answer["received"] - self._outbox_base:]:
+                    await ws.send(text)
+            self.reconnects += 1
+            return
+        self.resume_token = None  # the session is lost: no more tries
+        if isinstance(failure, ServerError):
+            raise failure
+        raise ClientError(f"the connection to the server dropped and {self.retries} tries to resume failed: "
+                          f"{failure}")
 
     async def _start(self, voice: str | None, speed: float, fmt: str, **options) -> None:
         start = {"type": "start", "voice": voice, "format": fmt, "speed": speed}
-        await self.ws.send(json.dumps(start | {k: v for k, v in options.items() if v is not None}))
+        await self._send(start | {k: v for k, v in options.items() if v is not None})
         self.timings, self.done = [], None
         while isinstance(event := await self._next_event(), dict) and event.get("type") == "queued":
             self.queue_position = event["position"]  # every slot is busy: the server holds our place
@@ -96,8 +184,8 @@ class StreamClient:
 
     async def _send_text(self, text: TextSource) -> None:
         async for piece in _pieces(text):
-            await self.ws.send(json.dumps({"type": "text", "text": piece}))
-        await self.ws.send(json.dumps({"type": "end"}))
+            await self._send({"type": "text", "text": piece})
+        await self._send({"type": "end"})
 
     async def stream(self, text: TextSource, voice: str | None = None, speed: float = 1.0, fmt: str = "pcm_s16le",
                      *, seed: int | None = None, sample_rate: int | None = None, timings: bool = False,
@@ -131,12 +219,11 @@ class StreamClient:
 
     async def _cancel(self) -> None:
         """Cancel the utterance and skip what is still in flight, up to its done."""
-        with contextlib.suppress(OSError, websockets.ConnectionClosed, TimeoutError):
-            await self.ws.send(json.dumps({"type": "cancel"}))
+        with contextlib.suppress(OSError, websockets.ConnectionClosed, TimeoutError, ClientError):
+            await self._send({"type": "cancel"})
             async with asyncio.timeout(10):
                 while True:
-                    message = await self.ws.recv()
-                    if isinstance(message, str) and (event := json.loads(message)).get("type") == "done":
+                    if isinstance(event := await self._next_event(), dict) and event.get("type") == "done":
                         self.done = event
                         return
 
@@ -152,14 +239,25 @@ class StreamClient:
 
 
 @contextlib.asynccontextmanager
-async def connect(url: str, api_key: str | None = None, **kwargs) -> AsyncIterator[StreamClient]:
-    """An open StreamClient; `api_key` (default: $TTS_API_KEY) for a server that wants one; `kwargs` go to
+async def connect(url: str, api_key: str | None = None, *, resume: bool = True, retries: int = 5,
+                  backoff_s: float = 0.1, **kwargs) -> AsyncIterator[StreamClient]:
+    """An open StreamClient; `api_key` (default: $TTS_API_KEY) for a server that wants one; `resume`: reconnect
+    and resume after a dropped connection (`retries` tries, back-off from `backoff_s` doubling); `kwargs` go to
     `websockets.connect`."""
     target = stream_url(url)
     if api_key := api_key or os.environ.get("TTS_API_KEY"):
         kwargs["additional_headers"] = {"Authorization": f"Bearer {api_key}", **kwargs.get("additional_headers", {})}
+    client = StreamClient(await _open(target, kwargs), functools.partial(_open, target, kwargs) if resume else None,
+                          retries, backoff_s)
     try:
-        ws = await websockets.connect(target, **kwargs)
+        yield client
+    finally:
+        await client.ws.close()
+
+
+async def _open(target: str, kwargs: dict):
+    try:
+        return await websockets.connect(target, **kwargs)
     except websockets.InvalidStatus as err:
         status = err.response.status_code
         hint = " (a wrong or missing API key: api_key=, or TTS_API_KEY; or an origin it does not allow)"
@@ -167,10 +265,6 @@ async def connect(url: str, api_key: str | None = None, **kwargs) -> AsyncIterat
                           f"{hint if status == 403 else ''}") from None
     except (OSError, websockets.InvalidHandshake, websockets.InvalidURI) as err:
         raise ClientError(f"cannot reach the tts server at {target}: {err}") from None
-    try:
-        yield StreamClient(ws)
-    finally:
-        await ws.close()
 
 
 async def synthesize_async(url: str, text: TextSource, voice: str | None = None, speed: float = 1.0,

@@ -1,0 +1,166 @@
+"""Resuming a WebSocket session after a dropped connection (docs/protocol.md, Resume): what each context has sent
+and the client has not acknowledged (`ReplayLog`), and one socket serving a session (`Link`).
+
+A session outlives its socket. When the socket drops without a clean close, the session waits `resume_window_s`
+for the client to come back with its resume token and say, per context, how much it has received; the server then
+sends exactly the rest from the replay log, and the utterances go on. The log holds what was sent since the
+client's last `ack`, bounded by `resume_buffer_bytes` per context: a resume from before what it still holds gets
+`resume_offset`.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections import deque
+from dataclasses import dataclass
+
+from starlette.websockets import WebSocket
+
+
+class LinkBroken(ConnectionError):
+    """The socket is gone (dropped, or replaced by a resume on another socket)."""
+
+
+@dataclass
+class Entry:
+    """One thing sent on a context, at its position: audio bytes, or one JSON event."""
+    seq: int  # order among everything the session has logged
+    at_bytes: int  # audio bytes sent on the context before this entry
+    at_events: int  # events sent on the context before this entry
+    audio: bytes | None = None
+    event: dict | None = None
+    size: int = 0  # bytes it holds (an event: its JSON's length)
+
+
+class ReplayLog:
+    """What one context (a `context_id`, or the default one) of a session has sent since the client's last ack,
+    in the order sent, so a client that reconnects gets exactly what it lacks.
+
+    A position is (bytes, events), counted from the context's first use on the session: `bytes` of audio (the
+    decoded bytes of base64 `audio` events too) and `events`, the JSON events but `queued`, `audio` and the answers
+    to a resume. Example: ready, 3840 B of audio, a timing event, 7680 B of audio were sent: entries at (0, 0)
+    ready, (0, 1) audio, (3840, 1) timing, (3840, 2) audio; the end is (11520, 2). A client holding (5000, 2)
+    lacks the last 6520 B: `since(5000, 2)` -> [6520 B of audio]. `ack(3840, 1)` drops the first two entries;
+    a resume from (0, 0) is then refused (`check`). Past `budget` bytes the oldest entries go as if acked."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.entries: deque[Entry] = deque()
+        self.end_bytes = self.end_events = 0
+        self.size = 0
+
+    @property
+    def start(self) -> tuple[int, int]:
+        """The position of the oldest entry held (the end when none is)."""
+        first = self.entries[0] if self.entries else None
+        return (first.at_bytes, first.at_events) if first else (self.end_bytes, self.end_events)
+
+    def add(self, seq: int, *, audio: bytes | None = None, event: dict | None = None) -> Entry:
+        size = len(audio) if audio is not None else len(json.dumps(event))
+        entry = Entry(seq, self.end_bytes, self.end_events, audio, event, size)
+        self.entries.append(entry)
+        self.size += entry.size
+        if audio is not None:
+            self.end_bytes += len(audio)
+        else:
+            self.end_events += 1
+        while self.size > self.budget and len(self.entries) > 2:  # the newest (maybe not yet sent) stay
+            self.size -= self.entries.popleft().size
+        return entry
+
+    def check(self, nbytes: int, events: int) -> None:
+        """Raise ValueError unless (nbytes, events) lies within what is held, start .. end."""
+        first_bytes, first_events = self.start
+        if nbytes > self.end_bytes or events > self.end_events:
+            raise ValueError(f"({nbytes} bytes, {events} events) is past what was sent ({self.end_bytes} bytes, "
+                             f"{self.end_events} events)")
+        if nbytes < first_bytes or events < first_events:
+            raise ValueError(f"({nbytes} bytes, {events} events) is no longer held: the server holds from "
+                             f"({first_bytes} bytes, {first_events} events); acknowledge more often")
+
+    def ack(self, nbytes: int, events: int) -> None:
+        """The client holds everything up to (nbytes, events): drop the entries wholly before it. Raises
+        ValueError for a position past what was sent; an older ack than the last is harmless."""
+        if nbytes > self.end_bytes or events > self.end_events:
+            self.check(nbytes, events)
+        while self.entries and _before(self.entries[0], nbytes, events):
+            self.size -= self.entries.popleft().size
+
+    def since(self, nbytes: int, events: int) -> list[Entry]:
+        """The entries, or their tails, after (nbytes, events), in order (`check` it first)."""
+        missing = []
+        for entry in self.entries:
+            if entry.audio is not None and entry.at_bytes + len(entry.audio) > nbytes:
+                tail = entry.audio[max(0, nbytes - entry.at_bytes):]
+                missing.append(Entry(entry.seq, entry.at_bytes, entry.at_events, audio=tail, size=len(tail)))
+            elif entry.event is not None and entry.at_events >= events:
+                missing.append(entry)
+        return missing
+
+
+def _before(entry: Entry, nbytes: int, events: int) -> bool:
+    if entry.audio is not None:
+        return entry.at_bytes + len(entry.audio) <= nbytes
+    return entry.at_events < events
+
+
+class Link:
+    """One socket serving a session. `first_seq`: log entries before it were sent on an earlier socket (or are
+    replayed by the resume), so a sender that waited through the drop must not send them again. Every send and
+    receive gives up at once when the link breaks (`cut`): a socket that a resume replaced may be half-open, and
+    nothing may wait on it."""
+
+    def __init__(self, ws: WebSocket, first_seq: int, timeout_s: float):
+        self.ws, self.first_seq, self.timeout_s = ws, first_seq, timeout_s
+        self.broken = asyncio.Event()
+        self.dropped = False  # ended without a clean close: the session waits for a resume
+        self.replaced = False  # a resume took the session to another socket
+        self.heard = False  # a message has come from the client on it
+
+    def cut(self, *, dropped: bool = False, replaced: bool = False) -> None:
+        if not self.broken.is_set():
+            self.dropped, self.replaced = dropped, replaced
+            self.broken.set()
+
+    async def send_text(self, text: str) -> None:
+        await self.race(self.ws.send_text(text), self.timeout_s)
+
+    async def send_audio(self, data: bytes, context_id: str | None) -> None:
+        """The default context's audio as a binary frame; a named context's as JSON with base64 (a binary frame
+        cannot say which utterance it belongs to)."""
+        if context_id is None:
+            await self.race(self.ws.send_bytes(data), self.timeout_s)
+        else:
+            await self.send_text(json.dumps({"type": "audio", "context_id": context_id,
+                                             "audio": base64.b64encode(data).decode("ascii")}))
+
+    async def race(self, work, timeout_s: float):
+        """Await `work` for at most `timeout_s` (TimeoutError), or until the link breaks (LinkBroken)."""
+        if self.broken.is_set():
+            work.close()
+            raise LinkBroken("the connection is gone")
+        task, cut = asyncio.ensure_future(work), asyncio.ensure_future(self.broken.wait())
+        task.add_done_callback(_retrieve)  # a failure once the link is given up is no news
+        try:
+            await asyncio.wait((task, cut), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cut.cancel()
+            if not task.done():
+                task.cancel()
+        if task.done() and not task.cancelled():
+            return task.result()
+        if self.broken.is_set():
+            raise LinkBroken("the connection is gone")
+        raise TimeoutError(f"no progress for {timeout_s:g} s")
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def dropped(message: dict) -> bool:
+    """Whether a websocket.disconnect means the connection was lost rather than closed. uvicorn reports a lost
+    transport as 1006, or, once the handshake is done, as 1005 without the `reason` a received close frame has."""
+    return message.get("code") == 1006 or (message.get("code") == 1005 and "reason" not in message)

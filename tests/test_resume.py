@@ -1,0 +1,405 @@
+"""Resuming a WebSocket session after its connection dropped (docs/protocol.md, Resume), on the real server on a
+loopback port with the tiny random-weight engine: the connection is cut by aborting the client's transport (no
+closing handshake), as a lost network would; a resumed stream must equal, bit for bit, the same seeded request
+never interrupted."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import websockets
+
+from tts.client import ServerError, connect
+
+SENTENCE = "The quick brown fox jumps over the lazy dog. "
+
+
+def run(coro, timeout: float = 120):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def send(ws, **message) -> None:
+    await ws.send(json.dumps(message))
+
+
+def wait_until(condition, seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+class Received:
+    """What a client holds of one session, per context: audio bytes, and events (not queued or resumed)."""
+
+    def __init__(self):
+        self.audio: dict = defaultdict(bytearray)
+        self.events: dict = defaultdict(list)
+
+    def take(self, message) -> dict | None:
+        if isinstance(message, bytes):
+            self.audio[None] += message
+            return None
+        event = json.loads(message)
+        context = event.get("context_id")
+        if event["type"] == "audio":
+            self.audio[context] += base64.b64decode(event["audio"])
+        elif event["type"] not in ("queued", "resumed"):
+            self.events[context].append(event)
+        return event
+
+    def done(self, context=None) -> bool:
+        return any(e["type"] == "done" for e in self.events[context])
+
+    def position(self, context=None) -> dict:
+        where = {"bytes": len(self.audio[context]), "events": len(self.events[context])}
+        return where if context is None else {"context_id": context, **where}
+
+    def words(self, context=None) -> list:
+        return [w for e in self.events[context] if e["type"] == "timing" for w in e["words"]]
+
+    async def read(self, ws, until, timeout: float = 60) -> None:
+        async with asyncio.timeout(timeout):
+            while not until():
+                self.take(await ws.recv())
+
+
+STARTS = {None: {"format": "f32le", "seed": 11, "word_timings": True},
+          "b": {"format": "pcm_s16le", "seed": 22, "word_timings": True, "voice": "slt"}}
+
+
+async def open_contexts(ws, got: Received, sentences: int = 3) -> str:
+    """Start both contexts of STARTS with their text ended; returns the resume token of their ready."""
+    for context, start in STARTS.items():
+        await send(ws, type="start", **start, **({"context_id": context} if context else {}))
+    await got.read(ws, lambda: all(any(e["type"] == "ready" for e in got.events[c]) for c in STARTS))
+    for context in STARTS:
+        named = {"context_id": context} if context else {}
+        await send(ws, type="text", text=SENTENCE * sentences, **named)
+        await send(ws, type="end", **named)
+    return got.events[None][0]["resume_token"]
+
+
+async def uninterrupted(url: str, sentences: int = 3) -> Received:
+    got = Received()
+    async with websockets.connect(url) as ws:
+        await open_contexts(ws, got, sentences)
+        await got.read(ws, lambda: all(got.done(c) for c in STARTS))
+    return got
+
+
+def assert_same_output(resumed: Received, reference: Received) -> None:
+    for context in STARTS:
+        assert len(resumed.audio[context]) == len(reference.audio[context]) > 0, context
+        assert bytes(resumed.audio[context]) == bytes(reference.audio[context]), context
+        assert resumed.words(context) == reference.words(context) != [], context
+        kinds = [e["type"] for e in resumed.events[context]]
+        assert kinds.count("ready") == 1 and kinds.count("done") == 1 and kinds[-1] == "done", kinds
+        assert not resumed.events[context][-1]["cancelled"]
+
+
+@pytest.fixture
+def resume_server(make_server, tiny_engine):
+    return make_server(tiny_engine, resume_window_s=10)
+
+
+def test_an_aborted_connection_resumes_with_no_gap_and_no_duplicate(resume_server):
+    """Two contexts (binary and base64 audio, word timings), acknowledged as they arrive, cut mid-utterance by a
+    transport abort, resumed on a new socket: each context's audio equals the uninterrupted stream's, bit for
+    bit, and its events come once each."""
+    server = resume_server
+
+    async def go():
+        reference = await uninterrupted(server.ws_url)
+        got = Received()
+        ws = await websockets.connect(server.ws_url)
+        token = await open_contexts(ws, got)
+        await got.read(ws, lambda: len(got.audio[None]) > 20_000 and len(got.audio["b"]) > 5_000)
+        await send(ws, type="ack", **got.position(None))
+        await send(ws, type="ack", **got.position("b"))
+        await got.read(ws, lambda: len(got.audio[None]) > 40_000)  # more, unacknowledged: the server replays it
+        ws.transport.abort()
+        held = await asyncio.to_thread(wait_until, lambda: server.hub.admission.connections == 1
+                                       and not any(s.link for s in server.hub.sessions))
+        async with websockets.connect(server.ws_url) as again:
+            await send(again, type="resume", token=token, contexts=[got.position(c) for c in STARTS])
+            resumed = json.loads(await again.recv())
+            await got.read(again, lambda: all(got.done(c) for c in STARTS))
+        return reference, got, resumed, held
+
+    reference, got, resumed, held = run(go())
+    assert held, "the dropped session was not kept"
+    assert resumed["type"] == "resumed" and resumed["resume_token"] != got.events[None][0]["resume_token"]
+    assert resumed["received"] == 6 and resumed["resume_window_s"] == 10  # 2 starts, 2 texts, 2 ends
+    assert_same_output(got, reference)
+    assert wait_until(lambda: server.hub.admission.connections == 0 and server.hub.admission.active == 0)
+
+
+def test_resume_takes_over_a_connection_the_server_still_holds(resume_server):
+    """A half-open socket (the server has not noticed the drop): the resume takes the session over, and the
+    new socket gets exactly what the old one's reader had not taken."""
+    server = resume_server
+
+    async def go():
+        reference = await uninterrupted(server.ws_url, sentences=2)
+        got = Received()
+        old = await websockets.connect(server.ws_url)
+        token = await open_contexts(old, got, sentences=2)
+        await got.read(old, lambda: len(got.audio[None]) > 20_000)
+        async with websockets.connect(server.ws_url) as new:
+            await send(new, type="resume", token=token, contexts=[got.position(c) for c in STARTS])
+            assert json.loads(await new.recv())["type"] == "resumed"
+            await got.read(new, lambda: all(got.done(c) for c in STARTS))
+        old.transport.abort()
+        return reference, got
+
+    reference, got = run(go())
+    assert_same_output(got, reference)
+    assert wait_until(lambda: server.hub.admission.connections == 0 and not server.hub.sessions)
+
+
+async def dropped_session(url: str, ack: bool = True, sentences: int = 4) -> tuple[str, Received]:
+    """An f32le utterance read for a while (acknowledged as it comes, or not), then cut off."""
+    got = Received()
+    ws = await websockets.connect(url)
+    await send(ws, type="start", format="f32le", seed=5)
+    await send(ws, type="text", text=SENTENCE * sentences)
+    await send(ws, type="end")
+    while len(got.audio[None]) < 100_000:
+        got.take(await asyncio.wait_for(ws.recv(), 30))
+        if ack:
+            await send(ws, type="ack", **got.position())
+    ws.transport.abort()
+    return got.events[None][0]["resume_token"], got
+
+
+async def resume(url: str, token: str, *contexts: dict) -> dict:
+    async with websockets.connect(url) as ws:
+        await send(ws, type="resume", token=token, contexts=list(contexts))
+        return json.loads(await asyncio.wait_for(ws.recv(), 10))
+
+
+def test_stale_offsets_unknown_and_spent_tokens_get_typed_errors(resume_server):
+    server = resume_server
+
+    async def go():
+        token, got = await dropped_session(server.ws_url)
+        unknown = await resume(server.ws_url, "no-such-token")
+        acked_away = await resume(server.ws_url, token, {"bytes": 0, "events": 0})  # acknowledged: not held
+        past_the_end = await resume(server.ws_url, token, {"bytes": 10**9, "events": 1})
+        first = websockets.connect(server.ws_url)
+        async with first as ws:  # a good resume, holding the session...
+            await send(ws, type="resume", token=token, contexts=[got.position()])
+            resumed = json.loads(await ws.recv())
+            spent = await resume(server.ws_url, token, got.position())  # ...and a second one with its token
+            await send(ws, type="cancel")
+            await got.read(ws, got.done)
+            not_first = await resume_after_start(server.ws_url, resumed["resume_token"])
+        return unknown, acked_away, past_the_end, resumed, spent, not_first
+
+    unknown, acked_away, past_the_end, resumed, spent, not_first = run(go())
+    assert (unknown["type"], unknown["code"]) == ("error", "resume_expired")
+    assert acked_away["code"] == "resume_offset" and "no longer held" in acked_away["message"]
+    assert past_the_end["code"] == "resume_offset" and "past what was sent" in past_the_end["message"]
+    assert resumed["type"] == "resumed"  # the failed tries did not spend the token
+    assert spent["code"] == "resume_used"
+    assert not_first["code"] == "bad_state"
+    assert wait_until(lambda: server.hub.admission.connections == 0 and not server.hub.resume_tokens)
+
+
+async def resume_after_start(url: str, token: str) -> dict:
+    async with websockets.connect(url) as ws:
+        await send(ws, type="start")
+        assert json.loads(await ws.recv())["type"] == "ready"
+        await send(ws, type="resume", token=token)
+        return json.loads(await ws.recv())
+
+
+def test_without_acks_the_replay_log_is_bounded(make_server, tiny_engine):
+    """A client that never acknowledges: the server keeps only about the last resume_buffer_bytes of a context;
+    a resume from before them is refused, one from within them gets the rest of the audio exactly."""
+    server = make_server(tiny_engine, resume_window_s=10, resume_buffer_bytes=32_768)
+
+    async def go():
+        reference = Received()
+        async with websockets.connect(server.ws_url) as ws:
+            await send(ws, type="start", format="f32le", seed=5)
+            await send(ws, type="text", text=SENTENCE * 4)
+            await send(ws, type="end")
+            await reference.read(ws, reference.done)
+        token, _ = await dropped_session(server.ws_url, ack=False)
+        await asyncio.to_thread(wait_until, lambda: len(server.hub.sessions) == 1)
+        log = next(iter(server.hub.sessions)).logs[None]
+        # the newest entry held: it stays even should the pump log one more chunk that it read before the drop
+        nbytes, events, held = log.entries[-1].at_bytes, log.entries[-1].at_events, log.size
+        refused = await resume(server.ws_url, token, {"bytes": 0, "events": events})
+        got = Received()
+        async with websockets.connect(server.ws_url) as ws:
+            await send(ws, type="resume", token=token, contexts=[{"bytes": nbytes, "events": events}])
+            resumed = json.loads(await ws.recv())
+            await got.read(ws, got.done)
+        return reference, nbytes, held, refused, resumed, got
+
+    reference, nbytes, held, refused, resumed, got = run(go())
+    assert nbytes > 0 and held <= 32_768 + 2 * 40_000  # the budget, and the newest entries whatever their size
+    assert refused["code"] == "resume_offset" and "no longer held" in refused["message"]
+    assert resumed["type"] == "resumed"
+    assert bytes(got.audio[None]) == bytes(reference.audio[None][nbytes:])
+    assert [e["type"] for e in got.events[None]] == ["done"]  # ready and the timings before it: acknowledged
+
+
+def test_a_session_that_is_not_resumed_expires_and_frees_everything(make_server, tiny_engine):
+    """While it waits, a dropped session holds its slot and counts as a connection; when the window passes it
+    frees both, its engine stream and its token, and its token is then refused."""
+    server = make_server(tiny_engine, resume_window_s=1.0)
+    admission = server.hub.admission
+
+    async def go():
+        token, _ = await dropped_session(server.ws_url)
+        await asyncio.sleep(0.3)
+        waiting = (admission.connections, admission.active, len(server.hub.sessions))
+        freed = await asyncio.to_thread(wait_until, lambda: admission.connections == 0 and admission.active == 0
+                                        and not server.hub.sessions and not server.hub.streams
+                                        and tiny_engine.active_streams == 0, 10)
+        return waiting, freed, server.hub.resume_tokens.copy(), await resume(server.ws_url, token,
+                                                                              {"bytes": 0, "events": 0})
+
+    waiting, freed, tokens, late = run(go())
+    assert waiting == (1, 1, 1)
+    assert freed and tokens == {}
+    assert late["code"] == "resume_expired"
+
+
+def test_a_clean_close_ends_the_session_at_once(resume_server, tiny_engine):
+    server = resume_server
+
+    async def go():
+        async with websockets.connect(server.ws_url) as ws:
+            await send(ws, type="start", format="f32le")
+            token = json.loads(await ws.recv())["resume_token"]
+            await send(ws, type="text", text=SENTENCE * 6)
+            await asyncio.wait_for(ws.recv(), 30)
+        freed = await asyncio.to_thread(wait_until, lambda: server.hub.admission.connections == 0
+                                        and tiny_engine.active_streams == 0, 5)
+        return freed, await resume(server.ws_url, token)
+
+    freed, late = run(go())
+    assert freed and late["code"] == "resume_expired"
+
+
+def test_resume_off_sends_no_token_and_frees_a_dropped_session_at_once(make_server, tiny_engine):
+    server = make_server(tiny_engine, resume_window_s=0)
+
+    async def go():
+        ws = await websockets.connect(server.ws_url)
+        await send(ws, type="start")
+        ready = json.loads(await ws.recv())
+        await send(ws, type="text", text=SENTENCE * 6)
+        await asyncio.wait_for(ws.recv(), 30)
+        ws.transport.abort()
+        return ready
+
+    assert "resume_token" not in run(go())
+    assert wait_until(lambda: server.hub.admission.connections == 0 and tiny_engine.active_streams == 0, 5)
+
+
+# ---- the Python client ---------------------------------------------------------------------------
+async def client_audio(url: str, text, abort_after: int | None = None, **options) -> tuple[np.ndarray, int]:
+    """The utterance through tts.client; its connection aborted after `abort_after` chunks."""
+    chunks = []
+    async with connect(url, backoff_s=0.05) as client:
+        async for chunk in client.speak(text, seed=7, **options):
+            chunks.append(chunk)
+            if len(chunks) == abort_after:
+                client.ws.transport.abort()
+        return np.concatenate(chunks), client.reconnects
+
+
+def test_the_client_reconnects_and_its_caller_sees_one_uninterrupted_stream(resume_server):
+    url = resume_server.ws_url
+    reference, _ = run(client_audio(url, SENTENCE * 2))
+    for abort_after in (1, 4):
+        audio, reconnects = run(client_audio(url, SENTENCE * 2, abort_after=abort_after))
+        assert reconnects == 1
+        assert len(audio) == len(reference) and audio.tobytes() == reference.tobytes(), abort_after
+
+
+def test_the_client_resends_text_the_server_did_not_get(resume_server):
+    """Text still arriving (an LLM's pieces) when the connection drops: whatever the server had not received
+    is sent again, once; the utterance ends whole."""
+    async def pieces():
+        for word in (SENTENCE * 2).split():
+            yield word + " "
+            await asyncio.sleep(0.02)
+
+    async def go():
+        chunks, done = [], None
+        async with connect(resume_server.ws_url, backoff_s=0.05) as client:
+            async for chunk in client.speak(pieces(), word_timings=True):
+                chunks.append(chunk)
+                if len(chunks) == 1:
+                    client.ws.transport.abort()
+            done = client.done
+            words = [w["word"] for e in client.timings for w in e["words"]]
+            return np.concatenate(chunks), done, words, client.reconnects
+
+    audio, done, words, reconnects = run(go())
+    assert reconnects == 1 and not done["cancelled"]
+    assert len(audio) == round(done["audio_seconds"] * 24_000)
+    assert words == (SENTENCE * 2).split()  # every word spoken once, in order
+
+
+def test_the_client_reports_a_session_it_cannot_resume(make_server, tiny_engine):
+    server = make_server(tiny_engine, resume_window_s=0.2)
+
+    async def go():
+        async with connect(server.ws_url, backoff_s=0.5, retries=2) as client:
+            async for _ in client.speak(SENTENCE * 6):
+                await asyncio.to_thread(wait_until, lambda: bool(server.hub.sessions))
+                client.ws.transport.abort()
+
+    with pytest.raises(ServerError) as failure:
+        run(go())
+    assert failure.value.code == "resume_expired"
+
+
+def test_a_resume_gets_past_the_connection_caps_its_waiting_session_fills(make_server, tiny_engine):
+    """One connection per client: the dropped session still counts, so another connection is refused
+    (client_limit) while a resume of that session is let in and completes the audio exactly."""
+    server = make_server(tiny_engine, resume_window_s=10, max_connections_per_client=1)
+
+    async def go():
+        reference, _ = await client_audio(server.ws_url, SENTENCE * 2)
+        await asyncio.to_thread(wait_until, lambda: server.hub.admission.connections == 0)
+        chunks = []
+        async with connect(server.ws_url, backoff_s=0.05) as client:
+            async for chunk in client.speak(SENTENCE * 2, seed=7):
+                chunks.append(chunk)
+                if len(chunks) == 2:
+                    client.ws.transport.abort()
+                    await asyncio.to_thread(wait_until, lambda: any(s.link is None for s in server.hub.sessions))
+                    async with websockets.connect(server.ws_url) as other:
+                        await send(other, type="start")
+                        refused = json.loads(await other.recv())
+            return reference, np.concatenate(chunks), client.reconnects, refused
+
+    reference, audio, reconnects, refused = run(go())
+    assert refused["code"] == "client_limit"
+    assert reconnects == 1 and audio.tobytes() == reference.tobytes()
+
+
+def test_stopping_the_server_ends_the_sessions_waiting_for_a_resume(make_server, tiny_engine):
+    server = make_server(tiny_engine, resume_window_s=60)
+
+    async def go():
+        await dropped_session(server.ws_url)
+        return await asyncio.to_thread(wait_until, lambda: any(s.link is None for s in server.hub.sessions))
+
+    assert run(go()) and tiny_engine.active_streams >= 1
+    server.stop()
+    assert wait_until(lambda: tiny_engine.active_streams == 0 and not server.hub.sessions, 5)
