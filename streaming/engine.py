@@ -107,6 +107,7 @@ class Utterance:
     unit: int = 0
     parked: Parked | None = None  # its slot state while parked
     parked_paused: bool = False  # parked while its reader was behind: the reader catching up restores it
+    news: bool = False  # text came while parked (and its reader was behind): the reader catching up restores it
     waiting: str | None = None  # "start" or "restore": queued for a slot
     waiting_since: float = 0.0
     detach: "_Detach | None" = None
@@ -496,7 +497,7 @@ class Engine:
             stream.paused = False
         if u.slot >= 0:
             self._todo.paused.append((u, stream.paused))
-        elif u.parked is not None and u.parked_paused and not stream.paused:
+        elif u.parked is not None and (u.parked_paused or u.news) and not stream.paused:
             self._wait_for_slot(u, "restore")
 
     def _on_text(self, stream: Stream, news) -> None:
@@ -525,7 +526,9 @@ class Engine:
             return
         u.encodable = encodable
         if u.parked is not None and (units or closed or ended):
-            self._wait_for_slot(u, "restore")
+            u.news = True
+            if not stream.paused:  # else the reader catching up restores it
+                self._wait_for_slot(u, "restore")
 
     def _fail(self, stream: Stream, error: Exception) -> None:
         u = self._by_stream.get(stream)
@@ -622,7 +625,7 @@ class Engine:
 
     def _park(self, u: Utterance) -> None:
         u.encoded, u.encodable, u.unit = (int(a[u.slot]) for a in (self._encoded, self._encodable, self._unit))
-        u.parked, u.parked_paused = Parked(), u.stream.paused
+        u.parked, u.parked_paused, u.news = Parked(), u.stream.paused, False
         if u.parked_paused:  # restore once the reader has half the queue to play, not at the first read
             u.stream.resume_samples = u.stream.max_queued_samples // 2
         self._todo.parks.append((u, u.slot))
@@ -631,7 +634,7 @@ class Engine:
 
     def _park_rows(self, parks: list[tuple[Utterance, int]]) -> None:
         """Copy the parked slots' rows out in one batched gather per tensor (to pinned memory on a GPU)."""
-        started = time.perf_counter()
+        started, timer = time.perf_counter(), _Timer(self.device.type == "cuda")
         rows = [slot for _, slot in parks]
         rows_d = self._upload(rows)
         cuda = self.device.type == "cuda"
@@ -642,8 +645,8 @@ class Engine:
             taken |= decoder_rows(self.frame_decoder.state, rows_d)
         if cuda:
             taken = {name: _to_host(t) for name, t in taken.items()}
-            copied = torch.cuda.Event()
-            copied.record()
+            timer.mark()
+            copied = timer.marks[-1]
         for i, (u, _) in enumerate(parks):
             u.parked.add({name: t[i:i + 1] for name, t in taken.items()})
             if self.frame_codec:
@@ -653,31 +656,41 @@ class Engine:
             self.store.put(u.parked)
         if not self.frame_codec:
             self.codec_worker.capture(rows, functools.partial(_captured, [u.parked for u, _ in parks]))
-        self.store.note("park", (time.perf_counter() - started) * 1000, len(parks))
+        self._note("park", started, timer, len(parks))
         for u, _ in parks:
             if u.detach is not None:
                 self._finish_detach(u)
 
     def _restore_rows(self, restores: list[tuple[Utterance, dict]]) -> list[int]:
         """Put parked states into their new slots: the voices' prefixes as at a start, then every row."""
-        started = time.perf_counter()
+        started, timer = time.perf_counter(), _Timer(self.device.type == "cuda")
         rows = [u.slot for u, _ in restores]
         rows_d = self._upload(rows)
         self._start_caches(rows_d, [u for u, _ in restores])
         states = [state for _, state in restores]
         stacked = {name: torch.cat([state[name] for state in states]) for name in states[0]}
-        if self.device.type == "cuda":
-            stacked = {name: t.pin_memory().to(self.device, non_blocking=True) for name, t in stacked.items()}
+        if self.device.type == "cuda":  # the outbox is host memory
+            stacked = {name: t if name == "outbox" else t.pin_memory().to(self.device, non_blocking=True)
+                       for name, t in stacked.items()}
         for name, tensor in (self.caches.rows() | self.slots.rows()).items():
             tensor[rows_d] = stacked[name]
         if self.frame_codec:
             put_decoder_rows(self.frame_decoder.state, rows_d, stacked)
-            self.outbox.audio[rows] = stacked["outbox"].cpu().numpy()
+            self.outbox.audio[rows] = stacked["outbox"].numpy()
             self._codec_resets = [r for r in self._codec_resets if r not in rows]
         else:
             self.codec_worker.restore(rows, states)
-        self.store.note("restore", (time.perf_counter() - started) * 1000, len(restores))
+        if self.device.type == "cuda":
+            timer.mark()
+        self._note("restore", started, timer, len(restores))
         return rows
+
+    def _note(self, kind: str, started: float, timer: "_Timer", count: int) -> None:
+        """Park/restore time per stream: on a GPU the device's (CUDA events, read later), else the clock's."""
+        if timer.cuda:
+            self.store.note_device(kind, timer.marks[0], timer.marks[-1], count)
+        else:
+            self.store.note(kind, (time.perf_counter() - started) * 1000, count)
 
     # -- detach: park at once, then hand the state to the caller --
     def _start_detach(self, u: Utterance) -> None:
@@ -931,7 +944,7 @@ class Engine:
         for utterances, firsts, counts, schedule in schedules:
             begin, durations = (schedule.numpy() if isinstance(schedule, torch.Tensor) else schedule)
             for i, (u, first, count) in enumerate(zip(utterances, firsts, counts)):
-                if self.utterances[u.slot] is u:
+                if self._holds(u):
                     u.stream.schedule(first, begin[i, :count].tolist(), durations[i, :count].tolist())
 
     def _hand_out(self, tick: "_Tick", rows: np.ndarray, frames: np.ndarray) -> None:

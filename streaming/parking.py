@@ -89,6 +89,7 @@ class ParkingStore:
         self.host_bytes = self.disk_bytes = 0
         self.times: dict[str, deque] = {kind: deque(maxlen=100_000) for kind in ("park", "restore", "spill", "load")}
         self._thread: threading.Thread | None = None
+        self._device_times: deque = deque()
 
     # ---- engine thread ---------------------------------------------------------------------------
     def put(self, parked: Parked) -> None:
@@ -127,8 +128,15 @@ class ParkingStore:
         """Time of a park or restore of ``count`` streams, counted per stream."""
         self.times[kind].extend([ms / count] * count)
 
+    def note_device(self, kind: str, start, end, count: int) -> None:
+        """A park or restore on a GPU: its CUDA events, read once the device has passed them (`stats`)."""
+        self._device_times.append((kind, start, end, count))
+
     # ---- figures, end ------------------------------------------------------------------------------
     def stats(self) -> dict:
+        while self._device_times and self._device_times[0][2].query():
+            kind, start, end, count = self._device_times.popleft()
+            self.note(kind, start.elapsed_time(end), count)
         with self._cond:
             tiers = {"host": 0, "disk": 0}
             for parked in self._entries:
