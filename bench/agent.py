@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -31,7 +32,6 @@ import time
 import numpy as np
 
 from bench.common import harvard, percentiles
-from server import ServerThread
 
 SAMPLE_RATE = 24_000
 JITTER_S = 0.1  # what a player buffers before it starts a sentence
@@ -130,23 +130,36 @@ async def write_turn(ws, turn: list[str], rng: random.Random) -> None:
     await ws.send(json.dumps({"type": "end"}))
 
 
-def sample_engine(engine, stop: threading.Event, used: list[int]) -> None:
+def sample_server(server, engine, stop: threading.Event, used: list[int], held: list[int]) -> None:
+    """Every 0.1 s: the engine's slots in use and the server's open connections."""
     while not stop.wait(0.1):
         used.append(engine.stats()["slots_used"])
+        held.append(server.hub.admission.stats()["connections"])
 
 
-async def run(url: str, clients: int, seconds: float, ahead_s: float, hub) -> tuple[list, list]:
+def run(url: str, clients: int, seconds: float, ahead_s: float, out=None) -> list[list]:
+    """The clients, in this process (put their results in ``out``, a queue, when given)."""
     sentences = [s for s in harvard(720) if re.fullmatch(r"[A-Za-z' ]+\.", s)]
     deadline = time.perf_counter() + seconds
     results: list[list] = [[] for _ in range(clients)]
-    held = []
 
-    async def count():
-        while time.perf_counter() < deadline:
-            held.append(hub.admission.connections)
-            await asyncio.sleep(0.5)
-    await asyncio.gather(count(), *(agent(url, i, deadline, sentences, ahead_s, results[i]) for i in range(clients)))
-    return results, held
+    async def everyone():
+        await asyncio.gather(*(agent(url, i, deadline, sentences, ahead_s, results[i]) for i in range(clients)))
+    asyncio.run(everyone())
+    if out is not None:
+        out.put(results)
+    return results
+
+
+def run_elsewhere(url: str, clients: int, seconds: float, ahead_s: float) -> list[list]:
+    """The clients in a process of their own, so that they do not share the server's interpreter lock."""
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    process = context.Process(target=run, args=(url, clients, seconds, ahead_s, out))
+    process.start()
+    results = out.get()
+    process.join()
+    return results
 
 
 def report(results: list[list], held: list[int], used: list[int], engine, args, load_before, before) -> dict:
@@ -203,15 +216,16 @@ def main(argv: list[str] | None = None) -> None:
         engine = get_engine(max_streams=args.slots, compile=True, max_open=args.clients)
         engine.parking = parking  # before any stream: the store reads it when it first spills
         engine.store.config = parking
+    from server import ServerThread
     limits = dict(max_connections=args.clients, max_connections_per_client=args.clients,
                   max_streams_per_client=args.clients, max_queue=args.clients)
     load_before = os.getloadavg()[0]
     with ServerThread(engine, **limits) as server:
-        asyncio.run(run(server.ws_url, 1, 5, args.ahead_s, server.hub))  # warm-up: one client, 5 s
-        used, stop, before = [], threading.Event(), engine.stats()
-        sampler = threading.Thread(target=sample_engine, args=(engine, stop, used), daemon=True)
+        run(server.ws_url, 1, 5, args.ahead_s)  # warm-up: one client, 5 s
+        used, held, stop, before = [], [], threading.Event(), engine.stats()
+        sampler = threading.Thread(target=sample_server, args=(server, engine, stop, used, held), daemon=True)
         sampler.start()
-        results, held = asyncio.run(run(server.ws_url, args.clients, args.minutes * 60, args.ahead_s, server.hub))
+        results = run_elsewhere(server.ws_url, args.clients, args.minutes * 60, args.ahead_s)
         stop.set()
         sampler.join()
         print(json.dumps(report(results, held, used, engine, args, load_before, before), indent=2))

@@ -617,7 +617,11 @@ class Engine:
 
     def _choose_parks(self) -> None:
         """Park the slots stalled for ``park_after_s``. Such a slot did nothing in the tick in flight either
-        (`_stalled_since`), so its state is complete on the device when this tick's updates copy it out."""
+        (`_stalled_since`), so its state is complete on the device when this tick's updates copy it out.
+        Example, park_after_s 0.5: slot 3's text runs dry; the first tick launched after its last event in which
+        it cannot step was launched at t = 10.00 s, so its stalled_since is 10.00 (later such ticks keep the
+        minimum); the first tick handled after 10.50 parks it. Had text come at 10.30, that event would have
+        reset it to infinity, and the next tick launched after 10.30 in which it cannot step would set it anew."""
         cutoff = time.perf_counter() - self.parking.park_after_s
         stalled = np.flatnonzero(self._live & (self._stalled_since <= cutoff))
         for slot in stalled:
@@ -668,15 +672,18 @@ class Engine:
         rows_d = self._upload(rows)
         self._start_caches(rows_d, [u for u, _ in restores])
         states = [state for _, state in restores]
-        stacked = {name: torch.cat([state[name] for state in states]) for name in states[0]}
-        if self.device.type == "cuda":  # the outbox is host memory
-            stacked = {name: t if name == "outbox" else t.pin_memory().to(self.device, non_blocking=True)
-                       for name, t in stacked.items()}
-        for name, tensor in (self.caches.rows() | self.slots.rows()).items():
-            tensor[rows_d] = stacked[name]
+        targets = self.caches.rows() | self.slots.rows()
+        if self.frame_codec:  # with the CPU codec worker the decoder's rows may still be on their way: it restores them
+            targets |= {name: None for name in states[0] if name.startswith("codec.")}
+        stacked = {name: torch.cat([state[name] for state in states]) for name in targets}
+        if self.device.type == "cuda":
+            stacked = {name: t.pin_memory().to(self.device, non_blocking=True) for name, t in stacked.items()}
+        for name, tensor in targets.items():
+            if tensor is not None:
+                tensor[rows_d] = stacked[name]
         if self.frame_codec:
             put_decoder_rows(self.frame_decoder.state, rows_d, stacked)
-            self.outbox.audio[rows] = stacked["outbox"].numpy()
+            self.outbox.audio[rows] = torch.cat([state["outbox"] for state in states]).numpy()
             self._codec_resets = [r for r in self._codec_resets if r not in rows]
         else:
             self.codec_worker.restore(rows, states)

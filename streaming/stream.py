@@ -148,6 +148,8 @@ class Stream:
         self.last_audio_at = now
         self.samples += len(chunk)
         with self._audio:
+            if self.cancelled or self.moved:  # a chunk decoded as the reader left: it is not theirs any more
+                return
             self.queued_samples += len(chunk)
             self._chunks.append(chunk)
             self._audio.notify_all()

@@ -3,11 +3,10 @@ a parked, spilled or moved stream's audio equals the same stream never parked (b
 import functools
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
-from helpers import tiny_random
+from helpers import tiny_random, wait_until
 
 from streaming.engine import BadState, EngineError, SamplingConfig, ServerFull
 from streaming.parking import ParkingConfig, ParkingStore, pack, unpack
@@ -32,15 +31,6 @@ def read_all(stream, timeout=30.0, chunks=None) -> tuple[list[np.ndarray], bool]
             return out, True
         out.append(chunk)
     return out, False
-
-
-def wait_until(condition, seconds=10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def unparked(text, seed, sampling, frame_codec=False) -> np.ndarray:
