@@ -97,6 +97,7 @@ async def speak_turn(ws, turn: list[str], rng: random.Random, ahead_s: float) ->
     player = Player([len(s.split()) for s in turn])
     sent_at = time.perf_counter()
     writer = asyncio.create_task(write_turn(ws, turn, rng))
+    error = None
     while True:
         message = await ws.recv()
         now = time.perf_counter()
@@ -110,9 +111,11 @@ async def speak_turn(ws, turn: list[str], rng: random.Random, ahead_s: float) ->
             player.words += [(w["start"], w["end"]) for w in event.get("words", [])]
         elif event.get("type") == "done":
             break
-        elif event.get("type") == "error":
+        elif event.get("type") == "error":  # its `done` follows
             writer.cancel()
-            raise RuntimeError(event.get("code"))
+            error = event.get("code")
+    if error is not None:
+        raise RuntimeError(error)
     await writer
     return {"ttfa_ms": None if player.first_audio is None else (player.first_audio - sent_at) * 1000,
             "stalls": player.stalls, "stall_s": player.stall_s, "audio_s": player.received}

@@ -51,6 +51,11 @@ def _unparked(text, seed, temperature, frame_codec) -> np.ndarray:
     return np.concatenate(audio)
 
 
+def read_until_dry(stream) -> list[np.ndarray]:
+    """The audio of the text so far: the first chunk (however slow), then chunks until none comes for 0.5 s."""
+    return [stream.read(timeout=30)] + read_all(stream, timeout=0.5)[0]
+
+
 def assert_same(got: list[np.ndarray], expected: np.ndarray) -> None:
     audio = np.concatenate(got)
     assert len(audio) == len(expected)
@@ -65,8 +70,8 @@ def test_a_parked_stream_gives_its_slot_away_and_continues_exactly(frame_codec, 
     engine = tiny_random(max_streams=1, max_open=2, sampling=sampling, frame_codec=frame_codec, parking=QUICK)
     first = engine.open(seed=5)
     first.push_text(TEXT[:CUT])
-    before, _ = read_all(first, timeout=0.5)
-    assert before and wait_until(lambda: engine.stats()["parking"]["parked"]["host"] == 1)
+    before = read_until_dry(first)
+    assert wait_until(lambda: engine.stats()["parking"]["parked"]["host"] == 1, 30)
     second = engine.open(seed=6)
     second.push_text(OTHER)
     second.end()
@@ -90,8 +95,8 @@ def test_a_stream_spilled_to_disk_continues_exactly_and_leaves_no_file(frame_cod
     engine = tiny_random(max_streams=1, sampling=GREEDY, frame_codec=frame_codec, parking=parking)
     stream = engine.open(seed=7)
     stream.push_text(TEXT[:CUT])
-    before, _ = read_all(stream, timeout=0.5)
-    assert wait_until(lambda: engine.stats()["parking"]["parked"]["disk"] == 1)
+    before = read_until_dry(stream)
+    assert wait_until(lambda: engine.stats()["parking"]["parked"]["disk"] == 1, 30)
     (folder,) = os.listdir(tmp_path)
     assert len(os.listdir(tmp_path / folder)) == 1
     stream.push_text(TEXT[CUT:])
@@ -112,7 +117,7 @@ def test_a_reader_far_behind_is_parked_and_resumes_exactly():
     slow.push_text(TEXT * 2)
     slow.end()
     first = slow.read(timeout=30)
-    assert wait_until(lambda: engine.counters["parks"] >= 1)  # paused by backpressure, then parked
+    assert wait_until(lambda: engine.counters["parks"] >= 1, 30)  # paused by backpressure, then parked
     other = engine.open(seed=4)  # speaks in the slot while the slow reader sleeps
     other.push_text(OTHER)
     other.end()
@@ -146,7 +151,7 @@ def test_open_streams_beyond_slots_wait_for_one_and_a_full_engine_says_so():
         assert_same(audio, unparked(text, 10 + i, GREEDY))
     stats = engine.stats()
     assert stats["slot_waits"] >= 1 and stats["max_open"] == 3 and stats["max_streams"] == 1
-    assert wait_until(lambda: engine.active_streams == 0)
+    assert wait_until(lambda: engine.active_streams == 0, 30)
     engine.close()
 
 
@@ -155,7 +160,7 @@ def test_cancelling_a_parked_or_waiting_stream_frees_everything(tmp_path):
                          parking=ParkingConfig(park_after_s=0.05, disk_after_s=0.05, directory=str(tmp_path)))
     parked = engine.open()
     parked.push_text(TEXT[:CUT])
-    assert wait_until(lambda: engine.stats()["parking"]["parked"]["disk"] == 1)
+    assert wait_until(lambda: engine.stats()["parking"]["parked"]["disk"] == 1, 30)
     speaking, waiting = engine.open(), engine.open()
     speaking.push_text(TEXT * 3)
     waiting.push_text(OTHER)
@@ -163,7 +168,7 @@ def test_cancelling_a_parked_or_waiting_stream_frees_everything(tmp_path):
     for stream in (parked, waiting, speaking):
         stream.cancel()
         assert stream.read(timeout=5) is None
-    assert wait_until(lambda: engine.active_streams == 0)
+    assert wait_until(lambda: engine.active_streams == 0, 30)
     stats = engine.stats()
     assert stats["slots_used"] == 0 and stats["waiting_for_slot"] == 0
     assert stats["parking"]["parked"] == {"host": 0, "disk": 0} and stats["parking"]["disk_bytes"] == 0
@@ -181,14 +186,14 @@ def test_a_stream_detached_mid_utterance_continues_on_another_engine(frame_codec
     before, _ = read_all(stream, chunks=3)  # it is speaking: more text is encoded than spoken
     state = here.detach(stream)
     assert stream.moved and stream.read(timeout=1) is None
-    assert wait_until(lambda: here.active_streams == 0)
+    assert wait_until(lambda: here.active_streams == 0, 30)
     moved = there.attach(state)
     moved.push_text(TEXT[60:])
     moved.end()
     after, finished = read_all(moved)
     assert finished
     assert_same(before + after, unparked(TEXT, 21, sampling, frame_codec))
-    assert there.active_streams == 0 or wait_until(lambda: there.active_streams == 0)
+    assert wait_until(lambda: there.active_streams == 0, 30)
     here.close()
     there.close()
 
@@ -198,8 +203,8 @@ def test_parked_and_waiting_streams_detach_too():
     there = tiny_random(max_streams=1, sampling=GREEDY)
     parked = here.open(seed=31)
     parked.push_text(TEXT[:CUT])
-    before, _ = read_all(parked, timeout=0.5)
-    assert wait_until(lambda: here.counters["parks"] >= 1)
+    before = read_until_dry(parked)
+    assert wait_until(lambda: here.counters["parks"] >= 1, 30)
     busy = here.open(seed=32)  # holds the slot while speaking
     busy.push_text(TEXT * 4)
     assert busy.read(timeout=30) is not None
@@ -216,7 +221,7 @@ def test_parked_and_waiting_streams_detach_too():
     moved = there.attach(here.detach(never_started))
     audio, finished = read_all(moved)
     assert finished and audio
-    assert wait_until(lambda: here.active_streams == 0)
+    assert wait_until(lambda: here.active_streams == 0, 30)
     here.close()
     there.close()
 
@@ -270,7 +275,7 @@ def test_store_bounds_host_memory_by_spilling_the_oldest(tmp_path):
         p.captured.set()
         store.put(p)
         parked.append(p)
-    assert wait_until(lambda: store.stats()["parked"] == {"host": 2, "disk": 1})
+    assert wait_until(lambda: store.stats()["parked"] == {"host": 2, "disk": 1}, 30)
     assert parked[0].tier == "disk" and store.host_bytes == 800
     loaded = threading.Event()
     store.on_loaded = loaded.set
