@@ -78,26 +78,31 @@ async def agent(url: str, index: int, deadline: float, sentences: list[str], ahe
     import websockets
     rng = random.Random(index)
     await asyncio.sleep(rng.uniform(0, 5))  # clients arrive over the first seconds, not in one instant
-    async with websockets.connect(url, max_size=None) as ws:
+    ws = None
+    try:
         while time.perf_counter() < deadline:
+            ws = ws or await websockets.connect(url, max_size=None)
             turn = rng.sample(sentences, rng.randint(2, 4))
             try:
                 results.append(await speak_turn(ws, turn, rng, ahead_s))
-            except Exception as err:  # a refused or failed turn is reported, and the client goes on
-                results.append({"error": f"{type(err).__name__}: {err}"})
+            except Exception as err:  # refused or failed: reported; the client reconnects for a clean slate
+                results.append({"error": f"{type(err).__name__}: {err}"[:120]})
+                await ws.close()
+                ws = None
             await asyncio.sleep(rng.uniform(2, 6))
+    finally:
+        if ws is not None:
+            await ws.close()
 
 
 async def speak_turn(ws, turn: list[str], rng: random.Random, ahead_s: float) -> dict:
+    """One utterance. Text goes out from the start, as an LLM's would (the server keeps it while the utterance
+    waits for its stream)."""
     await ws.send(json.dumps({"type": "start", "format": "pcm_s16le", "word_timings": True}))
-    while (ready := json.loads(await ws.recv())).get("type") == "queued":
-        pass
-    if ready.get("type") != "ready":
-        raise RuntimeError(f"start refused: {ready}")
     player = Player([len(s.split()) for s in turn])
     sent_at = time.perf_counter()
     writer = asyncio.create_task(write_turn(ws, turn, rng))
-    error = None
+    ready, error = False, None
     while True:
         message = await ws.recv()
         now = time.perf_counter()
@@ -107,13 +112,18 @@ async def speak_turn(ws, turn: list[str], rng: random.Random, ahead_s: float) ->
                 await asyncio.sleep(wait)  # a player reads no further ahead than it must
             continue
         event = json.loads(message)
-        if event.get("type") == "timing":
+        kind = event.get("type")
+        if kind == "ready":
+            ready = True
+        elif kind == "timing":
             player.words += [(w["start"], w["end"]) for w in event.get("words", [])]
-        elif event.get("type") == "done":
+        elif kind == "done":
             break
-        elif event.get("type") == "error":  # its `done` follows
+        elif kind == "error":
             writer.cancel()
-            error = event.get("code")
+            if not ready:  # refused: no `done` follows
+                raise RuntimeError(f"refused: {event.get('code')}")
+            error = event.get("code")  # its `done` follows
     if error is not None:
         raise RuntimeError(error)
     await writer
