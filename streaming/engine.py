@@ -497,6 +497,7 @@ class Engine:
             stream.paused = False
         if u.slot >= 0:
             self._todo.paused.append((u, stream.paused))
+            self._stalled_since[u.slot] = np.inf  # not parked in this tick: the event is not applied yet
         elif u.parked is not None and (u.parked_paused or u.news) and not stream.paused:
             self._wait_for_slot(u, "restore")
 
@@ -523,6 +524,7 @@ class Engine:
         if u.slot >= 0:
             self._encodable[u.slot] = encodable
             self._todo.flags.append(u)
+            self._stalled_since[u.slot] = np.inf  # not parked in this tick: the news is not applied yet
             return
         u.encodable = encodable
         if u.parked is not None and (units or closed or ended):

@@ -3,6 +3,7 @@ a parked, spilled or moved stream's audio equals the same stream never parked (b
 import functools
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -283,3 +284,20 @@ def test_store_bounds_host_memory_by_spilling_the_oldest(tmp_path):
     assert torch.equal(store.take(parked[0])["rows"], torch.zeros(1, 100))
     store.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_text_arriving_as_the_grace_ends_is_never_lost():
+    """Text handled in the same tick as the decision to park: the stream is restored and speaks (a race that
+    once left such streams parked for good)."""
+    engine = tiny_random(max_streams=1, sampling=GREEDY, parking=ParkingConfig(park_after_s=0.01))
+    rng = np.random.default_rng(0)
+    for i in range(12):
+        stream = engine.open(seed=i)
+        time.sleep(float(rng.uniform(0, 0.03)))
+        stream.push_text("Hi there. ")
+        time.sleep(float(rng.uniform(0, 0.03)))
+        stream.push_text("Bye.")
+        stream.end()
+        audio, finished = read_all(stream, timeout=10)
+        assert finished and audio, f"utterance {i} never finished"
+    engine.close()
