@@ -3,6 +3,7 @@
     python -m bench.serve            # shipped voices, 12 utterances per client
     python -m bench.serve --quick    # 4 utterances per client
     python -m bench.serve --tiny     # the tiny random-weight engine (no shipped voices needed)
+    python -m bench.serve --agent [--clients 64] [--slots 8] [--minutes 2]   # voice agents: `bench.agent`
 
 The real server runs in this process on a free loopback port; each client is a `websockets` connection that
 speaks utterances one after another. Per utterance: `ttfa_ms` is the time from sending the text to receiving the
@@ -72,7 +73,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="4 utterances per client instead of 12")
     parser.add_argument("--tiny", action="store_true", help="the tiny random-weight engine, not the shipped voices")
-    args = parser.parse_args()
+    parser.add_argument("--agent", action="store_true", help="many agent-like clients on few slots (bench.agent)")
+    args, rest = parser.parse_known_args()
+    if args.agent:
+        from bench.agent import main as agent
+        return agent(rest + (["--tiny"] if args.tiny else []))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.tiny:
         from tests.helpers import tiny_random
         engine = tiny_random(max_streams=4)

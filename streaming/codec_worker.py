@@ -21,6 +21,7 @@ import time
 import traceback
 import warnings
 from collections import deque
+from typing import Callable
 
 import numpy as np
 import torch
@@ -62,6 +63,16 @@ class CodecWorker:
         """End ``stream`` once everything queued before has been delivered."""
         self.jobs.put(("finish", stream, error))
 
+    def capture(self, rows: list[int], done: Callable[[list[dict]], None]) -> None:
+        """Copy the decoder state of ``rows`` once the decodes queued before are done, and pass it, one dict of
+        (1, ...) tensors per row (`decoder_rows`), to ``done`` (called on the codec thread). Parking uses this:
+        a parked stream's state includes every chunk decoded up to the moment it was parked."""
+        self.jobs.put(("capture", rows, done))
+
+    def restore(self, rows: list[int], states: list[dict]) -> None:
+        """Put captured decoder states (`capture`) into ``rows``, before any later decode of those rows."""
+        self.jobs.put(("restore", rows, states))
+
     def close(self) -> None:
         """Stop after the jobs queued so far."""
         self.jobs.put(("stop",))
@@ -78,12 +89,19 @@ class CodecWorker:
                     self.state.reset(slot_mask(self.state.buffers[0].shape[0], torch.tensor(job[1]), self.device))
                 elif job[0] == "decode":
                     self._decode(*job[1:])
+                elif job[0] == "capture":
+                    rows = decoder_rows(self.state, torch.tensor(job[1], device=self.device))
+                    job[2]([{name: t[i:i + 1] for name, t in rows.items()} for i in range(len(job[1]))])
+                elif job[0] == "restore":
+                    put_decoder_rows(self.state, torch.tensor(job[1], device=self.device),
+                                     {name: torch.cat([state[name] for state in job[2]]) for name in job[2][0]
+                                      if name.startswith("codec.")})
                 else:
                     job[1].finish(job[2])
             except Exception as err:  # a bug must not leave readers hanging
                 traceback.print_exc()
                 from streaming.engine import EngineError
-                streams = job[2] if job[0] == "decode" else [job[1]] if job[0] == "finish" else []  # reset: none
+                streams = job[2] if job[0] == "decode" else [job[1]] if job[0] == "finish" else []  # others: none
                 for stream in streams:
                     stream.finish(EngineError(f"internal error: {err}"))
 
@@ -102,6 +120,22 @@ class CodecWorker:
             for row, i in enumerate(members):
                 if not streams[i].cancelled:
                     streams[i].deliver(audio[row])
+
+
+def decoder_rows(state: DecoderState, index: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Copies of the decoder state of the streams at ``index`` (M,), batch first: "codec.i" (M, C, N) per
+    buffer, "codec.h"/"codec.c" (M, 1, H) for the LSTM (whose state is (1, B, H): batch second)."""
+    sub = state.select(index)
+    rows = {f"codec.{i}": buffer for i, buffer in enumerate(sub.buffers)}
+    if sub.lstm is not None:
+        rows["codec.h"], rows["codec.c"] = (part.transpose(0, 1).contiguous() for part in sub.lstm)
+    return rows
+
+
+def put_decoder_rows(state: DecoderState, index: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
+    """Write rows from `decoder_rows` (possibly of another engine) into the streams at ``index``."""
+    lstm = None if state.lstm is None else (rows["codec.h"].transpose(0, 1), rows["codec.c"].transpose(0, 1))
+    state.write(index, DecoderState([rows[f"codec.{i}"] for i in range(len(state.buffers))], lstm))
 
 
 class FrameCodec:

@@ -58,6 +58,16 @@ class StepCaches:
         self.text[0].reset(mask)  # one positions tensor per ring kind
         self.audio[0].reset(mask)
 
+    def rows(self) -> dict[str, torch.Tensor]:
+        """The rings' per-slot tensors by name, batch first ("text.3.keys": layer 3's text-ring keys (B, H, R, D),
+        "text.positions": (B, R), ...). The sinks are left out: they are the voice's prefix, rebuilt by `start`."""
+        tensors = {}
+        for kind, rings in (("text", self.text), ("audio", self.audio)):
+            tensors[f"{kind}.positions"] = rings[0].positions
+            for layer, ring in enumerate(rings):
+                tensors[f"{kind}.{layer}.keys"], tensors[f"{kind}.{layer}.values"] = ring.keys, ring.values
+        return tensors
+
     def write_text(self, text_kv: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor,
                    keep: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
         """text_kv: per layer (M, H, T, D) keys/values of units at ``positions`` (M, T); ``keep`` and ``rows``

@@ -16,11 +16,20 @@ runs).
 Codec: on the CPU a `CodecWorker` thread decodes due chunks (2, 4, 8, then 16 frames); on a GPU a
 `FrameCodec` decodes every completed frame each tick on its own CUDA stream (a CUDA graph), overlapping the
 next AR step, and the host hands out chunks on the same schedule.
+
+Open streams and slots are counted apart: `open` admits up to ``max_open`` streams, and a stream holds one of
+the ``max_streams`` slots only while it can speak. A stream that could not step for ``park_after_s`` (its
+text ran dry, or its reader is behind) is parked: its slot state is copied out (`streaming.parking`) and the
+slot goes to the next stream waiting for one; when its text or its reader comes back it waits for a slot
+(restores ahead of new starts) and continues exactly where it stopped. `detach`/`attach` move a stream's whole
+state to another engine with the same weights.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
+import hashlib
 import heapq
 import threading
 import time
@@ -34,11 +43,12 @@ import numpy as np
 import torch
 
 from streaming.admission import Admission, Full
-from streaming.codec_worker import AudioOutbox, CodecWorker, FrameCodec
+from streaming.codec_worker import AudioOutbox, CodecWorker, FrameCodec, decoder_rows, put_decoder_rows
 from streaming.decode import TEXT_RING, StepCaches, decode_step
+from streaming.parking import Parked, ParkingConfig, ParkingStore, pack, unpack
 from streaming.sampling import sample
 from streaming.slots import CHUNK_SCHEDULE, META, Slots
-from streaming.stream import Stream
+from streaming.stream import MOVING, Stream
 from streaming.text_worker import TextWorker
 from tts.alignment import predicted_frames, start_frames
 from tts.codec import Codec
@@ -67,6 +77,11 @@ class UnknownVoice(EngineError, ValueError):
     code = "unknown_voice"
 
 
+class BadState(EngineError, ValueError):
+    """`Engine.attach` was given bytes that are not a stream state of an engine with the same weights."""
+    code = "bad_state"
+
+
 @dataclass
 class SamplingConfig:
     temperature: float = 0.7
@@ -75,9 +90,10 @@ class SamplingConfig:
 
 @dataclass
 class Utterance:
-    """Host side of one live slot; only the engine thread touches it. Unit indices are absolute."""
+    """Host side of one open stream, in a slot or not (parked, or waiting for a slot); only the engine thread
+    touches it. Unit indices are absolute."""
     stream: Stream
-    slot: int
+    slot: int  # -1: holds no slot
     voice: dict  # the stream's preset (`Engine.voice_preset`): a shipped voice or a blend
     rate: float  # frames-per-unit divisor: the stream's speed times the voice's pace
     units: list[int] = field(default_factory=list)  # unit ids from absolute index unit_base on
@@ -86,6 +102,15 @@ class Utterance:
     text_ended: bool = False
     spoke: bool = False
     done: bool = False  # its last chunk is handed out
+    encoded: int = 0  # units encoded, encodable and its aligned unit, kept here while it holds no slot
+    encodable: int = 0
+    unit: int = 0
+    parked: Parked | None = None  # its slot state while parked
+    parked_paused: bool = False  # parked while its reader was behind: the reader catching up restores it
+    news: bool = False  # text came while parked (and its reader was behind): the reader catching up restores it
+    waiting: str | None = None  # "start" or "restore": queued for a slot
+    waiting_since: float = 0.0
+    detach: "_Detach | None" = None
 
     @property
     def received(self) -> int:
@@ -98,13 +123,18 @@ class Engine:
     def __init__(self, model: TTSModel, codec: Codec, voices: dict[str, dict], max_streams: int | None = None,
                  device: str = "cpu", sampling: SamplingConfig | None = None, max_chars: int = MAX_TEXT_CHARS,
                  max_queued_seconds: float = 4.0, seed: int = 0, step_factory: StepFactory | None = None,
-                 max_waiting: int | None = None, frame_codec: bool | None = None):
+                 max_waiting: int | None = None, frame_codec: bool | None = None, max_open: int | None = None,
+                 parking: ParkingConfig | None = None):
         self.model, self.codec, self.device = model.eval(), codec.eval(), torch.device(device)
         self.cfg, self.voices = model.cfg, voices
         self.default_voice = next((n for n, v in voices.items() if v.get("default")), next(iter(voices)))
         self.sample_rate = codec.cfg.sample_rate
         self.frame_seconds = 1 / codec.cfg.frame_rate
         self.max_streams = default_max_streams(model, codec, self.device, max_streams)
+        self.max_open = max(self.max_streams, max_open or self.max_streams)  # streams open at once, slot or not
+        self.parking = parking or ParkingConfig()
+        self.store = ParkingStore(self.parking, on_loaded=self.wake)
+        self._fingerprint: str | None = None
         self.max_chars, self.max_queued = max_chars, max_queued_seconds
         self.sampling = sampling or SamplingConfig()
         self.seeds = torch.Generator().manual_seed(seed)  # draws the seed of every unseeded stream
@@ -124,7 +154,7 @@ class Engine:
         self._lock = threading.Lock()  # guards the factory switch
         self._wake = threading.Event()
         self._inbox: deque = deque()  # (kind, stream, payload) from other threads
-        self.admission = Admission(self.max_streams, self.max_streams if max_waiting is None else max_waiting)
+        self.admission = Admission(self.max_open, self.max_open if max_waiting is None else max_waiting)
         self.text_worker = TextWorker(self._text_taken)
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="tts-engine", daemon=True)
@@ -150,13 +180,22 @@ class Engine:
     def _build_host_tables(self, batch: int) -> None:
         """What the engine thread alone keeps per slot: O(1) per event to update, numpy where a tick scans."""
         self.utterances: list[Utterance | None] = [None] * batch
-        self._by_stream: dict[Stream, Utterance] = {}
+        self._by_stream: dict[Stream, Utterance] = {}  # every open stream: in a slot, parked or waiting for one
         self._free = list(range(batch))  # a heap: the lowest free slot first
         self._encoded = np.zeros(batch, dtype=np.int64)  # units encoded, per slot
         self._encodable = np.zeros(batch, dtype=np.int64)  # units that may be encoded now, per slot
         self._unit = np.zeros(batch, dtype=np.int64)  # each slot's aligned unit at the last collected tick
         self._live = np.zeros(batch, dtype=bool)
         self._generation = np.zeros(batch, dtype=np.int64)  # counts the streams each slot has held
+        # Parking: a slot is stalled from the launch of the first tick after its last event in which it could not
+        # step (events are what change a stalled slot's device state, so it stays stalled until the next one).
+        self._stalled_since = np.full(batch, np.inf)
+        self._event_at = np.zeros(batch)  # when an event last changed the slot's device state
+        self._restores: deque[Utterance] = deque()  # parked streams with work to do, waiting for a slot: first
+        self._starts: deque[Utterance] = deque()  # new streams waiting for a slot
+        self._detaching: list[Utterance] = []  # detaches waiting for the tick in flight (frame codec)
+        self.counters = {"parks": 0, "restores": 0, "slot_waits": 0}
+        self.slot_wait_ms: deque[float] = deque(maxlen=100_000)
         self._todo = _DeviceUpdates()  # event updates for the device, applied at the next tick
         self._codec_resets: list[int] = []  # slots whose frame decoder state restarts at the next tick
         self._schedules: list = []  # prefills of the coming tick, for the streams' timings
@@ -164,15 +203,17 @@ class Engine:
         self._ticks = 0
         self._inflight: deque = deque()
         self._handlers = {"start": self._on_start, "cancel": self._on_cancel, "text": self._on_text,
-                          "flow": self._on_flow, "warm": self._on_warm}
+                          "flow": self._on_flow, "warm": self._on_warm, "attach": self._on_attach}
 
     # ---- public API -------------------------------------------------------------------------
     def open(self, voice: str | None = None, speed: float = 1.0, *, seed: int | None = None,
              lookahead_words: int | None = None, wait_s: float = 0.0) -> Stream:
         """A new stream. ``voice``: a shipped voice's name or a blend of them (``"joe:0.6+kumo:0.4"``, see
         `voice_preset`). ``seed`` fixes its sampling noise and so its audio, bit for bit, whatever else runs; unseeded
-        streams draw one from the engine's generator. When every slot is busy, wait up to ``wait_s`` seconds in
-        a first-come-first-served queue (at most ``max_waiting`` callers) for one, then raise ServerFull."""
+        streams draw one from the engine's generator. When ``max_open`` streams are open, wait up to ``wait_s``
+        seconds in a first-come-first-served queue (at most ``max_waiting`` callers) for one to end, then raise
+        ServerFull. An open stream that finds every slot busy waits for one inside the engine (counted in
+        `stats` as ``slot_waits``)."""
         preset = self.voice_preset(self.default_voice if voice is None else voice)
         if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0.25 <= speed <= 4.0:
             raise ValueError(f"speed must be a number from 0.25 to 4.0, not {speed!r}")
@@ -226,8 +267,10 @@ class Engine:
                 return {"p50": None, "p99": None}
             return {"p50": round(float(np.percentile(values, 50)), 3), "p99": round(float(np.percentile(values, 99)), 3)}
         return {"active_streams": self.admission.held, "queued": self.admission.queued, "max_streams": self.max_streams,
-                "step_kind": self.step_kind, "tick_ms": recent(self.tick_ms), "step_ms": recent(self.step_ms),
-                "codec_ms": recent(ms for ms, _ in self.codec_ms)}
+                "max_open": self.max_open, "slots_used": int(self._live.sum()), "waiting_for_slot":
+                len(self._starts) + len(self._restores), **self.counters, "slot_wait_ms": recent(self.slot_wait_ms),
+                "parking": self.store.stats(), "step_kind": self.step_kind, "tick_ms": recent(self.tick_ms),
+                "step_ms": recent(self.step_ms), "codec_ms": recent(ms for ms, _ in self.codec_ms)}
 
     @property
     def active_streams(self) -> int:
@@ -245,6 +288,68 @@ class Engine:
         self.text_worker.close()
         if not self.frame_codec:
             self.codec_worker.close()
+        self.store.close()
+
+    # ---- moving a stream between engines ------------------------------------------------------------
+    def detach(self, stream: Stream, timeout: float = 30.0) -> bytes:
+        """Park ``stream`` at once and remove it from this engine; its reader here gets no more audio
+        (``stream.moved``, `Stream.read` returns None). Returns its whole state (slot state, text front end,
+        unread audio, voice, speed, seed, counters) for `attach` on an engine with the same weights, where it
+        continues sample-exactly. Raises EngineError if the stream is not open here (or ends meanwhile)."""
+        if stream.engine is not self or stream.finished or stream.cancelled or stream.moved:
+            raise EngineError("only a stream open on this engine can be detached")
+        request = _Detach()
+        stream.detach_request = request
+        stream.detaching = True  # the text thread takes no more text: what it took reaches the engine first
+        self.text_arrived(stream)  # and then tells the engine (`_on_text`), in order
+        if not request.done.wait(timeout):
+            raise EngineError(f"the stream could not be detached within {timeout:g} s")
+        if request.error is not None:
+            raise request.error
+        u, rows = request.utterance, {}
+        if u.parked is not None:
+            if not u.parked.captured.wait(timeout):  # the CPU codec worker adds the decoder's rows
+                raise EngineError("the stream's decoder state was not captured in time")
+            if u.parked.copied is not None:
+                u.parked.copied.synchronize()
+            rows = u.parked.rows
+        host = {"stream": stream.export_state(), "units": list(u.units), "unit_base": u.unit_base,
+                "closed_upto": u.closed_upto, "text_ended": u.text_ended, "spoke": u.spoke, "encoded": u.encoded,
+                "encodable": u.encodable, "unit": u.unit, "frame_codec": self.frame_codec}
+        return pack(host, rows, stream.take_unread(), self.fingerprint)
+
+    def attach(self, state: bytes, wait_s: float = 0.0) -> Stream:
+        """Continue a stream detached from another engine with the same weights (`detach`): a new Stream that
+        first yields the audio its old reader had not read, then goes on where it stopped. Admission as in
+        `open`. Raises BadState for bytes that are not such a state, UnknownVoice, ServerFull."""
+        try:
+            host, rows, unread = unpack(state, self.fingerprint)
+        except ValueError as err:
+            raise BadState(str(err)) from None
+        if rows and host["frame_codec"] != self.frame_codec:
+            raise BadState("the stream was detached from an engine with the other codec path (frame codec on/off)")
+        stream = Stream.from_state(self, host["stream"], unread)
+        preset = self.voice_preset(stream.voice)
+        try:
+            self.admission.admit(stream, wait_s, lambda s: self._inbox.append(("attach", s, (preset, host, rows))))
+        except Full as err:
+            raise ServerFull(str(err)) from None
+        self.wake()
+        self.text_arrived(stream)  # text it had not yet taken
+        return stream
+
+    @property
+    def fingerprint(self) -> str:
+        """A digest of the model's and the codec's weights and configs: a moved stream needs the same."""
+        if self._fingerprint is None:
+            digest = hashlib.blake2b(digest_size=16)
+            for module in (self.model, self.codec):
+                digest.update(repr(module.cfg).encode())
+                for name, tensor in module.state_dict().items():
+                    digest.update(name.encode())
+                    digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+            self._fingerprint = digest.hexdigest()
+        return self._fingerprint
 
     # ---- what streams tell the engine (any thread) --------------------------------------------
     def text_arrived(self, stream: Stream) -> None:
@@ -321,6 +426,12 @@ class Engine:
                 if stream is not None:
                     self._fail(stream, err if isinstance(err, (TextError, EngineError)) else
                                EngineError(f"internal error: {type(err).__name__}: {err}"))
+        if self._detaching:
+            self._continue_detaches()
+        if self.parking.park_after_s > 0:
+            self._choose_parks()
+        if self._free and (self._starts or self._restores):
+            self._grant_slots()
         prefill = self._choose_prefill()
         if prefill or handled or self._todo.any():
             todo, self._todo = self._todo, _DeviceUpdates()
@@ -332,13 +443,28 @@ class Engine:
         if stream.cancelled:
             self._release()
             return
-        slot = heapq.heappop(self._free)
-        u = Utterance(stream, slot, preset, stream.speed * preset["pace"])
-        self.utterances[slot], self._by_stream[stream] = u, u
-        self._live[slot] = True
-        self._generation[slot] += 1
-        self._encoded[slot] = self._encodable[slot] = self._unit[slot] = 0
-        self._todo.starts.append(u)
+        u = Utterance(stream, -1, preset, stream.speed * preset["pace"])
+        self._by_stream[stream] = u
+        self._wait_for_slot(u, "start")
+
+    def _on_attach(self, stream: Stream, payload) -> None:
+        """A stream detached from another engine (`attach`): parked here with its state, then restored."""
+        preset, host, rows = payload
+        if stream.cancelled:
+            self._release()
+            return
+        u = Utterance(stream, -1, preset, stream.speed * preset["pace"], units=list(host["units"]),
+                      unit_base=host["unit_base"], closed_upto=host["closed_upto"], text_ended=host["text_ended"],
+                      spoke=host["spoke"], encoded=host["encoded"], encodable=host["encodable"], unit=host["unit"])
+        self._by_stream[stream] = u
+        if not rows:  # it never had a slot
+            self._wait_for_slot(u, "start")
+            return
+        u.parked = Parked()
+        u.parked.add(rows)
+        u.parked.captured.set()
+        self.store.put(u.parked)
+        self._wait_for_slot(u, "restore")
 
     def _on_warm(self, _, done: threading.Event) -> None:
         try:
@@ -358,17 +484,22 @@ class Engine:
     def _on_cancel(self, stream: Stream, _) -> None:
         u = self._by_stream.get(stream)
         if u is not None:
-            self._free_slot(u)
+            self._drop(u)
 
     def _on_flow(self, stream: Stream, _) -> None:
-        """The reader fell behind or caught up: pause or resume its slot (see `Stream.deliver`/`read`)."""
+        """The reader fell behind or caught up: pause or resume its slot (see `Stream.deliver`/`read`); a stream
+        parked while its reader was behind is restored once the reader is down to ``resume_samples``."""
         u = self._by_stream.get(stream)
         if u is None:
             return
         stream.paused = True  # before reading the count: a read after this sees the flag and tells us again
-        if stream.queued_samples <= stream.max_queued_samples:
+        if stream.queued_samples <= stream.resume_samples:
             stream.paused = False
-        self._todo.paused.append((u, stream.paused))
+        if u.slot >= 0:
+            self._todo.paused.append((u, stream.paused))
+            self._stalled_since[u.slot] = np.inf  # not parked in this tick: the event is not applied yet
+        elif u.parked is not None and (u.parked_paused or u.news) and not stream.paused:
+            self._wait_for_slot(u, "restore")
 
     def _on_text(self, stream: Stream, news) -> None:
         u = self._by_stream.get(stream)
@@ -377,6 +508,9 @@ class Engine:
         if isinstance(news, Exception):
             raise news
         units, closed, ended, spoke = news
+        if units is MOVING:
+            self._start_detach(u)
+            return
         u.units += units
         if closed:
             u.closed_upto = u.received
@@ -386,37 +520,223 @@ class Engine:
             return
         look = self.cfg.text_lookahead
         complete = ended or u.closed_upto == u.received
-        self._encodable[u.slot] = u.received if complete else max(0, u.received - look)
-        self._todo.flags.append(u)
+        encodable = u.received if complete else max(0, u.received - look)
+        if u.slot >= 0:
+            self._encodable[u.slot] = encodable
+            self._todo.flags.append(u)
+            self._stalled_since[u.slot] = np.inf  # not parked in this tick: the news is not applied yet
+            return
+        u.encodable = encodable
+        if u.parked is not None and (units or closed or ended):
+            u.news = True
+            if not stream.paused:  # else the reader catching up restores it
+                self._wait_for_slot(u, "restore")
 
     def _fail(self, stream: Stream, error: Exception) -> None:
         u = self._by_stream.get(stream)
         if u is not None:
-            self._free_slot(u)
+            self._drop(u)
         self._end(stream, error)
 
     def _end(self, stream: Stream, error: Exception | None) -> None:
         """End a stream after the audio already on its way to it (the codec worker keeps the order)."""
+        if stream.detach_request is not None:  # it ended before it could move
+            stream.detach_request.fail(EngineError("the stream ended before it could be detached"))
         if self.frame_codec:
             stream.finish(error)
         else:
             self.codec_worker.finish(stream, error)
 
-    def _free_slot(self, u: Utterance) -> None:
-        """The slot is free for the next tick's starts; its row goes idle on the device."""
-        if self.utterances[u.slot] is not u:
+    def _drop(self, u: Utterance) -> None:
+        """The stream leaves the engine: its slot, parked state or place in a queue is freed, and its place in
+        admission goes to the next caller waiting in `open`."""
+        if self._by_stream.get(u.stream) is not u:
             return
-        self.utterances[u.slot] = None
         del self._by_stream[u.stream]
-        self._live[u.slot] = False
-        self._encoded[u.slot] = self._encodable[u.slot] = 0
-        heapq.heappush(self._free, u.slot)
-        self._todo.frees.append(u.slot)
+        if u.slot >= 0:
+            self._vacate(u)
+        if u.parked is not None:
+            self.store.discard(u.parked)
+            u.parked = None
+        if u.waiting is not None:
+            (self._starts if u.waiting == "start" else self._restores).remove(u)
+            u.waiting = None
         self._release()
+
+    def _vacate(self, u: Utterance) -> None:
+        """The slot is free for the next tick's starts and restores; its row goes idle on the device."""
+        slot = u.slot
+        self.utterances[slot], u.slot = None, -1
+        self._live[slot] = False
+        self._encoded[slot] = self._encodable[slot] = 0
+        self._stalled_since[slot] = np.inf
+        heapq.heappush(self._free, slot)
+        self._todo.frees.append(slot)
 
     def _release(self) -> None:
         """A reservation ends: the first caller waiting in `open` gets it (its start comes next tick)."""
         self.admission.release()
+
+    # -- slots: who gets one, parking and restoring --
+    def _wait_for_slot(self, u: Utterance, why: str) -> None:
+        """Queue ``u`` for a slot (granted at the end of this tick's events): restores ahead of starts."""
+        if u.waiting is not None:
+            return
+        u.waiting, u.waiting_since = why, time.perf_counter()
+        (self._starts if why == "start" else self._restores).append(u)
+        if why == "restore":
+            self.store.want(u.parked)  # a state on disk starts loading now
+        if len(self._free) < len(self._starts) + len(self._restores):
+            self.counters["slot_waits"] += 1
+
+    def _grant_slots(self) -> None:
+        """Free slots to the waiting streams: parked ones whose state is in memory first, then new ones."""
+        while self._free and (self._starts or self._restores):
+            u = next((r for r in self._restores if r.detach is None and self.store.want(r.parked)), None)
+            if u is None and not self._starts:
+                return  # only restores whose state is still loading
+            u = u or self._starts[0]
+            (self._starts if u.waiting == "start" else self._restores).remove(u)
+            self.slot_wait_ms.append((time.perf_counter() - u.waiting_since) * 1000)
+            self._occupy(u)
+
+    def _occupy(self, u: Utterance) -> None:
+        slot = heapq.heappop(self._free)
+        why, u.waiting, u.slot = u.waiting, None, slot
+        self.utterances[slot] = u
+        self._live[slot] = True
+        self._generation[slot] += 1
+        self._encoded[slot], self._encodable[slot], self._unit[slot] = u.encoded, u.encodable, u.unit
+        if why == "restore":
+            self._todo.restores.append((u, self.store.take(u.parked)))
+            u.parked = None
+            self.counters["restores"] += 1
+            u.stream.resume_samples = u.stream.max_queued_samples
+        else:
+            self._todo.starts.append(u)
+        self._todo.flags.append(u)  # text that came while it held no slot
+        self._todo.paused.append((u, u.stream.paused))
+
+    def _choose_parks(self) -> None:
+        """Park the slots stalled for ``park_after_s``. Such a slot did nothing in the tick in flight either
+        (`_stalled_since`), so its state is complete on the device when this tick's updates copy it out.
+        Example, park_after_s 0.5: slot 3's text runs dry; the first tick launched after its last event in which
+        it cannot step was launched at t = 10.00 s, so its stalled_since is 10.00 (later such ticks keep the
+        minimum); the first tick handled after 10.50 parks it. Had text come at 10.30, that event would have
+        reset it to infinity, and the next tick launched after 10.30 in which it cannot step would set it anew."""
+        cutoff = time.perf_counter() - self.parking.park_after_s
+        stalled = np.flatnonzero(self._live & (self._stalled_since <= cutoff))
+        for slot in stalled:
+            self._park(self.utterances[slot])
+
+    def _park(self, u: Utterance) -> None:
+        u.encoded, u.encodable, u.unit = (int(a[u.slot]) for a in (self._encoded, self._encodable, self._unit))
+        u.parked, u.parked_paused, u.news = Parked(), u.stream.paused, False
+        if u.parked_paused:  # restore once the reader has half the queue to play, not at the first read
+            u.stream.resume_samples = u.stream.max_queued_samples // 2
+        self._todo.parks.append((u, u.slot))
+        self._vacate(u)
+        self.counters["parks"] += 1
+
+    def _park_rows(self, parks: list[tuple[Utterance, int]]) -> None:
+        """Copy the parked slots' rows out in one batched gather per tensor (to pinned memory on a GPU)."""
+        started, timer = time.perf_counter(), _Timer(self.device.type == "cuda")
+        rows = [slot for _, slot in parks]
+        rows_d = self._upload(rows)
+        cuda = self.device.type == "cuda"
+        taken = {name: t.index_select(0, rows_d) for name, t in (self.caches.rows() | self.slots.rows()).items()}
+        if self.frame_codec:
+            if cuda:
+                torch.cuda.current_stream(self.device).wait_stream(self.codec_stream)
+            taken |= decoder_rows(self.frame_decoder.state, rows_d)
+        if cuda:
+            taken = {name: _to_host(t) for name, t in taken.items()}
+            timer.mark()
+            copied = timer.marks[-1]
+        for i, (u, _) in enumerate(parks):
+            u.parked.add({name: t[i:i + 1] for name, t in taken.items()})
+            if self.frame_codec:
+                u.parked.add({"outbox": torch.from_numpy(self.outbox.audio[rows[i]:rows[i] + 1].copy())})
+                u.parked.copied = copied if cuda else None
+                u.parked.captured.set()
+            self.store.put(u.parked)
+        if not self.frame_codec:
+            self.codec_worker.capture(rows, functools.partial(_captured, [u.parked for u, _ in parks]))
+        self._note("park", started, timer, len(parks))
+        for u, _ in parks:
+            if u.detach is not None:
+                self._finish_detach(u)
+
+    def _restore_rows(self, restores: list[tuple[Utterance, dict]]) -> list[int]:
+        """Put parked states into their new slots: the voices' prefixes as at a start, then every row."""
+        started, timer = time.perf_counter(), _Timer(self.device.type == "cuda")
+        rows = [u.slot for u, _ in restores]
+        rows_d = self._upload(rows)
+        self._start_caches(rows_d, [u for u, _ in restores])
+        states = [state for _, state in restores]
+        targets = self.caches.rows() | self.slots.rows()
+        if self.frame_codec:  # with the CPU codec worker the decoder's rows may still be on their way: it restores them
+            targets |= {name: None for name in states[0] if name.startswith("codec.")}
+        stacked = {name: torch.cat([state[name] for state in states]) for name in targets}
+        if self.device.type == "cuda":
+            stacked = {name: t.pin_memory().to(self.device, non_blocking=True) for name, t in stacked.items()}
+        for name, tensor in targets.items():
+            if tensor is not None:
+                tensor[rows_d] = stacked[name]
+        if self.frame_codec:
+            put_decoder_rows(self.frame_decoder.state, rows_d, stacked)
+            self.outbox.audio[rows] = torch.cat([state["outbox"] for state in states]).numpy()
+            self._codec_resets = [r for r in self._codec_resets if r not in rows]
+        else:
+            self.codec_worker.restore(rows, states)
+        if self.device.type == "cuda":
+            timer.mark()
+        self._note("restore", started, timer, len(restores))
+        return rows
+
+    def _note(self, kind: str, started: float, timer: "_Timer", count: int) -> None:
+        """Park/restore time per stream: on a GPU the device's (CUDA events, read later), else the clock's."""
+        if timer.cuda:
+            self.store.note_device(kind, timer.marks[0], timer.marks[-1], count)
+        else:
+            self.store.note(kind, (time.perf_counter() - started) * 1000, count)
+
+    # -- detach: park at once, then hand the state to the caller --
+    def _start_detach(self, u: Utterance) -> None:
+        u.detach = u.stream.detach_request
+        if u.slot >= 0 and not (self.frame_codec and self._inflight):
+            self._park(u)  # finished in this tick's `_park_rows`
+        elif u.slot >= 0:  # the tick in flight may be stepping it: pause it now, park it once that tick is in
+            self._todo.paused.append((u, True))
+            u.detach.after = self._ticks
+            self._detaching.append(u)
+        elif u.parked is not None and not self.store.want(u.parked):
+            self._detaching.append(u)  # its state is on its way back from disk
+        else:
+            self._finish_detach(u)
+
+    def _continue_detaches(self) -> None:
+        waiting, self._detaching = self._detaching, []
+        for u in waiting:
+            if u.slot >= 0 and any(tick.serial < u.detach.after for tick in self._inflight):
+                self._detaching.append(u)
+            elif u.slot >= 0:
+                self._park(u)
+            elif self.store.want(u.parked):
+                self._finish_detach(u)
+            else:
+                self._detaching.append(u)
+
+    def _finish_detach(self, u: Utterance) -> None:
+        """Hand the detached stream to `detach` (which reads its parked rows) and forget it here."""
+        request, u.detach = u.detach, None
+        parked = u.parked
+        if parked is not None:
+            self.store.take(parked)
+        self._drop(u)
+        u.parked = parked  # the CPU codec worker may still be adding the decoder's rows: `detach` waits for them
+        request.utterance = u
+        request.done.set()
 
     def _choose_prefill(self) -> list[tuple[Utterance, int]]:
         """Slots whose encoded lead over their aligned unit ran low and that have units to encode: encode up
@@ -436,26 +756,33 @@ class Engine:
         return chosen
 
     def _apply(self, todo: "_DeviceUpdates", prefill: list[tuple[Utterance, int]]) -> None:
-        """This tick's event updates on the device, each kind as one batched op."""
-        upload = self._upload
+        """This tick's event updates on the device, each kind as one batched op: parked rows are copied out
+        before freed rows are reset, restored rows written after new rows start."""
+        upload, holds = self._upload, self._holds
+        if todo.parks:
+            self._park_rows(todo.parks)
         if todo.frees:
             self.slots.reset(self._row_mask(todo.frees))
-        starts = [u for u in todo.starts if self.utterances[u.slot] is u]  # a slot freed and taken again: the last
+        touched = []
+        starts = [u for u in todo.starts if holds(u)]  # a slot freed and taken again: the last holder
         if starts:
             rows = [u.slot for u in starts]
             rows_d = upload(rows)
             temperatures = [max(u.voice["temperature"], 1e-4) for u in starts]  # positive: never divides by 0
-            prefixes = [self._voice_prefix(u.voice) for u in starts]  # per start, per layer (1, H, S, D)
-            self.caches.start(rows_d, [tuple(torch.cat([p[layer][i] for p in prefixes]) for i in (0, 1))
-                                       for layer in range(self.cfg.layers)])
+            self._start_caches(rows_d, starts)
             self.slots.start(rows_d, upload([u.stream.seed for u in starts]), upload(temperatures, torch.float32))
             if self.frame_codec:
                 self._codec_resets += rows
             else:
                 self.codec_worker.reset(rows)
+            touched += rows
+        restores = [(u, state) for u, state in todo.restores if holds(u)]
+        if restores:
+            touched += self._restore_rows(restores)
         if prefill:
             self._prefill(prefill)
-        flagged = {u.slot: u for u in todo.flags + [u for u, _ in prefill] if self.utterances[u.slot] is u}
+            touched += [u.slot for u, _ in prefill]
+        flagged = {u.slot: u for u in todo.flags + [u for u, _ in prefill] if holds(u)}
         if flagged:
             rows = list(flagged)
             closed = [self._encoded[s] == flagged[s].closed_upto == flagged[s].received for s in rows]
@@ -463,9 +790,23 @@ class Engine:
             rows_d = upload(rows)
             self.slots.closed[rows_d] = upload(closed, torch.bool)
             self.slots.ended[rows_d] = upload(ended, torch.bool)
-        paused = {u.slot: value for u, value in todo.paused if self.utterances[u.slot] is u}  # the last word counts
+            touched += rows
+        paused = {u.slot: value for u, value in todo.paused if holds(u)}  # the last word counts
         if paused:
             self.slots.paused[upload(list(paused))] = upload(list(paused.values()), torch.bool)
+            touched += list(paused)
+        if touched:  # these slots' device state changed: they may step again
+            self._event_at[touched] = time.perf_counter()
+            self._stalled_since[touched] = np.inf
+
+    def _holds(self, u: Utterance) -> bool:
+        return u.slot >= 0 and self.utterances[u.slot] is u
+
+    def _start_caches(self, rows: torch.Tensor, utterances: list[Utterance]) -> None:
+        """Fresh caches in ``rows`` with each stream's voice prefix (per layer (M, H, S, D) keys/values)."""
+        prefixes = [self._voice_prefix(u.voice) for u in utterances]  # per stream, per layer (1, H, S, D)
+        self.caches.start(rows, [tuple(torch.cat([p[layer][i] for p in prefixes]) for i in (0, 1))
+                                 for layer in range(self.cfg.layers)])
 
     def _voice_prefix(self, preset: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (1, H, S, D) prefix keys/values of a voice: a shipped voice's row of ``prefixes``; a
@@ -538,6 +879,7 @@ class Engine:
     # -- the batched tick --
     def _launch(self, n: int) -> None:
         """Step the ready slots among the first ``n``; decode completed frames; queue the results for the host."""
+        launched_at = time.perf_counter()
         cuda = self.device.type == "cuda"
         step = self._step_for(n)
         slots = self.slots
@@ -548,7 +890,8 @@ class Engine:
         sampled = sample(logits, temperature, self.sampling.top_k, key=slots.key[:n], step=slots.step[:n])
         timer.mark()
         meta, codes = slots.advance(sampled, ready, unit, keep_codes=not self.frame_codec)
-        tick = _Tick(n, list(self.utterances[:n]), self._generation[:n].copy(), self._schedules, timer)
+        tick = _Tick(n, list(self.utterances[:n]), self._generation[:n].copy(), self._schedules, timer,
+                     self._ticks, launched_at)
         self._schedules = []
         if self.frame_codec:
             resets, self._codec_resets = self._codec_resets, []
@@ -581,12 +924,17 @@ class Engine:
         n = tick.n
         same = tick.generation == self._generation[:n]  # rows still held by the stream that was stepped
         self._unit[:n] = np.where(same, meta[:, UNIT], self._unit[:n])
-        self._any_ready = bool(meta[:, READY].any())
+        ready = meta[:, READY].astype(bool)
+        self._any_ready = bool(ready.any())
+        fresh = self._live[:n] & (tick.launched_at > self._event_at[:n])  # launched after the slot's last event
+        stalled = self._stalled_since[:n]
+        self._stalled_since[:n] = np.where(ready, np.inf, np.where(fresh, np.minimum(stalled, tick.launched_at),
+                                                                   stalled))
         step_ms, codec_ms = tick.timer.elapsed()
         self.step_ms.append(step_ms)
         self._schedule_units(tick.schedules)
         if self.frame_codec:
-            completed = np.flatnonzero(meta[:, COMPLETED])
+            completed = np.flatnonzero(meta[:, COMPLETED] & same)  # not a row restored since: it holds audio
             audio = tick.audio.numpy() if isinstance(tick.audio, torch.Tensor) else tick.audio
             self.outbox.add(completed, meta[completed, PENDING] - 1, audio[completed])
             self.codec_ms.append((codec_ms, len(completed)))
@@ -598,14 +946,14 @@ class Engine:
             if u is not None and not u.done and self.utterances[row] is u:
                 u.done = True
                 self._end(u.stream, None if u.spoke else TextError("text has nothing speakable in it"))
-                self._free_slot(u)  # the row goes idle with the next tick's updates
+                self._drop(u)  # the row goes idle with the next tick's updates
 
     def _schedule_units(self, schedules: list) -> None:
         """Tell each prefilled stream when its new units are spoken (its phoneme and word timings)."""
         for utterances, firsts, counts, schedule in schedules:
             begin, durations = (schedule.numpy() if isinstance(schedule, torch.Tensor) else schedule)
             for i, (u, first, count) in enumerate(zip(utterances, firsts, counts)):
-                if self.utterances[u.slot] is u:
+                if self._holds(u):
                     u.stream.schedule(first, begin[i, :count].tolist(), durations[i, :count].tolist())
 
     def _hand_out(self, tick: "_Tick", rows: np.ndarray, frames: np.ndarray) -> None:
@@ -657,8 +1005,8 @@ class Engine:
     def _recover(self, err: Exception) -> None:
         """After a fault of the batched tick: every live stream fails with EngineError, every slot and the
         decoder state return to empty, and the engine serves new streams as before."""
-        for u in [u for u in self.utterances if u is not None]:
-            self._free_slot(u)
+        for u in [u for u in self.utterances if u is not None] + [u for u, _ in self._todo.parks]:
+            self._drop(u)
             u.stream.finish(EngineError(f"internal error: {err}"))
         self._inflight.clear()
         self._todo, self._codec_resets, self._schedules = _DeviceUpdates(), [], []
@@ -680,9 +1028,32 @@ class _DeviceUpdates:
     starts: list[Utterance] = field(default_factory=list)
     flags: list[Utterance] = field(default_factory=list)  # closed/ended to recompute
     paused: list[tuple[Utterance, bool]] = field(default_factory=list)
+    parks: list[tuple[Utterance, int]] = field(default_factory=list)  # (stream, the slot it leaves)
+    restores: list[tuple[Utterance, dict]] = field(default_factory=list)  # (stream in its new slot, its rows)
 
     def any(self) -> bool:
-        return bool(self.frees or self.starts or self.flags or self.paused)
+        return bool(self.frees or self.starts or self.flags or self.paused or self.parks or self.restores)
+
+
+class _Detach:
+    """A `detach` in progress: the engine thread parks the stream, then hands it over here."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.error: Exception | None = None
+        self.utterance: Utterance | None = None
+        self.after = 0  # with a tick in flight: park once every tick launched before this one is collected
+
+    def fail(self, error: Exception) -> None:
+        self.error = error
+        self.done.set()
+
+
+def _captured(parked: list[Parked], states: list[dict]) -> None:
+    """The CPU codec worker's decoder rows of streams just parked (on its thread)."""
+    for p, state in zip(parked, states):
+        p.add(state)
+        p.captured.set()
 
 
 class _Timer:
@@ -716,6 +1087,8 @@ class _Tick:
     generation: np.ndarray
     schedules: list
     timer: _Timer
+    serial: int  # ticks launched before it
+    launched_at: float
     meta: object = None  # (n, len(META)): a tensor, or a pinned host tensor on a GPU
     audio: object = None  # frame audio (n, hop) with a frame codec
     ready: object = None  # CUDA event: the tick's results are on the host

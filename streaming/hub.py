@@ -28,7 +28,7 @@ class Hub:
                  api_keys: tuple[str, ...] = (), allow_origins: tuple[str, ...] = ()):
         self.limits, self._engine, self._aliases = limits, engine, aliases
         self.api_keys, self.allow_origins = tuple(api_keys), tuple(allow_origins)
-        self.admission = Admission(limits, slots=None if engine is None else engine.max_streams)
+        self.admission = Admission(limits, slots=None if engine is None else _open_streams(engine))
         self.pool = ThreadPoolExecutor(2 * limits.max_connections + 2, thread_name_prefix="tts-io")
         self.sessions: set = set()  # the WebSocket sessions (server.Session), those waiting for a resume too
         self.resume_tokens: dict = {}  # resume token -> its session, or None once spent (resume_used)
@@ -41,7 +41,7 @@ class Hub:
         if self._engine is None:
             from tts.api import get_engine
             self._engine = await self.call(get_engine)
-            self.admission.slots = self._engine.max_streams
+            self.admission.slots = _open_streams(self._engine)
         return self._engine
 
     @property
@@ -171,3 +171,8 @@ def origin_allowed(origin: str | None, host: str | None, allowed: tuple[str, ...
         return True
     parts = urlsplit(origin)
     return parts.scheme in ("http", "https") and bool(host) and parts.netloc.lower() == host.lower()
+
+
+def _open_streams(engine) -> int:
+    """Streams the engine takes at once: its open streams (``max_open``: parked ones hold no slot), else its slots."""
+    return getattr(engine, "max_open", engine.max_streams)

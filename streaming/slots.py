@@ -78,6 +78,14 @@ class Slots:
         self.tokens.masked_fill_(mask[:, None], self.empty)
         self.history.masked_fill_(mask[:, None, None], 0)
 
+    def rows(self) -> dict[str, torch.Tensor]:
+        """Every per-slot tensor by name, batch first: a slot's state is row ``s`` of each (what parking copies
+        out and back, `streaming.parking`). The chunk schedule is included: a stream moved to another slot keeps
+        its staggered chunk sizes."""
+        names = ("live", "paused", "closed", "ended", "step", "frames", "encoded", "pending", "chunks", "key",
+                 "temperature", "tokens", "history", "unit_start", "unit_end", "codes", "schedule")
+        return {name: getattr(self, name) for name in names}
+
     def start(self, rows: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
         """Fresh streams in ``rows`` (M,) with their seeds (M,) and temperatures (M,). Returns the (B,) mask."""
         mask = torch.zeros(self.batch, dtype=torch.bool, device=rows.device)

@@ -2,13 +2,15 @@
 
 Caller side: `push_text`, `flush`, `end`, `cancel`, `read`, `take_timings`, `take_word_timings`, `stats`.
 Engine side (the engine and its codec and text workers call these): `take_text`, `schedule`, `deliver`,
-`finish`.
+`finish`; and for moving a stream to another engine (`Engine.detach`/`attach`): `take_unread`,
+`export_state`, `from_state`.
 """
 from __future__ import annotations
 
-import queue
+import copy
 import threading
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -20,6 +22,13 @@ if TYPE_CHECKING:
     from streaming.engine import Engine
 
 
+class _Moving(tuple):
+    """The units a detaching stream's text thread hands on: none, and a mark (compared by identity)."""
+
+
+MOVING = _Moving()
+
+
 class Stream:
     """One utterance being spoken. Audio chunks are float32 mono at the codec's sample rate."""
 
@@ -28,10 +37,16 @@ class Stream:
         self.engine, self.voice, self.speed, self.seed = engine, voice, speed, seed
         self.text = TextStream(max_chars) if lookahead_words is None else \
             TextStream(max_chars, lookahead_words=lookahead_words)
-        self._audio: queue.Queue = queue.Queue()
+        self._chunks: deque[np.ndarray] = deque()  # audio not yet read
+        self._audio = threading.Condition()  # guards _chunks, queued_samples, _closed and moved
+        self._closed = False  # no audio comes after what is queued (finished or cancelled)
         self.queued_samples = 0
         self.max_queued_samples = int(engine.max_queued * engine.sample_rate)
+        self.resume_samples = self.max_queued_samples  # a paused stream resumes once the reader is down to this
         self.cancelled = self.finished = False
+        self.moved = False  # detached to another engine (`Engine.detach`): this reader gets no more audio
+        self.detaching = False  # being detached: the text front end is no longer read here
+        self.detach_request = None
         self.paused = False  # set by the engine while the reader is behind (backpressure)
         self.decode_alone = False  # the CPU codec decodes this stream's chunks in calls of their own
         self.opened_at = time.perf_counter()
@@ -62,27 +77,29 @@ class Stream:
 
     def cancel(self) -> None:
         self.cancelled = True
-        while not self._audio.empty():
-            try:
-                self._audio.get_nowait()
-            except queue.Empty:
-                break
-        self._audio.put(None)
+        with self._audio:
+            self._chunks.clear()
+            self.queued_samples = 0
+            self._closed = True
+            self._audio.notify_all()
         self.engine.cancelled(self)
 
     def read(self, timeout: float | None = None) -> np.ndarray | None:
-        """Next audio chunk, or None once the utterance is finished. Raises TimeoutError."""
-        try:
-            chunk = self._audio.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError("no audio yet") from None
-        if chunk is None:
-            self._audio.put(None)  # stay finished for later reads
-            if self.error is not None:
-                raise self.error
-            return None
-        self.queued_samples -= len(chunk)
-        if self.paused and self.queued_samples <= self.max_queued_samples:
+        """Next audio chunk, or None once the utterance is finished (or moved to another engine). Raises
+        TimeoutError, or the error the utterance failed with once its audio is read."""
+        with self._audio:
+            if not self._audio.wait_for(lambda: self._chunks or self._closed or self.moved, timeout):
+                raise TimeoutError("no audio yet")
+            if self.moved:
+                return None
+            if not self._chunks:
+                if self.error is not None:
+                    raise self.error
+                return None
+            chunk = self._chunks.popleft()
+            self.queued_samples -= len(chunk)
+            resume = self.paused and self.queued_samples <= self.resume_samples
+        if resume:
             self.engine.flow_changed(self)
         return chunk
 
@@ -106,7 +123,10 @@ class Stream:
     # ---- engine side ----------------------------------------------------------------------------
     def take_text(self) -> tuple[list[int], bool, bool]:
         """Units ready to speak now, whether a flush or the end closed them (`TextStream.take`), and whether
-        the text has ended. Raises what the text front end raises."""
+        the text has ended. Raises what the text front end raises. While the stream is being detached: MOVING
+        (no units; the engine then detaches it, after every take before)."""
+        if self.detaching:
+            return MOVING, False, False
         units, closed = self.text.take()
         with self._timings_lock:
             self._unscheduled += units
@@ -127,9 +147,14 @@ class Stream:
         self.first_audio_at = self.first_audio_at or now
         self.last_audio_at = now
         self.samples += len(chunk)
-        self.queued_samples += len(chunk)
-        self._audio.put(chunk)
-        if not self.paused and self.queued_samples > self.max_queued_samples:
+        with self._audio:
+            if self.cancelled or self.moved:  # a chunk decoded as the reader left: it is not theirs any more
+                return
+            self.queued_samples += len(chunk)
+            self._chunks.append(chunk)
+            self._audio.notify_all()
+            behind = not self.paused and self.queued_samples > self.max_queued_samples
+        if behind:
             self.engine.flow_changed(self)  # backpressure: the engine pauses this stream until the reader reads
 
     def finish(self, error: Exception | None = None) -> None:
@@ -137,7 +162,46 @@ class Stream:
             return
         self.error = error
         self.finished = True
-        self._audio.put(None)
+        with self._audio:
+            self._closed = True
+            self._audio.notify_all()
+
+    # ---- moving to another engine -----------------------------------------------------------------
+    def take_unread(self) -> list[np.ndarray]:
+        """The audio not yet read; from now on `read` returns None (the stream continues elsewhere)."""
+        with self._audio:
+            self.moved = True
+            chunks = list(self._chunks)
+            self._chunks.clear()
+            self.queued_samples = 0
+            self._audio.notify_all()
+        return chunks
+
+    def export_state(self) -> dict:
+        """What a stream on another engine needs to continue this one (plain data; see `from_state`): voice,
+        speed, seed, its text front end's state (pending text, lookahead, word-timing bookkeeping) and the
+        timings not yet taken. Call on the engine thread while the stream is parked."""
+        with self._timings_lock:
+            timings = {"unscheduled": list(self._unscheduled), "timings": list(self._timings),
+                       "schedules": copy.deepcopy(self._schedules)}
+        return {"voice": self.voice, "speed": self.speed, "seed": self.seed, "decode_alone": self.decode_alone,
+                "max_chars": self.text.max_chars, "lookahead_words": self.text.lookahead_words,
+                "text": object_state(self.text), "samples": self.samples, **timings}
+
+    @classmethod
+    def from_state(cls, engine: "Engine", state: dict, unread: list[np.ndarray]) -> "Stream":
+        """A stream continuing an exported one (`export_state`) on ``engine``, its ``unread`` audio queued."""
+        stream = cls(engine, state["voice"], state["speed"], state["max_chars"], state["seed"],
+                     state["lookahead_words"])
+        stream.decode_alone = state["decode_alone"]
+        set_object_state(stream.text, state["text"])
+        stream._unscheduled, stream._timings = list(state["unscheduled"]), list(state["timings"])
+        stream._schedules = copy.deepcopy(state["schedules"])
+        for chunk in unread:
+            stream.deliver(chunk)
+        stream.samples = state["samples"]  # counts the unread audio too
+        stream.first_audio_at = stream.first_audio_at or (time.perf_counter() if state["samples"] else None)
+        return stream
 
     @property
     def stats(self) -> dict:
@@ -149,3 +213,28 @@ class Stream:
         return {"audio_seconds": round(audio_s, 3), "ttfa_ms": None if ttfa is None else round(ttfa, 1),
                 "rtf": None if not busy or not audio_s else round(busy / audio_s, 3),
                 "frames": self.samples // self.engine.codec.cfg.hop}
+
+
+_LOCKS = (type(threading.Lock()), type(threading.RLock()))
+
+
+def object_state(obj) -> dict:
+    """An object's attributes as plain data: nested objects (not plain values) by their own attributes,
+    locks left out. Example: a TextStream -> {"_text": "How are", "_done": 2, ..., "_timings": {"__object__":
+    {"unit_word": [...], ...}}}. Restored into a fresh object of the same class by `set_object_state`."""
+    state = {}
+    for name, value in vars(obj).items():
+        if isinstance(value, _LOCKS):
+            continue
+        if hasattr(value, "__dict__") and not isinstance(value, type):
+            value = {"__object__": object_state(value)}
+        state[name] = copy.deepcopy(value)
+    return state
+
+
+def set_object_state(obj, state: dict) -> None:
+    for name, value in state.items():
+        if isinstance(value, dict) and set(value) == {"__object__"}:
+            set_object_state(getattr(obj, name), value["__object__"])
+        else:
+            setattr(obj, name, copy.deepcopy(value))

@@ -1,6 +1,8 @@
 """Test helpers: a tiny random-weight engine for fast tests of everything around the model."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from streaming.engine import Engine
@@ -27,3 +29,13 @@ def tiny_random(max_streams: int = 4, **kwargs) -> Engine:
     sound."""
     model, codec, voices = tiny_model_and_codec()
     return Engine(model, codec, voices, max_streams=max_streams, **kwargs)
+
+
+def wait_until(condition, seconds: float = 10.0) -> bool:
+    """Poll ``condition`` until it holds (True) or ``seconds`` pass (False)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True

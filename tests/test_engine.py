@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_model_and_codec, tiny_random
+from helpers import tiny_model_and_codec, tiny_random, wait_until
 
 from streaming.decode import TEXT_RING, decode_step
 from streaming.engine import Engine, EngineError, SamplingConfig, ServerFull, UnknownVoice
@@ -20,15 +20,6 @@ OTHER = "Something else entirely, said by another voice."
 @pytest.fixture(scope="module")
 def engine():
     return tiny_random(max_streams=3, sampling=GREEDY)
-
-
-def wait_until(condition, seconds=10.0):
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def speak(engine, text, voice=None, seed=None, start_after=0.0, results=None, key=None):

@@ -58,14 +58,15 @@ class Chunk(np.ndarray):
         return self.start + len(self) / self.sample_rate
 
 
-def get_engine(max_streams: int | None = None, compile: bool = True) -> Engine:
+def get_engine(max_streams: int | None = None, compile: bool = True, max_open: int | None = None) -> Engine:
     """The process-wide engine on the shipped voices, loaded on first use (about a second).
 
     Its decode step is the fastest one ready now (`kernels.auto`: ONNX Runtime when its export is cached,
     else the lean eager step while the export is built in a background process, swapped in when ready,
     without dropping a stream). A step costs what its active slots cost, so ``max_streams`` (default: the
-    engine's, 8 on a CPU) only bounds how many callers can speak at once. ``compile=False`` (or
-    TTS_NO_COMPILE=1) keeps the plain eager step."""
+    engine's, 8 on a CPU) only bounds how many callers can speak at once; ``max_open`` (default: as many)
+    how many streams may be open, those waiting for text or for their reader parked without a slot.
+    ``compile=False`` (or TTS_NO_COMPILE=1) keeps the plain eager step."""
     global _engine
     with _engine_lock:
         if _engine is None:
@@ -80,7 +81,8 @@ def get_engine(max_streams: int | None = None, compile: bool = True) -> Engine:
             model, codec, presets = load_shipped()
             front_end.join()  # before the engine's text thread can use espeak, which is not thread-safe
             factory = default_step_factory() if compile and enabled("compile") else None
-            _engine = Engine(model, codec, presets, max_streams=max_streams, step_factory=factory)
+            _engine = Engine(model, codec, presets, max_streams=max_streams, step_factory=factory,
+                             max_open=max_open)
             log.info("engine ready in %.2f s: %d slots, step %s", time.perf_counter() - started,
                      _engine.max_streams, _engine.step_kind)
             faster = getattr(factory, "faster", None)  # a Future: the faster factory, or None if none will come

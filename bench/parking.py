@@ -1,0 +1,118 @@
+"""Parked streams, per tier: park/restore time per stream, and a parked stream's audio against the same stream
+never parked. One JSON object.
+
+    python -m bench.parking                              # shipped model, CPU, 8 streams
+    python -m bench.parking --device cuda --streams 64   # GPU <-> pinned host, host <-> disk
+    python -m bench.parking --tiny
+
+Per round, N streams (one slot each) get the first words of a sentence, run dry and are parked together
+(``park_after_s`` 0.05); in the disk round they wait until every state has spilled to disk; then each gets the
+rest of its text and is restored. Tier times come from the engine's stats: slot <-> host memory per stream
+(on a GPU: device time between CUDA events, gather + copy to pinned memory, and copy back + scatter), host
+<-> disk per stream (safetensors file in the temp dir, the page cache's speed: no fsync). ``max_abs_diff``:
+the largest difference between a parked-and-restored stream's audio and the same seeded stream speaking
+without parking (greedy sampling), over both rounds and one stream detached mid-utterance and attached to a
+second engine (`Engine.detach`/`attach`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+from bench.common import harvard
+from streaming.engine import Engine, SamplingConfig
+from streaming.parking import ParkingConfig
+
+
+def speak(engine: Engine, sentence: str, seed: int, cut: int | None) -> tuple[np.ndarray, object]:
+    """Open a stream, give it the first ``cut`` words (all and end, if None)."""
+    stream = engine.open(seed=seed)
+    words = sentence.split()
+    stream.push_text(" ".join(words[:cut]) + " " if cut else sentence)
+    if cut is None:
+        stream.end()
+    return stream
+
+
+def read_all(stream, timeout=120.0) -> np.ndarray:
+    chunks = []
+    while (chunk := stream.read(timeout=timeout)) is not None:
+        chunks.append(chunk)
+    return np.concatenate(chunks)
+
+
+def wait_until(condition, seconds=60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the engine did not get there in time")
+        time.sleep(0.01)
+
+
+def parked_round(engine: Engine, sentences: list[str], disk: bool) -> list[np.ndarray]:
+    streams = [speak(engine, s, 100 + i, 4) for i, s in enumerate(sentences)]
+    tier = "disk" if disk else "host"
+    wait_until(lambda: engine.stats()["parking"]["parked"][tier] == len(streams))
+    for stream, sentence in zip(streams, sentences):
+        stream.push_text(" ".join(sentence.split()[4:]))
+        stream.end()
+    return [read_all(s) for s in streams]
+
+
+def moved_round(engine: Engine, other: Engine, sentence: str) -> np.ndarray:
+    """A stream detached mid-utterance and attached to a second engine: the audio read on both."""
+    stream = speak(engine, sentence, 100, None)
+    first = [stream.read(timeout=60) for _ in range(3)]
+    moved = other.attach(engine.detach(stream))
+    audio = np.concatenate(first + [read_all(moved)])
+    other.close()
+    return audio
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    parking = ParkingConfig(park_after_s=0.05, disk_after_s=3600)
+    greedy = SamplingConfig(temperature=0.0)
+    if args.tiny:
+        from tests.helpers import tiny_model_and_codec
+        model, codec, voices = tiny_model_and_codec()
+    else:
+        from tts.voices import load_shipped
+        model, codec, voices = load_shipped(device=args.device)
+    engine = Engine(model.to(args.device), codec.to(args.device), voices, max_streams=args.streams,
+                    device=args.device, sampling=greedy, parking=parking)
+    sentences = [s for s in harvard(64) if len(s.split()) >= 7][:args.streams]
+    sentences = (sentences * args.streams)[:args.streams]
+    parking.park_after_s = 0  # the reference: never parked
+    expected = [read_all(s) for s in [speak(engine, s, 100 + i, None) for i, s in enumerate(sentences)]]
+    parking.park_after_s = 0.05
+    host = parked_round(engine, sentences, disk=False)
+    parking.disk_after_s = 0.05
+    disk = parked_round(engine, sentences, disk=True)
+    moved = moved_round(engine, Engine(model, codec, voices, max_streams=2, device=args.device, sampling=greedy),
+                        sentences[0])
+    diffs = [float(np.abs(got - want).max()) if len(got) == len(want) else float("inf")
+             for got, want in zip(host + disk + [moved], expected * 2 + expected[:1])]
+    stats = engine.stats()
+    state_bytes = engine.caches.nbytes // engine.max_streams
+    print(json.dumps({"engine": "tiny_random" if args.tiny else "shipped", "device": args.device,
+                      "cpu_cores": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
+                      "streams": args.streams, "parks": stats["parks"], "restores": stats["restores"],
+                      "cache_bytes_per_stream": state_bytes,
+                      "tiers_ms_per_stream": {kind: stats["parking"][f"{kind}_ms"] for kind in
+                                              ("park", "restore", "spill", "load")},
+                      "max_abs_diff": max(diffs), "identical_streams": sum(d == 0 for d in diffs),
+                      "compared_streams": len(diffs)}, indent=2))
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

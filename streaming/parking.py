@@ -1,0 +1,275 @@
+"""Parked streams: a stream that waits (its text ran dry, or its reader is behind) gives its slot back, and its
+slot state waits here, in tiers, until it can go on.
+
+A parked stream's state is its row of every batched slot tensor (`Slots.rows`), of the KV rings
+(`StepCaches.rows`; the voice-prefix sink rows are rebuilt from the voice's prefix on restore) and of the codec
+decoder state (`codec_worker.decoder_rows`), as named (1, ...) tensors, plus the engine's host bookkeeping
+(kept by the engine, small). Tiers: when parked the rows are copied to host memory (on a GPU into pinned
+memory, asynchronously; on the CPU they are host memory already). After ``disk_after_s`` idle, or at once
+while the host tier holds more than ``max_host_bytes``, a spill thread writes them to one file each (safetensors)
+in a directory of at most ``max_disk_bytes`` and drops them from memory; restoring a spilled stream loads its
+file on that thread first (`ParkingStore.want`), so the engine thread never waits for the disk. Files are
+removed on restore, on cancel and when the store closes (the directory with them).
+
+Worked example, ``disk_after_s`` 10: a stream parked at t = 0 is in host memory; at t = 10 (the spill thread
+looks every 1/4 of that) its rows go to ``<dir>/7.safetensors`` and leave memory; text arrives at t = 12:
+``want`` starts the load and answers False, the load finishes a few ms later and wakes the engine, whose
+next ``want`` answers True; the engine takes the rows (`take`) and the file is gone.
+
+`pack`/`unpack`: one stream's whole state as bytes, to continue it on another engine (`Engine.detach`/`attach`).
+"""
+from __future__ import annotations
+
+import io
+import itertools
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+# Grace before a stalled stream is parked. A stream waiting for text usually gets it within a tick or two
+# (an LLM's next token), and a park + restore costs ~1 ms on 2 cores; half a second parks only real pauses
+# (between sentences, a reader seconds behind).
+PARK_AFTER_S = 0.5
+BLOB_FORMAT = "tts-parked-stream/1"
+
+
+@dataclass
+class ParkingConfig:
+    park_after_s: float = PARK_AFTER_S  # a stream that cannot step this long gives its slot back (0: never)
+    disk_after_s: float = 10.0  # a parked stream idle this long moves from host memory to disk
+    directory: str | None = None  # where spilled states go: a fresh directory under it (default: the temp dir)
+    max_host_bytes: int = 1 << 30  # past this the oldest parked states spill to disk at once
+    max_disk_bytes: int = 4 << 30  # past this nothing more spills (states stay in memory)
+
+
+class Parked:
+    """One parked stream's slot state: named (1, ...) tensors in host memory, or a file."""
+    _ids = itertools.count()
+
+    def __init__(self):
+        self.id = next(Parked._ids)
+        self.rows: dict[str, torch.Tensor] = {}
+        self.captured = threading.Event()  # every row is in `rows` (the CPU codec worker adds the decoder's later)
+        self.copied = None  # a CUDA event: the device -> pinned host copies are done
+        self.path: str | None = None
+        self.parked_at = time.monotonic()
+        self.wanted = False  # a restore waits for it: keep it in memory, or bring it back
+        self.loading = False
+        self.nbytes = 0
+
+    @property
+    def tier(self) -> str:
+        return "disk" if self.path is not None and not self.rows else "host"
+
+    def add(self, rows: dict[str, torch.Tensor]) -> None:
+        self.rows.update(rows)
+        self.nbytes = sum(t.nbytes for t in self.rows.values())
+
+
+class ParkingStore:
+    """The parked states of one engine, bounded (`ParkingConfig`); the engine thread puts, wants and takes,
+    a spill thread moves states between host memory and disk."""
+
+    def __init__(self, config: ParkingConfig, on_loaded: Callable[[], None]):
+        self.config, self.on_loaded = config, on_loaded
+        self._entries: OrderedDict[Parked, int] = OrderedDict()  # oldest first -> bytes counted in host memory
+        self._cond = threading.Condition()
+        self._loads: deque[Parked] = deque()
+        self._dir: str | None = None
+        self._closing = False
+        self.host_bytes = self.disk_bytes = 0
+        self.times: dict[str, deque] = {kind: deque(maxlen=100_000) for kind in ("park", "restore", "spill", "load")}
+        self._thread: threading.Thread | None = None
+        self._device_times: deque = deque()
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def put(self, parked: Parked) -> None:
+        with self._cond:
+            self._entries[parked] = parked.nbytes
+            self.host_bytes += parked.nbytes
+            self._start_thread()
+            self._cond.notify()
+
+    def want(self, parked: Parked) -> bool:
+        """A restore waits for ``parked``: whether its rows are in memory now (if not, its file is being loaded
+        and `on_loaded` is called when it is)."""
+        with self._cond:
+            parked.wanted = True
+            if parked.tier == "host":
+                return True
+            if not parked.loading:
+                parked.loading = True
+                self._loads.append(parked)
+                self._cond.notify()
+            return False
+
+    def take(self, parked: Parked) -> dict[str, torch.Tensor]:
+        """Remove ``parked`` from the store and return its rows (in memory: `want` answered True)."""
+        with self._cond:
+            assert parked.tier == "host", "take what `want` said is in memory"
+            self._forget(parked)
+            return parked.rows
+
+    def discard(self, parked: Parked) -> None:
+        """The stream ended while parked: forget its state, remove its file."""
+        with self._cond:
+            self._forget(parked)
+
+    def note(self, kind: str, ms: float, count: int = 1) -> None:
+        """Time of a park or restore of ``count`` streams, counted per stream."""
+        self.times[kind].extend([ms / count] * count)
+
+    def note_device(self, kind: str, start, end, count: int) -> None:
+        """A park or restore on a GPU: its CUDA events, read once the device has passed them (`stats`)."""
+        self._device_times.append((kind, start, end, count))
+
+    # ---- figures, end ------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        while self._device_times and self._device_times[0][2].query():
+            kind, start, end, count = self._device_times.popleft()
+            self.note(kind, start.elapsed_time(end), count)
+        with self._cond:
+            tiers = {"host": 0, "disk": 0}
+            for parked in self._entries:
+                tiers[parked.tier] += 1
+            figures = {"parked": tiers, "host_bytes": self.host_bytes, "disk_bytes": self.disk_bytes}
+        for kind, values in self.times.items():
+            values = list(values)[-5000:]
+            figures[f"{kind}_ms"] = {"count": len(self.times[kind]), "p50": _percentile(values, 50),
+                                     "p99": _percentile(values, 99)}
+        return figures
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ---- spill thread ----------------------------------------------------------------------------------
+    def _start_thread(self) -> None:
+        if self._thread is None and self.config.disk_after_s is not None:
+            self._thread = threading.Thread(target=self._run, name="tts-parking", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                job = self._next_job()
+                while job is None and not self._closing:
+                    self._cond.wait(timeout=max(0.05, self.config.disk_after_s / 4))
+                    job = self._next_job()
+                if self._closing:
+                    return
+            try:
+                job[0](job[1])
+            except Exception as err:  # a full or failing disk: the state stays in memory
+                with self._cond:
+                    job[1].loading = False
+                print(f"parking: {job[0].__name__} failed: {err}")
+
+    def _next_job(self):
+        if self._loads:
+            return self._load, self._loads.popleft()
+        cutoff = time.monotonic() - self.config.disk_after_s
+        over = self.host_bytes > self.config.max_host_bytes
+        for parked in self._entries:  # oldest first
+            if parked.tier == "host" and not parked.wanted and parked.captured.is_set() \
+                    and (over or parked.parked_at <= cutoff) \
+                    and self.disk_bytes + parked.nbytes <= self.config.max_disk_bytes:
+                parked.loading = True  # busy: not spilled twice
+                return self._spill, parked
+        return None
+
+    def _spill(self, parked: Parked) -> None:
+        started = time.perf_counter()
+        if parked.copied is not None:
+            parked.copied.synchronize()
+        if self._dir is None:
+            self._dir = tempfile.mkdtemp(prefix="tts-parked-", dir=self.config.directory)
+        path = os.path.join(self._dir, f"{parked.id}.safetensors")
+        save_file({name: t.contiguous() for name, t in parked.rows.items()}, path)
+        with self._cond:
+            parked.loading = False
+            if parked not in self._entries or parked.wanted:  # restored or wanted meanwhile: keep it in memory
+                _remove(path)
+                return
+            parked.path, parked.rows = path, {}
+            self.host_bytes -= self._entries[parked]
+            self.disk_bytes += parked.nbytes
+            self._entries[parked] = 0
+        self.times["spill"].append((time.perf_counter() - started) * 1000)
+
+    def _load(self, parked: Parked) -> None:
+        started = time.perf_counter()
+        rows = load_file(parked.path)
+        with self._cond:
+            parked.loading = False
+            _remove(parked.path)
+            if parked not in self._entries:
+                return  # discarded meanwhile
+            parked.rows, parked.path = rows, None
+            self.disk_bytes -= parked.nbytes
+            self.host_bytes += parked.nbytes
+            self._entries[parked] = parked.nbytes
+        self.times["load"].append((time.perf_counter() - started) * 1000)
+        self.on_loaded()
+
+    def _forget(self, parked: Parked) -> None:
+        if parked not in self._entries:
+            return
+        self.host_bytes -= self._entries.pop(parked)
+        if parked.tier == "disk":
+            self.disk_bytes -= parked.nbytes
+            if not parked.loading:  # a file being loaded is removed by the loader
+                _remove(parked.path)
+
+
+def pack(host: dict, rows: dict[str, torch.Tensor], unread: list[np.ndarray], fingerprint: str) -> bytes:
+    """One stream's state as bytes: ``host`` (plain data), its slot ``rows`` (empty if it never had a slot),
+    its ``unread`` audio, and the ``fingerprint`` of the weights it needs."""
+    buffer = io.BytesIO()
+    torch.save({"format": BLOB_FORMAT, "fingerprint": fingerprint, "host": host,
+                "rows": {name: t.contiguous().cpu() for name, t in rows.items()},
+                "unread": [torch.from_numpy(np.ascontiguousarray(c)) for c in unread]}, buffer)
+    return buffer.getvalue()
+
+
+def unpack(blob: bytes, fingerprint: str) -> tuple[dict, dict[str, torch.Tensor], list[np.ndarray]]:
+    """(host, rows, unread audio) from `pack`. Raises ValueError for anything else, or for a state made with
+    other weights. Only plain data and tensors are read (``weights_only``): a blob runs no code."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise ValueError(f"a stream state is bytes, not {type(blob).__name__}")
+    try:
+        state = torch.load(io.BytesIO(bytes(blob)), weights_only=True)
+    except Exception as err:
+        raise ValueError(f"not a stream state: {type(err).__name__}: {err}") from None
+    if not isinstance(state, dict) or state.get("format") != BLOB_FORMAT:
+        raise ValueError("not a stream state of this version")
+    if state["fingerprint"] != fingerprint:
+        raise ValueError("this stream was made with other weights; it can only continue on an engine with the "
+                         "same model and codec")
+    return state["host"], state["rows"], [t.numpy() for t in state["unread"]]
+
+
+def _remove(path: str | None) -> None:
+    if path is not None:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 3) if values else None

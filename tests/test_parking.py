@@ -1,0 +1,303 @@
+"""Parked streams, open streams beyond slots, and streams moved between engines, on the tiny random engine:
+a parked, spilled or moved stream's audio equals the same stream never parked (bit for bit on the CPU)."""
+import functools
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+from helpers import tiny_random, wait_until
+
+from streaming.engine import BadState, EngineError, SamplingConfig, ServerFull
+from streaming.parking import ParkingConfig, ParkingStore, pack, unpack
+
+GREEDY = SamplingConfig(temperature=0.0)
+TEXT = "Hello there. How are you today? The ring never grows."
+CUT = 26  # "Hello there. How are you t": the text runs dry mid-sentence, mid-word
+OTHER = "Something else entirely, said by another voice."
+QUICK = ParkingConfig(park_after_s=0.05)
+NEVER = ParkingConfig(park_after_s=0)
+
+
+def read_all(stream, timeout=30.0, chunks=None) -> tuple[list[np.ndarray], bool]:
+    """Chunks until the end (True), a read that times out (False), or ``chunks`` chunks (False)."""
+    out = []
+    while chunks is None or len(out) < chunks:
+        try:
+            chunk = stream.read(timeout=timeout)
+        except TimeoutError:
+            return out, False
+        if chunk is None:
+            return out, True
+        out.append(chunk)
+    return out, False
+
+
+def unparked(text, seed, sampling, frame_codec=False) -> np.ndarray:
+    return _unparked(text, seed, sampling.temperature, frame_codec)
+
+
+@functools.lru_cache(maxsize=None)
+def _unparked(text, seed, temperature, frame_codec) -> np.ndarray:
+    """The stream's audio from a one-slot engine that never parks."""
+    engine = tiny_random(max_streams=1, sampling=SamplingConfig(temperature=temperature), frame_codec=frame_codec,
+                         parking=NEVER)
+    stream = engine.open(seed=seed)
+    stream.push_text(text)
+    stream.end()
+    audio, finished = read_all(stream)
+    engine.close()
+    assert finished
+    return np.concatenate(audio)
+
+
+def read_until_dry(stream) -> list[np.ndarray]:
+    """The audio of the text so far: the first chunk (however slow), then chunks until none comes for 0.5 s."""
+    return [stream.read(timeout=30)] + read_all(stream, timeout=0.5)[0]
+
+
+def assert_same(got: list[np.ndarray], expected: np.ndarray) -> None:
+    audio = np.concatenate(got)
+    assert len(audio) == len(expected)
+    np.testing.assert_allclose(audio, expected, atol=1e-4)
+    assert np.array_equal(audio, expected)  # on the CPU: bit for bit
+
+
+@pytest.mark.parametrize("frame_codec, sampling", [(False, GREEDY), (True, SamplingConfig())])
+def test_a_parked_stream_gives_its_slot_away_and_continues_exactly(frame_codec, sampling):
+    """One slot, two open streams: the first runs out of text mid-sentence and is parked, the second speaks
+    in its slot meanwhile, then the first gets its text and is restored."""
+    engine = tiny_random(max_streams=1, max_open=2, sampling=sampling, frame_codec=frame_codec, parking=QUICK)
+    first = engine.open(seed=5)
+    first.push_text(TEXT[:CUT])
+    before = read_until_dry(first)
+    assert wait_until(lambda: engine.stats()["parking"]["parked"]["host"] == 1, 30)
+    second = engine.open(seed=6)
+    second.push_text(OTHER)
+    second.end()
+    other, finished = read_all(second)
+    assert finished
+    first.push_text(TEXT[CUT:])
+    first.end()
+    after, finished = read_all(first)
+    assert finished
+    assert_same(before + after, unparked(TEXT, 5, sampling, frame_codec))
+    assert_same(other, unparked(OTHER, 6, sampling, frame_codec))
+    stats = engine.stats()
+    assert stats["parks"] >= 1 and stats["restores"] >= 1 and stats["parking"]["park_ms"]["count"] >= 1
+    assert stats["parking"]["parked"] == {"host": 0, "disk": 0} and stats["parking"]["host_bytes"] == 0
+    engine.close()
+
+
+def test_a_stream_spilled_to_disk_continues_exactly_and_leaves_no_file(tmp_path, frame_codec=False):
+    parking = ParkingConfig(park_after_s=0.05, disk_after_s=0.1, directory=str(tmp_path))
+    engine = tiny_random(max_streams=1, sampling=GREEDY, frame_codec=frame_codec, parking=parking)
+    stream = engine.open(seed=7)
+    stream.push_text(TEXT[:CUT])
+    before = read_until_dry(stream)
+    assert wait_until(lambda: engine.stats()["parking"]["parked"]["disk"] == 1, 30)
+    (folder,) = os.listdir(tmp_path)
+    assert len(os.listdir(tmp_path / folder)) == 1
+    stream.push_text(TEXT[CUT:])
+    stream.end()
+    after, finished = read_all(stream)
+    assert finished
+    assert_same(before + after, unparked(TEXT, 7, GREEDY, frame_codec))
+    assert os.listdir(tmp_path / folder) == []
+    stats = engine.stats()["parking"]
+    assert stats["spill_ms"]["count"] == 1 and stats["load_ms"]["count"] == 1 and stats["disk_bytes"] == 0
+    engine.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_reader_far_behind_is_parked_and_resumes_exactly():
+    engine = tiny_random(max_streams=1, max_open=2, sampling=GREEDY, max_queued_seconds=0.3, parking=QUICK)
+    slow = engine.open(seed=3)
+    slow.push_text(TEXT)
+    slow.end()
+    first = slow.read(timeout=30)
+    assert wait_until(lambda: engine.counters["parks"] >= 1, 30)  # paused by backpressure, then parked
+    other = engine.open(seed=4)  # speaks in the slot while the slow reader sleeps
+    other.push_text(OTHER)
+    other.end()
+    assert read_all(other)[1]
+    rest, finished = read_all(slow)
+    assert finished
+    assert_same([first] + rest, unparked(TEXT, 3, GREEDY))
+    assert engine.counters["restores"] >= 1
+    engine.close()
+
+
+def test_open_streams_beyond_slots_wait_for_one_and_a_full_engine_says_so():
+    engine = tiny_random(max_streams=1, max_open=3, sampling=GREEDY, parking=QUICK)
+    streams = [engine.open(seed=10 + i) for i in range(3)]
+    with pytest.raises(ServerFull):
+        engine.open()
+    texts = [TEXT, OTHER, TEXT[:30]]
+    for stream, text in zip(streams, texts):
+        stream.push_text(text)
+        stream.end()
+    results = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, read_all(streams[i])))
+               for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i, text in enumerate(texts):
+        audio, finished = results[i]
+        assert finished
+        assert_same(audio, unparked(text, 10 + i, GREEDY))
+    stats = engine.stats()
+    assert stats["slot_waits"] >= 1 and stats["max_open"] == 3 and stats["max_streams"] == 1
+    assert wait_until(lambda: engine.active_streams == 0, 30)
+    engine.close()
+
+
+def test_cancelling_a_parked_or_waiting_stream_frees_everything(tmp_path):
+    engine = tiny_random(max_streams=1, max_open=3, sampling=GREEDY,
+                         parking=ParkingConfig(park_after_s=0.05, disk_after_s=0.05, directory=str(tmp_path)))
+    parked = engine.open()
+    parked.push_text(TEXT[:CUT])
+    assert wait_until(lambda: engine.stats()["parking"]["parked"]["disk"] == 1, 30)
+    speaking, waiting = engine.open(), engine.open()
+    speaking.push_text(TEXT * 3)
+    waiting.push_text(OTHER)
+    assert speaking.read(timeout=30) is not None
+    for stream in (parked, waiting, speaking):
+        stream.cancel()
+        assert stream.read(timeout=5) is None
+    assert wait_until(lambda: engine.active_streams == 0, 30)
+    stats = engine.stats()
+    assert stats["slots_used"] == 0 and stats["waiting_for_slot"] == 0
+    assert stats["parking"]["parked"] == {"host": 0, "disk": 0} and stats["parking"]["disk_bytes"] == 0
+    (folder,) = os.listdir(tmp_path)
+    assert os.listdir(tmp_path / folder) == []
+    engine.close()
+
+
+@pytest.mark.parametrize("frame_codec, sampling", [(False, GREEDY), (True, SamplingConfig())])
+def test_a_stream_detached_mid_utterance_continues_on_another_engine(frame_codec, sampling):
+    here = tiny_random(max_streams=2, sampling=sampling, frame_codec=frame_codec)
+    there = tiny_random(max_streams=2, sampling=sampling, frame_codec=frame_codec)
+    stream = here.open(seed=21)
+    stream.push_text(TEXT[:30])
+    before, _ = read_all(stream, chunks=3)  # it is speaking: more text is encoded than spoken
+    state = here.detach(stream)
+    assert stream.moved and stream.read(timeout=1) is None
+    assert wait_until(lambda: here.active_streams == 0, 30)
+    moved = there.attach(state)
+    moved.push_text(TEXT[30:])
+    moved.end()
+    after, finished = read_all(moved)
+    assert finished
+    assert_same(before + after, unparked(TEXT, 21, sampling, frame_codec))
+    assert wait_until(lambda: there.active_streams == 0, 30)
+    here.close()
+    there.close()
+
+
+def test_parked_and_waiting_streams_detach_too():
+    here = tiny_random(max_streams=1, max_open=2, sampling=GREEDY, parking=QUICK)
+    there = tiny_random(max_streams=1, sampling=GREEDY)
+    parked = here.open(seed=31)
+    parked.push_text(TEXT[:CUT])
+    before = read_until_dry(parked)
+    assert wait_until(lambda: here.counters["parks"] >= 1, 30)
+    busy = here.open(seed=32)  # holds the slot while speaking
+    busy.push_text(TEXT * 4)
+    assert busy.read(timeout=30) is not None
+    parked.push_text(TEXT[CUT:])  # now it waits for the slot, to be restored
+    moved = there.attach(here.detach(parked))
+    moved.end()
+    after, finished = read_all(moved)
+    assert finished
+    assert_same(before + after, unparked(TEXT, 31, GREEDY))
+    busy.cancel()
+    never_started = here.open(seed=33)  # waits for the slot behind `busy`... or gets it: either moves
+    never_started.push_text(OTHER)
+    never_started.end()
+    moved = there.attach(here.detach(never_started))
+    audio, finished = read_all(moved)
+    assert finished and audio
+    assert wait_until(lambda: here.active_streams == 0, 30)
+    here.close()
+    there.close()
+
+
+def test_attach_refuses_what_is_not_a_state_of_the_same_weights():
+    here, other = tiny_random(max_streams=1), tiny_random(max_streams=1)
+    with pytest.raises(BadState):
+        here.attach(b"not a stream")
+    with pytest.raises(BadState):
+        here.attach("text")
+    with pytest.raises(BadState):
+        here.attach(pack({}, {}, [], "someone else's weights"))
+    other.model.sinks.data += 1  # other weights
+    other._fingerprint = None
+    stream = other.open(seed=1)
+    stream.push_text(TEXT[:CUT])
+    with pytest.raises(BadState):
+        here.attach(other.detach(stream))
+    with pytest.raises(EngineError):
+        other.detach(stream)  # it has moved
+    here.close()
+    other.close()
+
+
+def test_pack_round_trips_and_reads_no_code():
+    import torch
+    rows = {"a": torch.arange(6).view(1, 2, 3), "b": torch.ones(1, 4)}
+    host, back, unread = unpack(pack({"units": [1, 2], "x": {"y": 1}}, rows, [np.ones(3, np.float32)], "fp"), "fp")
+    assert host == {"units": [1, 2], "x": {"y": 1}} and torch.equal(back["a"], rows["a"])
+    assert np.array_equal(unread[0], np.ones(3, np.float32))
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo owned",))
+    import io
+    buffer = io.BytesIO()
+    torch.save({"format": "tts-parked-stream/1", "fingerprint": "fp", "host": Evil()}, buffer)
+    with pytest.raises(ValueError):
+        unpack(buffer.getvalue(), "fp")
+
+
+def test_store_bounds_host_memory_by_spilling_the_oldest(tmp_path):
+    import torch
+
+    from streaming.parking import Parked
+    store = ParkingStore(ParkingConfig(disk_after_s=60, max_host_bytes=1000, directory=str(tmp_path)), lambda: None)
+    parked = []
+    for i in range(3):
+        p = Parked()
+        p.add({"rows": torch.full((1, 100), float(i))})  # 400 bytes each
+        p.captured.set()
+        store.put(p)
+        parked.append(p)
+    assert wait_until(lambda: store.stats()["parked"] == {"host": 2, "disk": 1}, 30)
+    assert parked[0].tier == "disk" and store.host_bytes == 800
+    loaded = threading.Event()
+    store.on_loaded = loaded.set
+    assert not store.want(parked[0])
+    assert loaded.wait(5) and store.want(parked[0])
+    assert torch.equal(store.take(parked[0])["rows"], torch.zeros(1, 100))
+    store.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_text_arriving_as_the_grace_ends_is_never_lost():
+    """Text handled in the same tick as the decision to park: the stream is restored and speaks (a race that
+    once left such streams parked for good)."""
+    engine = tiny_random(max_streams=1, sampling=GREEDY, parking=ParkingConfig(park_after_s=0.01))
+    rng = np.random.default_rng(0)
+    for i in range(12):
+        stream = engine.open(seed=i)
+        time.sleep(float(rng.uniform(0, 0.03)))
+        stream.push_text("Hi there. ")
+        time.sleep(float(rng.uniform(0, 0.03)))
+        stream.push_text("Bye.")
+        stream.end()
+        audio, finished = read_all(stream, timeout=10)
+        assert finished and audio, f"utterance {i} never finished"
+    engine.close()
