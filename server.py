@@ -634,7 +634,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, engine=None, log_level: str
     lim = Limits(**limits)
     if engine is None:
         from tts.api import get_engine
-        engine = get_engine(compile=compile)
+        engine = get_engine(compile=compile, max_open=lim.max_connections)
     sock = _bind(host, port, lim)
     app = create_app(engine, lim, api_keys=api_keys, allow_origins=allow_origins)
     _server(app, lim, log_level).run(sockets=[sock])

@@ -193,7 +193,8 @@ def cmd_serve(args) -> int:
     from server import serve
     from streaming.limits import limits_from
     from tts.api import get_engine
-    engine = get_engine(max_streams=args.max_streams, compile=not args.no_compile)
+    # streams waiting for text or for their reader are parked without a slot: open as many as connections
+    engine = get_engine(max_streams=args.max_streams, compile=not args.no_compile, max_open=args.max_connections)
     with contextlib.ExitStack() as also:
         if args.wyoming_uri:  # one engine for both servers
             from streaming.wyoming import WyomingServer
