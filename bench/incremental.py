@@ -7,7 +7,8 @@ sent whole. One JSON object.
     python -m bench.incremental --units             # no model: units word by word against whole sentences
     python -m bench.incremental --pauses            # no text timing: silence a <break> gives, per length
     python -m bench.incremental --quick             # 8 sentences, 10 words/s, no DNSMOS
-    python -m bench.incremental --burst 64 128      # N streams start at once (tiny engine): text thread's cost
+    python -m bench.incremental --burst 64 128      # N streams start at once (tiny engine): the text front end's
+                                                    # cost per stream (TTS_TEXT_PROCESSES=N: read in N processes)
 
 Words go out as an LLM client sends them, each with its trailing space ("The ", "birch ", ...), word i at
 i / rate seconds; the last word is followed by `end`. Per rate: ``first_audio_ms`` from the first word sent to
@@ -230,7 +231,8 @@ def burst_report(counts: list[int], sentences: int, shipped: bool) -> dict:
     """N streams opened in the same instant on an engine of N slots, each given ``sentences`` Harvard
     sentences at once and ended (as `bench.latency`'s GPU table starts its loads), each read to its end by a
     thread of its own. Per stream, from its start: ``first_units_ms``, when the text thread hands the engine
-    its first units (`Stream.take_text` returned some), and ``first_audio_ms``, its first chunk; p50/p99/max.
+    its first units (`Stream.take_text` returned some), and ``first_audio_ms``, its first chunk; p50/p99/max;
+    and the CPU time of the text threads per stream (the figure least moved by other load on the machine).
     The tiny random engine by default: the AR step costs little, so what shows is the text front end's cost per
     stream and how the text thread shares the interpreter with the engine's."""
     import os
@@ -239,6 +241,7 @@ def burst_report(counts: list[int], sentences: int, shipped: bool) -> dict:
               "cpu_cores": os.cpu_count(), "loads": []}
     for n in counts:
         engine = _burst_engine(n, shipped)
+        engine.text_worker.wait_for_processes(60)  # with TTS_TEXT_PROCESSES: reading in them from the start
         speak_engine(engine, text, None, None, 0)  # warm-up: the step, the phonemiser, the word cache
         first_units: dict = {}
         deliver = engine.text_worker.deliver
@@ -254,26 +257,44 @@ def burst_report(counts: list[int], sentences: int, shipped: bool) -> dict:
         def run(i):
             gate.wait()
             starts[i] = time.perf_counter()
-            streams[i] = stream = engine.open(seed=i, wait_s=10)
+            streams[i] = stream = engine.open(wait_s=10)  # unseeded, as bench.latency's streams
             stream.push_text(text)
             stream.end()
             while stream.read(timeout=120) is not None:
                 first_audio[i] = first_audio[i] or time.perf_counter()
         load = os.getloadavg()[0]
+        text_threads = [t for t in threading.enumerate() if t.name.startswith("tts-text")]
+        text_cpu = _cpu_seconds(text_threads)
         threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        text_cpu = _cpu_seconds(text_threads) - text_cpu
         units_ms = [1000 * (first_units[s] - t0) for s, t0 in zip(streams, starts)]
         audio_ms = [1000 * (t1 - t0) for t0, t1 in zip(starts, first_audio)]
-        row = {"streams": n, "load_avg_1min": round(load, 2),
+        row = {"streams": n, "load_avg_1min": round(load, 2), "text_threads": len(text_threads),
+               "text_thread_cpu_ms_per_stream": round(1000 * text_cpu / n, 3),
                "first_units_ms": {**percentiles(units_ms), "max": round(max(units_ms), 3)},
                "first_audio_ms": {**percentiles(audio_ms), "max": round(max(audio_ms), 3)}}
         print(json.dumps(row), file=sys.stderr, flush=True)
         report["loads"].append(row)
         engine.close()
     return report
+
+
+def _cpu_seconds(threads: list[threading.Thread]) -> float:
+    """CPU seconds (user + system) these threads of this process have used (Linux; 0 elsewhere): what the
+    text threads cost whatever else loads the machine."""
+    import os
+    total = 0.0
+    for thread in threads:
+        try:
+            fields = open(f"/proc/self/task/{thread.native_id}/stat").read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
 
 
 def _burst_engine(n: int, shipped: bool):

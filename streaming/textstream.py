@@ -25,7 +25,8 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from tts.normalize import Token, complete_length, needs_next, sentence_end, speak, split_sentences, tokenize
+from tts.normalize import (Token, complete_length, reads_by_next, sentence_end, sounds_by_next, speak,
+                           split_sentences, tokenize)
 from tts.text import MAX_TEXT_CHARS, SYMBOL_ID, TextError, sentence_units
 
 TAKE_CHARS = 600  # text phonemised in one take at most: a long text reaches the engine a few sentences a tick
@@ -33,13 +34,19 @@ PARTIAL_WORDS = 12  # "auto": a sentence without an end is spoken once this many
 CONTEXT_WORDS = 8  # words before the first unspoken one that are phonemised with it (espeak's left context)
 _TO_COME = Token("people", 0, 0)  # never taken: its index is past every ready token
 _GAP = " ,;:"  # units between two words of a sentence
-# A stream's first units take the gap after their last word (`TextStream._first_gap`) until this many are out:
-# about what the engine's first step needs (the shipped model: text_lookahead 6 + ahead 4 + 1 = 11 units).
+# A stream's first START_UNITS units wait only for a next word that changes the words ("$5" million), not for
+# one that changes only the sounds ("the" apple: ðɪ; "on the": ɔnðə): a word espeak sounds by the next one is
+# read as before any word, and the gap after the last word goes with it (`TextStream._first_gap`). The
+# engine's first step needs about that many units (the shipped model: text_lookahead 6 + ahead 4 + 1 = 11),
+# the units of two or three words. Measured on the 720 Harvard sentences with lookahead 0 (`--units`): the
+# first step's units are there after the 2nd word for 51 % of them, the 3rd for 99 % (26 % and 78 % when the
+# first units wait as later ones do); 609 sentences get the units of the whole sentence (676).
 START_UNITS = 16
 # Complete words after a word before it is spoken. 0: at once, unless the next word can change it
-# (`tts.normalize.needs_next`). Measured on 720 Harvard sentences (`python -m bench.incremental --units`): the
-# same units as whole sentences for 676 (0), 719 (1) and 720 (2); the rest differ by a linking glide or a
-# stress mark. Each word of lookahead costs a word's time before the first sound (100 ms at 10 words/s).
+# (`tts.normalize.needs_next`; see START_UNITS for a stream's first units). Measured on 720 Harvard sentences
+# (`python -m bench.incremental --units`): the same units as whole sentences for 609 (0), 719 (1) and 720 (2);
+# the rest differ by a linking glide, a stress mark or a first word's sound. Each word of lookahead costs a
+# word's time before the first sound (100 ms at 10 words/s).
 DEFAULT_LOOKAHEAD = 0
 
 
@@ -144,8 +151,9 @@ class TextStream:
         if self.lookahead_words == "auto":
             return n - 2 if n - self._done >= PARTIAL_WORDS else 0
         ready = n - self.lookahead_words
-        if ready == n and needs_next(tokens[-1]):
-            ready -= 1
+        last = tokens[-1]
+        if ready == n and (reads_by_next(last) or sounds_by_next(last) and self._units_taken >= START_UNITS):
+            ready -= 1  # the next word may change it (a stream's first units wait only for changed words)
         if ready == n and sentence_end(tokens, n - 1) is None:
             ready -= 1  # "slid." may end the sentence: its '.' and '$' or not
         return ready

@@ -70,6 +70,21 @@ def test_lookahead_zero_speaks_a_content_word_at_once_and_holds_what_the_next_wo
     assert spell(stream.take()[0]).startswith("ðɪ")
 
 
+def test_a_streams_first_units_wait_only_for_words_that_change_the_words():
+    """Among the first START_UNITS units a word espeak sounds by the next one is read as before any word
+    (sooner first audio; "the" apple gets ðə, not ðɪ), and its gap comes with it; a number still waits."""
+    stream = TextStream(lookahead_words=0)
+    stream.push("The ")
+    assert spell(stream.take()[0]) == "^ðə "
+    stream.push("apple ")
+    assert spell(stream.take()[0]).startswith("ˈæ")
+    stream = TextStream(lookahead_words=0)
+    stream.push("Pay $5 ")
+    assert spell(stream.take()[0]) == "^pˈeɪ"  # its gap waits with "$5"
+    stream.push("million ")
+    assert "mˈɪliən" in spell(stream.take()[0])
+
+
 def test_sentence_end_comes_with_the_next_word_or_the_end():
     stream = TextStream(lookahead_words=0)
     stream.push("I met Dr. ")
@@ -221,13 +236,13 @@ def test_a_first_take_reads_one_sentence(end):
 
 
 def test_text_read_in_processes_speaks_the_same(monkeypatch):
-    """With text processes (as on a host of many cores) streams get the same units, so the same audio."""
+    """With text processes (``TTS_TEXT_PROCESSES``) streams get the same units, so the same audio."""
     import numpy as np
     from helpers import tiny_random
 
     from streaming.engine import SamplingConfig
     from tts.api import synthesize
-    text = " ".join(SENTENCES)
+    text = SENTENCES[1]  # numbers, a title, two sentences: two takes
     local = tiny_random(max_streams=2, sampling=SamplingConfig(temperature=0.0))
     monkeypatch.setenv("TTS_TEXT_PROCESSES", "2")
     pooled = tiny_random(max_streams=2, sampling=SamplingConfig(temperature=0.0))
