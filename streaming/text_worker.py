@@ -24,6 +24,7 @@ from typing import Callable
 
 from streaming.stream import Stream
 from streaming.textstream import read_sentence
+from tts.normalize import tokenize
 from tts.text import TextError
 
 MAX_PROCESSES = 16
@@ -124,8 +125,8 @@ class _SentencePool:
     def _start(self) -> None:
         context = multiprocessing.get_context("forkserver")  # not fork: the engine's threads and CUDA
         self._executor = ProcessPoolExecutor(self.processes, mp_context=context)
-        warm = [self._executor.submit(read_sentence, _WARM_UP, 0, True) for _ in range(self.processes)]
-        self._up = warm[-1]
+        tokens = tokenize("The 3 birch canoes slid on the smooth planks, on March 4.")  # every rule's imports
+        self._up = [self._executor.submit(read_sentence, tokens, 0, True) for _ in range(self.processes)][-1]
 
     def up(self, timeout: float | None = None) -> bool:
         try:
@@ -148,11 +149,3 @@ class _SentencePool:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _warm_up_tokens():
-    from tts.normalize import tokenize
-    return tokenize("The 3 birch canoes slid on the smooth planks, on March 4.")
-
-
-_WARM_UP = _warm_up_tokens()
