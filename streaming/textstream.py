@@ -9,7 +9,9 @@ the first word not yet spoken, and only that word onwards is taken: what was spo
 sentence's ``$`` comes when its end is known. ``lookahead_words="auto"`` waits for whole sentences instead
 (or, without punctuation, for `PARTIAL_WORDS` words, and speaks all but the last two). ``flush``/``end``
 speak whatever is buffered. Until something is spoken a take reads one sentence: when many streams start at
-once, the text thread hands each its first sentence before it reads anyone's second.
+once, the text thread hands each its first sentence before it reads anyone's second. A stream's first
+`START_UNITS` units come sooner: they wait for a next word that changes the words, not for one that changes
+only the sounds, so the engine can start speaking a word or so earlier.
 
 Example, lookahead 1, pieces "The ", "birch ", "canoe ", "slid." then end (units shown apart, "␣" a space):
   after "birch ": "The" is followed by one complete word -> ^ ð ə  (its space waits for the next word)
