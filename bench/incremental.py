@@ -7,6 +7,8 @@ sent whole. One JSON object.
     python -m bench.incremental --units             # no model: units word by word against whole sentences
     python -m bench.incremental --pauses            # no text timing: silence a <break> gives, per length
     python -m bench.incremental --quick             # 8 sentences, 10 words/s, no DNSMOS
+    python -m bench.incremental --burst 64 128      # N streams start at once (tiny engine): the text front end's
+                                                    # cost per stream (TTS_TEXT_PROCESSES=N: read in N processes)
 
 Words go out as an LLM client sends them, each with its trailing space ("The ", "birch ", ...), word i at
 i / rate seconds; the last word is followed by `end`. Per rate: ``first_audio_ms`` from the first word sent to
@@ -40,9 +42,34 @@ def words_of(sentence: str) -> list[str]:
     return [word + " " for word in sentence.split()]
 
 
-def speak_engine(engine, sentence: str, rate: float | None, lookahead, seed: int) -> tuple[np.ndarray, list]:
-    """Audio of ``sentence`` pushed word by word at ``rate`` words/s (None: whole), and (seconds since the
-    first word, samples) per chunk."""
+class TextClock:
+    """When the text thread has handed a stream what the engine's first step needs: units 0..`ahead` encoded,
+    each with `text_lookahead` units of right context, so ``text_lookahead + ahead + 1`` units (or fewer, once
+    closed by a flush or the end). Wraps the engine's text worker's hand-off; `since` reads the latest."""
+
+    def __init__(self, engine):
+        self.needed = engine.cfg.text_lookahead + engine.cfg.ahead + 1
+        self.units: dict = {}
+        self.ready_at: float | None = None
+        self._deliver, engine.text_worker.deliver = engine.text_worker.deliver, self
+
+    def __call__(self, stream, news) -> None:
+        if isinstance(news, tuple) and self.units.get(stream, 0) < self.needed:
+            units, closed, ended = news[:3]
+            self.units[stream] = self.units.get(stream, 0) + len(units)
+            if self.units[stream] >= self.needed or (closed or ended) and self.units[stream]:
+                self.units[stream], self.ready_at = self.needed, time.perf_counter()
+        self._deliver(stream, news)
+
+    def since(self, started: float) -> float | None:
+        """Seconds from ``started`` to the last stream's text being ready (None: no clock reading since)."""
+        ready, self.ready_at = self.ready_at, None
+        return None if ready is None else ready - started
+
+
+def speak_engine(engine, sentence: str, rate: float | None, lookahead, seed: int, clock: TextClock | None = None):
+    """Audio of ``sentence`` pushed word by word at ``rate`` words/s (None: whole), (seconds since the first
+    word, samples) per chunk, and the seconds until the engine had its first step's units (with a clock)."""
     stream = engine.open(seed=seed, lookahead_words=lookahead)
     pieces = words_of(sentence) if rate else [sentence]
     started = time.perf_counter()
@@ -62,10 +89,10 @@ def speak_engine(engine, sentence: str, rate: float | None, lookahead, seed: int
         arrivals.append((time.perf_counter() - started, len(chunk)))
         chunks.append(chunk)
     feeder.join()
-    return np.concatenate(chunks), arrivals
+    return np.concatenate(chunks), arrivals, clock and clock.since(started)
 
 
-def speak_server(url: str, sentence: str, rate: float | None) -> tuple[np.ndarray, list]:
+def speak_server(url: str, sentence: str, rate: float | None, clock: TextClock | None = None):
     """The same through the WebSocket protocol with the project's client (default lookahead)."""
     from tts.client import connect
 
@@ -87,7 +114,8 @@ def speak_server(url: str, sentence: str, rate: float | None) -> tuple[np.ndarra
         return np.concatenate(chunks), arrivals
 
     started = time.perf_counter()
-    return asyncio.run(run())
+    audio, arrivals = asyncio.run(run())
+    return audio, arrivals, clock and clock.since(started)
 
 
 def stalls(arrivals: list) -> tuple[int, float]:
@@ -129,29 +157,35 @@ def measure(speak, sentences: list[str], rates: list, lookaheads: list, score: S
     """Whole sentences once (the lookahead does not matter when all the text is there), then each lookahead
     at each rate."""
     whole = [speak(s, None, None, k) for k, s in enumerate(sentences)]
-    whole_scores = [score(s, audio) for s, (audio, _) in zip(sentences, whole)]
-    speech_rate = sum(len(s.split()) for s in sentences) / sum(len(a) / SAMPLE_RATE for a, _ in whole)
+    whole_scores = [score(s, audio) for s, (audio, *_) in zip(sentences, whole)]
+    speech_rate = sum(len(s.split()) for s in sentences) / sum(len(a) / SAMPLE_RATE for a, *_ in whole)
     report = {"sentences": len(sentences), "speaking_rate_wps": round(speech_rate, 2),
-              "whole": summary([a for a, _ in whole], whole_scores, whole)}
+              "whole": summary([a for a, *_ in whole], whole_scores, whole)}
     for lookahead in lookaheads:
         block = report.setdefault(f"lookahead_{'default' if lookahead is None else lookahead}", {})
         for rate in rates:
             wps = 1.2 * speech_rate if rate == "1.2x" else float(rate)
             runs = [speak(s, wps, lookahead, k) for k, s in enumerate(sentences)]
-            scores = [score(s, audio) for s, (audio, _) in zip(sentences, runs)]
-            block[str(rate)] = {"words_per_s": round(wps, 2), **summary([a for a, _ in runs], scores, runs)}
+            scores = [score(s, audio) for s, (audio, *_) in zip(sentences, runs)]
+            block[str(rate)] = {"words_per_s": round(wps, 2), **summary([a for a, *_ in runs], scores, runs)}
             print(f"lookahead {lookahead}, {rate}: {block[str(rate)]}", file=sys.stderr, flush=True)
     return report
 
 
 def summary(audios: list, scores: list, runs: list | None) -> dict:
+    """WER, DNSMOS, and of the runs: first audio after the first word, split (with a text clock) into
+    ``text_ready_ms`` (the engine has its first step's units: `TextClock`) and ``engine_ms`` (from then to the
+    first chunk: prefill, the steps of the first frames through the delay pattern, codec); stalls."""
     out = {"wer": round(float(np.mean([w for w, _ in scores])), 4)}
     if scores[0][1] is not None:
         out["dnsmos"] = round(float(np.mean([d for _, d in scores])), 3)
     if runs:
         minutes = sum(len(a) for a in audios) / SAMPLE_RATE / 60
-        counted = [stalls(arrivals) for _, arrivals in runs]
-        out["first_audio_ms"] = percentiles([arrivals[0][0] * 1000 for _, arrivals in runs])
+        counted = [stalls(arrivals) for _, arrivals, _ in runs]
+        out["first_audio_ms"] = percentiles([arrivals[0][0] * 1000 for _, arrivals, _ in runs])
+        if all(ready is not None for *_, ready in runs):
+            out["text_ready_ms"] = percentiles([ready * 1000 for *_, ready in runs])
+            out["engine_ms"] = percentiles([(arrivals[0][0] - ready) * 1000 for _, arrivals, ready in runs])
         out["stalls_per_min"] = round(sum(c for c, _ in counted) / minutes, 2)
         out["stall_seconds"] = round(sum(s for _, s in counted), 3)
     return out
@@ -193,6 +227,87 @@ def units_report(sentences: list[str], lookaheads: list, rates: list[float]) -> 
     return report
 
 
+def burst_report(counts: list[int], sentences: int, shipped: bool) -> dict:
+    """N streams opened in the same instant on an engine of N slots, each given ``sentences`` Harvard
+    sentences at once and ended (as `bench.latency`'s GPU table starts its loads), each read to its end by a
+    thread of its own. Per stream, from its start: ``first_units_ms``, when the text thread hands the engine
+    its first units (`Stream.take_text` returned some), and ``first_audio_ms``, its first chunk; p50/p99/max;
+    and the CPU time of the text threads per stream (the figure least moved by other load on the machine).
+    The tiny random engine by default: the AR step costs little, so what shows is the text front end's cost per
+    stream and how the text thread shares the interpreter with the engine's."""
+    import os
+    text = " ".join(harvard(sentences))
+    report = {"engine": "shipped" if shipped else "tiny_random", "sentences": sentences, "chars": len(text),
+              "cpu_cores": os.cpu_count(), "loads": []}
+    for n in counts:
+        engine = _burst_engine(n, shipped)
+        engine.text_worker.wait_for_processes(60)  # with TTS_TEXT_PROCESSES: reading in them from the start
+        speak_engine(engine, text, None, None, 0)  # warm-up: the step, the phonemiser, the word cache
+        first_units: dict = {}
+        deliver = engine.text_worker.deliver
+
+        def timed(stream, news):
+            if isinstance(news, tuple) and news[0] and stream not in first_units:
+                first_units[stream] = time.perf_counter()
+            deliver(stream, news)
+        engine.text_worker.deliver = timed
+        starts, first_audio, streams = [0.0] * n, [0.0] * n, [None] * n
+        gate = threading.Barrier(n)
+
+        def run(i):
+            gate.wait()
+            starts[i] = time.perf_counter()
+            streams[i] = stream = engine.open(wait_s=10)  # unseeded, as bench.latency's streams
+            stream.push_text(text)
+            stream.end()
+            while stream.read(timeout=120) is not None:
+                first_audio[i] = first_audio[i] or time.perf_counter()
+        load = os.getloadavg()[0]
+        text_threads = [t for t in threading.enumerate() if t.name.startswith("tts-text")]
+        text_cpu = _cpu_seconds(text_threads)
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        text_cpu = _cpu_seconds(text_threads) - text_cpu
+        units_ms = [1000 * (first_units[s] - t0) for s, t0 in zip(streams, starts)]
+        audio_ms = [1000 * (t1 - t0) for t0, t1 in zip(starts, first_audio)]
+        row = {"streams": n, "load_avg_1min": round(load, 2), "text_threads": len(text_threads),
+               "text_thread_cpu_ms_per_stream": round(1000 * text_cpu / n, 3),
+               "first_units_ms": {**percentiles(units_ms), "max": round(max(units_ms), 3)},
+               "first_audio_ms": {**percentiles(audio_ms), "max": round(max(audio_ms), 3)}}
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        report["loads"].append(row)
+        engine.close()
+    return report
+
+
+def _cpu_seconds(threads: list[threading.Thread]) -> float:
+    """CPU seconds (user + system) these threads of this process have used (Linux; 0 elsewhere): what the
+    text threads cost whatever else loads the machine."""
+    import os
+    total = 0.0
+    for thread in threads:
+        try:
+            fields = open(f"/proc/self/task/{thread.native_id}/stat").read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def _burst_engine(n: int, shipped: bool):
+    if not shipped:
+        from tests.helpers import tiny_random
+        return tiny_random(max_streams=n)
+    import kernels
+    from streaming.engine import Engine
+    from tts.voices import load_shipped
+    model, codec, presets = load_shipped()
+    return Engine(model, codec, presets, max_streams=n, step_factory=kernels.default_step_factory("cpu", True))
+
+
 def pauses_report(engine, lengths_ms: list[int]) -> dict:
     """For <break time=...> between two words: the longest silence inside the utterance (20 ms frames
     40 dB under the peak) and the ASR's WER against the words (no babble in the pause), 3 seeds each."""
@@ -202,7 +317,7 @@ def pauses_report(engine, lengths_ms: list[int]) -> dict:
         text = words.replace("road ", f'road <break time="{ms}ms"/> ') if ms else words
         gaps, wers = [], []
         for seed in range(3):
-            audio, _ = speak_engine(engine, text, None, None, seed)
+            audio, *_ = speak_engine(engine, text, None, None, seed)
             frames = audio[:len(audio) // 480 * 480].reshape(-1, 480)
             quiet = 20 * np.log10(np.sqrt((frames ** 2).mean(1)) + 1e-9) < 20 * np.log10(np.abs(audio).max()) - 40
             run = best = 0
@@ -223,12 +338,18 @@ def main() -> None:
     parser.add_argument("--server", action="store_true", help="through the real server on loopback")
     parser.add_argument("--units", action="store_true", help="no model: units word by word against whole")
     parser.add_argument("--pauses", action="store_true", help="silence a <break> gives, per length")
+    parser.add_argument("--burst", type=int, nargs="+", help="N streams starting at once, per N (no model quality)")
+    parser.add_argument("--sentences", type=int, default=4, help="--burst: Harvard sentences each stream speaks")
+    parser.add_argument("--shipped", action="store_true", help="--burst: the shipped model, not the tiny one")
     parser.add_argument("--no-dnsmos", action="store_true")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     lookaheads = [None if a in (None, "default") else a if a == "auto" else int(a) for a in args.lookahead]
     if args.quick:
         args.n, args.rates, args.no_dnsmos = 8, ["10"], True
+    if args.burst:
+        print(json.dumps(burst_report(args.burst, args.sentences, args.shipped), indent=1))
+        return
     sentences = harvard(args.n)
     if args.units:
         rates = [float(r) for r in args.rates if r != "1.2x"]
@@ -242,14 +363,15 @@ def main() -> None:
         return
     score = Scorer(not args.no_dnsmos)
     speak_engine(engine, sentences[0], 10, None, 0)  # warm-up, not counted
+    clock = TextClock(engine)
     report = {"sentences": "harvard", "path": "server" if args.server else "engine"}
     if args.server:
         from server import ServerThread
         with ServerThread(engine) as server:
-            report.update(measure(lambda s, r, _, k: speak_server(server.ws_url, s, r), sentences, args.rates,
+            report.update(measure(lambda s, r, _, k: speak_server(server.ws_url, s, r, clock), sentences, args.rates,
                                   [None], score))
     else:
-        report.update(measure(lambda s, r, lookahead, k: speak_engine(engine, s, r, lookahead, k), sentences,
+        report.update(measure(lambda s, r, lookahead, k: speak_engine(engine, s, r, lookahead, k, clock), sentences,
                               args.rates, lookaheads, score))
     print(json.dumps(report, indent=1))
 

@@ -3,11 +3,15 @@
 Words are spoken as they arrive. A word is complete once whitespace follows it; it is spoken once
 ``lookahead_words`` complete words follow it (its right context), and never while it may still end its
 sentence or be changed by what comes next: with no lookahead (the default) a number waits for its unit
-("$5" million), a title for the next word ("St." Mark), "the" for its noun ("the apple" reads ðɪ). The open sentence is normalised and phonemised
-again as words arrive, over a window that starts `CONTEXT_WORDS` before the first word not yet spoken, and
-only that word onwards is taken: what was spoken is never changed. A sentence's ``$`` comes when its end is
-known. ``lookahead_words="auto"`` waits for whole sentences instead (or, without punctuation, for
-`PARTIAL_WORDS` words, and speaks all but the last two). ``flush``/``end`` speak whatever is buffered.
+("$5" million), a title for the next word ("St." Mark), "the" for its noun ("the apple" reads ðɪ). The open
+sentence is normalised and phonemised again as words arrive, over a window that starts `CONTEXT_WORDS` before
+the first word not yet spoken, and only that word onwards is taken: what was spoken is never changed. A
+sentence's ``$`` comes when its end is known. ``lookahead_words="auto"`` waits for whole sentences instead
+(or, without punctuation, for `PARTIAL_WORDS` words, and speaks all but the last two). ``flush``/``end``
+speak whatever is buffered. Until something is spoken a take reads one sentence: when many streams start at
+once, the text thread hands each its first sentence before it reads anyone's second. A stream's first
+`START_UNITS` units come sooner: they wait for a next word that changes the words, not for one that changes
+only the sounds, so the engine can start speaking a word or so earlier.
 
 Example, lookahead 1, pieces "The ", "birch ", "canoe ", "slid." then end (units shown apart, "␣" a space):
   after "birch ": "The" is followed by one complete word -> ^ ð ə  (its space waits for the next word)
@@ -21,22 +25,49 @@ the engine's schedule of units into start/end seconds per word.
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
-from tts.normalize import Token, complete_length, needs_next, sentence_end, speak, split_sentences, tokenize
+from tts.normalize import (Token, complete_length, reads_by_next, sentence_end, sounds_by_next, speak,
+                           split_sentences, tokenize)
 from tts.text import MAX_TEXT_CHARS, SYMBOL_ID, TextError, sentence_units
 
 TAKE_CHARS = 600  # text phonemised in one take at most: a long text reaches the engine a few sentences a tick
 PARTIAL_WORDS = 12  # "auto": a sentence without an end is spoken once this many words wait
 CONTEXT_WORDS = 8  # words before the first unspoken one that are phonemised with it (espeak's left context)
 _TO_COME = Token("people", 0, 0)  # never taken: its index is past every ready token
+_GAP = " ,;:"  # units between two words of a sentence
+# A stream's first START_UNITS units wait only for a next word that changes the words ("$5" million), not for
+# one that changes only the sounds ("the" apple: ðɪ; "on the": ɔnðə): a word espeak sounds by the next one is
+# read as before any word, and the gap after the last word goes with it (`TextStream._first_gap`). The
+# engine's first step needs about that many units (the shipped model: text_lookahead 6 + ahead 4 + 1 = 11),
+# the units of two or three words. Measured on the 720 Harvard sentences with lookahead 0 (`--units`): the
+# first step's units are there after the 2nd word for 51 % of them, the 3rd for 99 % (26 % and 78 % when the
+# first units wait as later ones do); 609 sentences get the units of the whole sentence (676).
+START_UNITS = 16
 # Complete words after a word before it is spoken. 0: at once, unless the next word can change it
-# (`tts.normalize.needs_next`). Measured on 720 Harvard sentences (`python -m bench.incremental --units`): the
-# same units as whole sentences for 676 (0), 719 (1) and 720 (2); the rest differ by a linking glide or a
-# stress mark. Each word of lookahead costs a word's time before the first sound (100 ms at 10 words/s).
+# (`tts.normalize.needs_next`; see START_UNITS for a stream's first units). Measured on 720 Harvard sentences
+# (`python -m bench.incremental --units`): the same units as whole sentences for 609 (0), 719 (1) and 720 (2);
+# the rest differ by a linking glide, a stress mark or a first word's sound. Each word of lookahead costs a
+# word's time before the first sound (100 ms at 10 words/s).
 DEFAULT_LOOKAHEAD = 0
 
 
+def read_sentence(tokens: list[Token], first: int, closed: bool) -> tuple[list[str], list[int]]:
+    """A sentence's units from token ``first`` on (the tokens before it are context for the spoken forms) and,
+    per unit, the index of its token in ``tokens`` (-1: none); the sentence ends after the last token if
+    ``closed``. A pure function of its arguments: a `TextWorker`'s processes can run it."""
+    spoken = speak(tokens, closed)
+    window, said = tokens[first:], spoken[first:]
+    if not closed:  # a word for those still to come: the last word read is not read as the clause's end
+        window, said = window + [_TO_COME], said + [_TO_COME.text]
+    units, owners = sentence_units(window, said, closed)
+    return units, [o + first if o >= 0 else -1 for o in owners]
+
+
 class TextStream:
+    # How a sentence is read: `read_sentence` here, or a text worker's processes running it (set per stream)
+    reader: Callable[[list[Token], int, bool], tuple[list[str], list[int]]] = staticmethod(read_sentence)
+
     def __init__(self, max_chars: int = MAX_TEXT_CHARS, lookahead_words: int | str | None = None):
         if lookahead_words is None:
             lookahead_words = DEFAULT_LOOKAHEAD
@@ -50,6 +81,8 @@ class TextStream:
         self._in_sentence = False  # its '^' was taken, its '$' not yet
         self._done = 0  # tokens of the open sentence whose units were all taken
         self._partial = 0  # units of token _done already taken (espeak joined it to the next word)
+        self._gap_taken = False  # the gap after the last unit taken was taken (`_first_gap`)
+        self._units_taken = 0
         self._lock = threading.Lock()
         self.spoken_any = False
         self._timings = _WordTimings()
@@ -100,13 +133,17 @@ class TextStream:
             usable = usable or ready  # one token longer than TAKE_CHARS: all of it
             closes = final and usable == len(text)
             tokens = tokenize(text[:usable])
+            spans = split_sentences(tokens, closes)
+            later = not self.spoken_any and len(spans) > 1  # a first take reads the first sentence alone
+            if later:
+                spans, closes = spans[:1], False
             units, consumed = [], 0
-            for start, stop, closed in split_sentences(tokens, closes):
+            for start, stop, closed in spans:
                 sentence = tokens[start:stop]
                 units += self._speak(sentence, len(sentence) if closed else self._ready(sentence), closed)
                 consumed = sentence[-1].end if closed else self._forget_spoken(sentence, consumed)
             self._text = "" if closes and not text[consumed:].strip() else text[consumed:]
-            self._dirty = usable < ready  # the rest of a long text comes in the next takes
+            self._dirty = usable < ready or later  # the rest comes in the next takes
             self._final = final and not closes
         return [SYMBOL_ID[u] for u in units], closes
 
@@ -116,8 +153,9 @@ class TextStream:
         if self.lookahead_words == "auto":
             return n - 2 if n - self._done >= PARTIAL_WORDS else 0
         ready = n - self.lookahead_words
-        if ready == n and needs_next(tokens[-1]):
-            ready -= 1
+        last = tokens[-1]
+        if ready == n and (reads_by_next(last) or sounds_by_next(last) and self._units_taken >= START_UNITS):
+            ready -= 1  # the next word may change it (a stream's first units wait only for changed words)
         if ready == n and sentence_end(tokens, n - 1) is None:
             ready -= 1  # "slid." may end the sentence: its '.' and '$' or not
         return ready
@@ -126,16 +164,15 @@ class TextStream:
         """Take the units of tokens [_done, ready) of one sentence (all that is left if ``closed``)."""
         if not closed and ready <= self._done:
             return []
-        first = max(0, self._done - CONTEXT_WORDS)
-        spoken = speak(tokens, closed)
-        window, said = tokens[first:], spoken[first:]
-        if not closed:  # a word for those still to come: the last word read is not read as the clause's end
-            window, said = window + [_TO_COME], said + [_TO_COME.text]
-        units, owners = sentence_units(window, said, closed)
-        owners = [o + first if o >= 0 else -1 for o in owners]
-        start = self._resume(owners) if self._in_sentence else 0
+        units, owners = self.reader(tokens, max(0, self._done - CONTEXT_WORDS), closed)
+        start = self._resume(units, owners) if self._in_sentence else 0
         cut = len(units) if closed else self._cut(units, owners, start, ready)
+        if not closed and self._units_taken < START_UNITS:
+            cut = self._first_gap(units, owners, cut, len(tokens))
+        if cut > start:
+            self._gap_taken = not closed and owners[cut - 1] < 0 and units[cut - 1] in _GAP
         taken = units[start:cut]
+        self._units_taken += len(taken)
         self._timings.add(tokens, owners[start:cut])
         if closed:
             self._timings.close_sentence(len(tokens))
@@ -162,9 +199,10 @@ class TextStream:
         self._timings.sentence_base += drop
         return tokens[drop].start
 
-    def _resume(self, owners: list[int]) -> int:
+    def _resume(self, units: list[str], owners: list[int]) -> int:
         """Where the units not yet taken start: after the last unit of the tokens before _done, and after
-        the first _partial units of token _done. Example: owners [-1, 0, 0, -1, 1, 1, 2], _done 2 -> 6."""
+        the first _partial units of token _done, and after the gap that follows if it was taken
+        (`_first_gap`). Example: owners [-1, 0, 0, -1, 1, 1, 2], _done 2 -> 6."""
         position, seen = 1, 0
         for k, owner in enumerate(owners):
             if 0 <= owner < self._done:
@@ -172,7 +210,23 @@ class TextStream:
             elif owner == self._done and seen < self._partial:
                 seen += 1
                 position = k + 1
+        while self._gap_taken and position < len(units) and owners[position] < 0 and units[position] in _GAP:
+            position += 1
         return position
+
+    def _first_gap(self, units: list[str], owners: list[int], cut: int, complete: int) -> int:
+        """Among a stream's first START_UNITS units, the gap after the last complete word goes with it when
+        every complete word is taken: the engine's first step needs the units of about two words and a half
+        (the text encoder's right context and the step's lookahead), and this gap is often the one unit
+        missing. The gap is read before the next word arrives, as before any word (`_TO_COME`): wrong only where
+        espeak would run the two words together, almost only before "the" ("on the" -> ɔnðə): 3 % of the word
+        gaps of the Harvard sentences. Example: ^ ð ə ␣ b ˈ ɜ ː t ʃ ␣ p ... ("The birch "): cut 10 -> 11."""
+        if cut == 0 or owners[cut - 1] != complete - 1:
+            return cut
+        k = cut
+        while k < len(units) and owners[k] < 0 and units[k] in _GAP:
+            k += 1
+        return k if k < len(units) and owners[k] == complete else cut
 
     @staticmethod
     def _cut(units: list[str], owners: list[int], start: int, ready: int) -> int:

@@ -317,3 +317,27 @@ def test_only_text_error_ever(tmp_path):
 def test_huge_number_is_read_digit_by_digit():
     units = text_to_sentences("7" * 400)
     assert sum(len(s) for s in units) > 400 * 4  # "seven" 400 times, no OverflowError
+
+
+def test_plain_words_read_as_the_rules_read_them():
+    """The plain-word shortcut (`plain_word`) gives what the rules give, for every token of the table, the
+    Harvard sentences, the fuzz alphabet and every word the tables name (capitalised too)."""
+    from bench.common import HARVARD
+    from tts import normalize_tables as tables
+    from tts.normalize_rules import Context, by_rules, first_rule, plain_word
+    texts = [raw for raw, _ in CASES] + (HARVARD.read_text().splitlines() if HARVARD.exists() else [])
+    named = {w for table in (tables.MONTH_OF, tables.TITLES, tables.ABBREVIATIONS, tables.BEFORE_NUMBER,
+                             tables.SYMBOL_WORDS, tables.UNITS, tables.JOINING_WORDS, tables.ROMAN_CARDINAL_AFTER,
+                             tables.REGNAL_TITLES, tables.CURRENCY_CODES, tables.MAGNITUDES) for w in table}
+    texts += [f"{w} {w.capitalize()} {w.upper()} 5 {w} {w}. {w.capitalize()} 4 {w}'s" for w in sorted(named)]
+    texts += ["I V X IV MIX CD Dr Mr St vs etc ½ ² café naïve co-op rock'n'roll O'Neil '90s", "Henry VIII I saw"]
+    plain = 0
+    for text in texts:
+        for start, stop, _ in split_sentences(tokenize(text), final=True):
+            ctx = Context(tokenize(text)[start:stop])
+            for i, token in enumerate(ctx.tokens):
+                if token.kind == "word":
+                    assert first_rule(ctx, i) == by_rules(ctx, i), (text, token.text)
+                    plain += plain_word(ctx.core[i])
+    assert plain > 1000  # the shortcut was taken
+    assert not any(plain_word(w) for w in ["March", "IV", "I", "vs", "½", "5kg", "Dr", "st", "U.S.", ""])

@@ -33,3 +33,13 @@ def test_unknown_words_still_get_phonemes():
 def test_unspeakable_text_raises(bad):
     with pytest.raises(TextError):
         text_to_sentences(bad)
+
+
+@pytest.mark.parametrize("text", ["Hi, you. Wait; then: go!", "The birch canoe slid on the smooth planks.",
+                                  "Un café, s'il vous plaît.", "Is it? Yes! No"])
+def test_phonemes_are_pipers(text):
+    """Our espeak calls (the voice set once) give Piper's phonemiser's units, sentence by sentence."""
+    from piper.phonemize_espeak import EspeakPhonemizer
+    want = [["^", *"".join(u for u in units if u in SYMBOLS and u not in "^$_").rstrip(" "), "$"]
+            for units in EspeakPhonemizer().phonemize("en-us", text)]
+    assert phonemize(text) == want

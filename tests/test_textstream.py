@@ -58,16 +58,31 @@ def test_llm_pieces_speak_only_complete_words():
 def test_lookahead_zero_speaks_a_content_word_at_once_and_holds_what_the_next_word_changes():
     stream = TextStream(lookahead_words=0)
     stream.push("Birds ")
-    assert spell(stream.take()[0]) == "^bˈɜːdz"
+    assert spell(stream.take()[0]) == "^bˈɜːdz "  # a stream's first units take the gap after them too
     for piece in ["paid ", "$5 "]:  # "$5" may be "$5 million": it waits for the next word
         stream.push(piece)
-    assert spell(stream.take()[0]) == " pˈeɪd"
+    assert spell(stream.take()[0]) == "pˈeɪd"  # later gaps wait for the next word
     stream.push("million ")
-    assert spell(stream.take()[0]) == " fˈaɪv mˈɪliən dˈɑːlɚz"
+    assert spell(stream.take()[0]) == " fˈaɪv mˈɪliən dˈɑːlɚz "  # still among the first units (START_UNITS)
     stream.push("the ")  # "the" waits for its next word ("the apple": ðɪ)
     assert stream.take() == ([], False)
     stream.push("apple ")
-    assert spell(stream.take()[0]).startswith(" ðɪ")
+    assert spell(stream.take()[0]).startswith("ðɪ")
+
+
+def test_a_streams_first_units_wait_only_for_words_that_change_the_words():
+    """Among the first START_UNITS units a word espeak sounds by the next one is read as before any word
+    (sooner first audio; "the" apple gets ðə, not ðɪ), and its gap comes with it; a number still waits."""
+    stream = TextStream(lookahead_words=0)
+    stream.push("The ")
+    assert spell(stream.take()[0]) == "^ðə "
+    stream.push("apple ")
+    assert spell(stream.take()[0]).startswith("ˈæ")
+    stream = TextStream(lookahead_words=0)
+    stream.push("Pay $5 ")
+    assert spell(stream.take()[0]) == "^pˈeɪ"  # its gap waits with "$5"
+    stream.push("million ")
+    assert "mˈɪliən" in spell(stream.take()[0])
 
 
 def test_sentence_end_comes_with_the_next_word_or_the_end():
@@ -196,3 +211,47 @@ def test_a_long_text_reaches_the_engine_a_few_sentences_a_take():
         units, closed = stream.take()
         taken.append(units)
     assert closed and spell([u for ids in taken for u in ids]) == whole(text)
+
+
+@pytest.mark.parametrize("end", [True, False])
+def test_a_first_take_reads_one_sentence(end):
+    """Many streams starting at once each get their first sentence's units before anyone's second is read:
+    a first take stops after the first sentence; the rest follows, the same units as the whole text."""
+    text = " ".join(SENTENCES[:3])
+    stream = TextStream()
+    stream.push(text)
+    if end:
+        stream.end()
+    first, closed = stream.take()
+    assert spell(first) == whole(SENTENCES[0]) and not closed and stream.pending
+    taken = [first]
+    while stream.pending:
+        taken.append(stream.take()[0])
+    if not end:
+        stream.end()
+        taken.append(stream.take()[0])
+    assert stream.ended and spell([u for ids in taken for u in ids]) == whole(text)
+    assert len(taken) <= 4  # after the first sentence, the rest in one take
+
+
+
+def test_text_read_in_processes_speaks_the_same(monkeypatch):
+    """With text processes (``TTS_TEXT_PROCESSES``) streams get the same units, so the same audio."""
+    import numpy as np
+    from helpers import tiny_random
+
+    from streaming.engine import SamplingConfig
+    from tts.api import synthesize
+    text = SENTENCES[1]  # numbers, a title, two sentences: two takes
+    local = tiny_random(max_streams=2, sampling=SamplingConfig(temperature=0.0))
+    monkeypatch.setenv("TTS_TEXT_PROCESSES", "2")
+    pooled = tiny_random(max_streams=2, sampling=SamplingConfig(temperature=0.0))
+    try:
+        assert local.text_worker.processes == 0 or local.text_worker.wait_for_processes(30)
+        assert pooled.text_worker.processes == 2 and pooled.text_worker.wait_for_processes(30)
+        np.testing.assert_allclose(synthesize(text, engine=pooled), synthesize(text, engine=local), atol=1e-5)
+        with pytest.raises(TextError):
+            synthesize("[[QQ]] bad markup", engine=pooled)
+    finally:
+        local.close()
+        pooled.close()

@@ -156,14 +156,23 @@ def sentence_end(tokens: list[Token], i: int) -> bool | None:
 
 
 def needs_next(token: Token) -> bool:
-    """May the next word change how this one is read? A number ("5" kg, "$5" million, "10" am), a month
-    ("March" 4), a title or abbreviation ("St." Mark or Main St.), or a word espeak reads by the next one
-    ("the" apple, "on the": ɔnðə)."""
+    """May the next word change how this one is read? Its words (`reads_by_next`) or its sounds
+    (`sounds_by_next`)."""
+    return reads_by_next(token) or sounds_by_next(token)
+
+
+def reads_by_next(token: Token) -> bool:
+    """May the next word change the words this one is read as? A number ("5" kg, "$5" million, "10" am), a
+    month ("March" 4), a title or abbreviation ("St." Mark or Main St.)."""
     core = split_token(clean(token.text))[1]
     key = core.rstrip(".").lower()
     return token.kind == "word" and (any(c.isdigit() for c in core) or key in MONTH_OF or key in TITLES
-                                     or key in BEFORE_NUMBER or core.upper() in CURRENCY_CODES
-                                     or key in JOINING_WORDS)
+                                     or key in BEFORE_NUMBER or core.upper() in CURRENCY_CODES)
+
+
+def sounds_by_next(token: Token) -> bool:
+    """Does espeak sound this word by the next one ("the" apple: ðɪ; "on the": ɔnðə)?"""
+    return token.kind == "word" and split_token(clean(token.text))[1].rstrip(".").lower() in JOINING_WORDS
 
 
 def split_sentences(tokens: list[Token], final: bool) -> list[tuple[int, int, bool]]:

@@ -45,6 +45,9 @@ def _keeps_period(core: str) -> bool:
             or bool(re.fullmatch(r"(?:[A-Za-z]\.)+[A-Za-z]|[A-Za-z]", core)))
 
 
+_CAPS, _TWO_LETTERS = re.compile(r"[A-Z][A-Z']+"), re.compile(r"[A-Za-z]{2}")
+
+
 class Context:
     """Per-sentence view the rules read: each token's core and its neighbours'."""
 
@@ -54,8 +57,8 @@ class Context:
         self.raw = [t.text for t in tokens]
         self.core = [p[1] for p in parts]
         self.trail = [p[2] for p in parts]
-        caps = [c for c in self.core if re.fullmatch(r"[A-Z][A-Z']+", c)]
-        words = [c for c in self.core if re.search(r"[A-Za-z]{2}", c)]
+        caps = [c for c in self.core if _CAPS.fullmatch(c)]
+        words = [c for c in self.core if _TWO_LETTERS.search(c)]
         self.shouting = len(words) >= 3 and len(caps) > 0.6 * len(words)
 
     def at(self, i: int) -> str:
@@ -64,6 +67,8 @@ class Context:
 
 def clean(text: str) -> str:
     """NFKC (but vulgar fractions and ™ read as themselves), curly quotes straight, controls removed."""
+    if text.isascii() and text.isprintable():
+        return text  # the common case, already clean: NFKC and the table change nothing in printable ASCII
     text = "".join(ch if ch in VULGAR_FRACTIONS or ch in "™" else unicodedata.normalize("NFKC", ch)
                    for ch in text)
     text = text.translate({0x2018: "'", 0x2019: "'", 0x201C: '"', 0x201D: '"', 0x2212: "-", 0x2013: "-",
@@ -72,11 +77,39 @@ def clean(text: str) -> str:
 
 
 def first_rule(ctx: Context, i: int) -> list[str]:
+    """Spoken forms of tokens i, i+1, ...: those of the first rule that reads token i, else its plain form.
+    A plain word (`plain_word`) goes straight to its plain form: no rule reads it otherwise."""
+    if plain_word(ctx.core[i]):
+        return [_plain(ctx.core[i])]
+    return by_rules(ctx, i)
+
+
+def by_rules(ctx: Context, i: int) -> list[str]:
+    """`first_rule` without the plain-word shortcut (tests check the two agree)."""
     for rule in _RULES:
         said = rule(ctx, i)
         if said is not None:
             return said
     return [_plain(ctx.core[i])]
+
+
+# Words of letters that some rule reads: months ("March" 4), titles ("Mr" Li), abbreviations ("vs", "etc"),
+# words before a number, symbol names. A rule that claims a word of letters adds it here.
+_RULE_WORDS = frozenset(MONTH_OF) | frozenset(TITLES) | frozenset(ABBREVIATIONS) | frozenset(BEFORE_NUMBER) \
+    | frozenset(SYMBOL_WORDS)
+_LETTERS = re.compile(r"[^\W\d_]+(?:['-][^\W\d_]+)*'?")
+_ROMAN_DIGITS = frozenset("IVXLCDM")
+
+
+def plain_word(core: str) -> bool:
+    """Is this core a word no rule reads: letters only (an apostrophe or a hyphen between them), not in
+    _RULE_WORDS and not a Roman numeral? Most words of running text are; they skip the ~20 rules (the rules
+    look for digits, symbols, periods, capitals of a numeral or the words above). Examples: "birch",
+    "isn't", "well-known" -> True; "March", "IV", "vs", "½", "5kg" -> False."""
+    if not _LETTERS.fullmatch(core) or core.lower() in _RULE_WORDS:
+        return False
+    numeral = core[:-2] if core.endswith("'s") else core
+    return not _ROMAN_DIGITS.issuperset(numeral) and core.replace("'", "").replace("-", "").isalpha()
 
 
 # ---- number words ---------------------------------------------------------------------------------

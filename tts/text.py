@@ -10,6 +10,8 @@ word timings refer to what the user wrote and incremental text can be spoken wor
 from __future__ import annotations
 
 import re
+import threading
+import unicodedata
 from functools import lru_cache
 
 from tts.normalize import TextError, Token, end_mark, join_spoken, normalize, speak, split_sentences, tokenize
@@ -26,22 +28,47 @@ PAD, BOS, EOS = 0, SYMBOL_ID["^"], SYMBOL_ID["$"]
 MAX_TEXT_CHARS = 20_000
 
 
+ESPEAK_VOICE = "en-us"
+_espeak_lock = threading.Lock()  # espeak-ng is one state per process, not thread-safe
+
+
 @lru_cache(maxsize=1)
 def _espeak():
-    from piper.phonemize_espeak import EspeakPhonemizer
-    return EspeakPhonemizer()
+    """Piper's espeak-ng binding, with our voice set once: setting it costs about as much as phonemising a
+    sentence, and the voice stays set (a later `initialize`, as a Piper voice's phonemiser does, keeps it;
+    Piper sets its own voice before each call, and every voice here speaks en-us)."""
+    from piper import espeakbridge
+    from piper.phonemize_espeak import ESPEAK_DATA_DIR
+    espeakbridge.initialize(str(ESPEAK_DATA_DIR))
+    espeakbridge.set_voice(ESPEAK_VOICE)
+    return espeakbridge
 
 
 def _espeak_units(text: str) -> list[list[str]]:
-    """espeak's sentences of ``text`` as units (no ``^``/``$``), trailing spaces removed."""
-    sentences = []
-    text = re.sub(r"\.(?:\s*\.)+", ".", text)  # espeak keeps a trailing ".." and says "dot" in its next call
-    for units in _espeak().phonemize("en-us", text):
-        units = [u for u in units if u in SYMBOL_ID and u not in "^$_"]
+    """espeak's sentences of ``text`` as units (no ``^``/``$``), trailing spaces removed; the units are
+    what Piper's `EspeakPhonemizer.phonemize` gives (clause text, its terminator, a space after a clause
+    break, code points decomposed). Example: "Hi, you." -> [['h', 'ˈ', 'a', 'ɪ', ',', ' ', 'j', 'u', 'ː', '.']]"""
+    text = _DOTS.sub(".", text)  # espeak keeps a trailing ".." and says "dot" in its next call
+    espeak = _espeak()
+    with _espeak_lock:
+        clauses = espeak.get_phonemes(text)
+    sentences, sentence = [], []
+    for phonemes, terminator, end in clauses:
+        phonemes = _LANGUAGE_FLAG.sub("", phonemes) + terminator + (" " if terminator in ",:;" and terminator else "")
+        sentence += [u for u in unicodedata.normalize("NFD", phonemes) if u in SYMBOL_ID and u not in "^$_"]
+        if end:
+            sentences.append(sentence)
+            sentence = []
+    if sentence:
+        sentences.append(sentence)
+    for units in sentences:
         while units and units[-1] == " ":
             units.pop()
-        sentences.append(units)
     return sentences
+
+
+_DOTS = re.compile(r"\.(?:\s*\.)+")
+_LANGUAGE_FLAG = re.compile(r"\([^)]+\)")  # "(fr)" around words espeak reads in another language
 
 
 def _speakable(units: list[str]) -> bool:
