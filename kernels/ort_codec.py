@@ -31,6 +31,7 @@ import tts.codec
 from kernels import ort
 from tts.codec import Codec, DecoderState
 
+OPSET = 17
 
 class CodecStep(nn.Module):
     """`Codec.decode_step` as a pure function: (codes (B, K, T), *state) -> (audio (B, T*hop), *new state)."""
@@ -74,12 +75,25 @@ def export(codec: Codec, path: Path) -> None:
     axes.update(codes={0: "batch", 2: "frames"}, audio={0: "batch", 1: "samples"})
 
     def write(tmp: str) -> None:
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore")  # the tracer's notes on shapes read as Python numbers
-            torch.onnx.export(CodecStep(codec).eval(), (codes, *tensors), tmp, dynamo=False,
-                              input_names=["codes", *names], output_names=["audio"] + [f"new_{n}" for n in names],
-                              dynamic_axes=axes, opset_version=17)
+        torch.onnx.register_custom_op_symbolic("aten::elu", vectorised_elu, OPSET)
+        try:
+            with warnings.catch_warnings(), torch.no_grad():
+                warnings.simplefilter("ignore")  # the tracer's notes on shapes read as Python numbers
+                torch.onnx.export(CodecStep(codec).eval(), (codes, *tensors), tmp, dynamo=False,
+                                  input_names=["codes", *names], output_names=["audio"] + [f"new_{n}" for n in names],
+                                  dynamic_axes=axes, opset_version=OPSET)
+        finally:
+            torch.onnx.unregister_custom_op_symbolic("aten::elu", OPSET)
     ort.write_atomically(path, write)
+
+
+def vectorised_elu(g, x, alpha, scale, input_scale):
+    """ELU (alpha 1, as `tts.codec` uses it) as max(x, exp(min(x, 0)) - 1): for x > 0, exp(0) - 1 = 0 < x;
+    for x <= 0, exp(x) - 1 >= x. ONNX Runtime's own Elu op computes exp element by element and was 27 % of
+    the decoder's time; these four ops run vectorised and took 60 % of its time (2M values, one thread)."""
+    zero = g.op("Constant", value_t=torch.tensor(0.0))
+    one = g.op("Constant", value_t=torch.tensor(1.0))
+    return g.op("Max", x, g.op("Sub", g.op("Exp", g.op("Min", x, zero)), one))
 
 
 def load(codec: Codec) -> Path | None:
