@@ -2,10 +2,17 @@
 
 `Codec.decode_step(codes, state)` (codes -> latents -> `Decoder.step`) is exported to ONNX with the
 decoder state as explicit inputs and outputs and the batch and time axes dynamic, so one file serves every
-chunk length (2, 4, 8, 16 frames and a stream's shorter last chunk) and every number of streams. Eager
-PyTorch runs the decoder's ~60 small ops (convs, transposed convs, pads and cats of the carried history,
-an LSTM) with tens of microseconds of dispatch each; ONNX Runtime runs the same graph for about what its
-arithmetic costs (figures: ``python -m bench.steps --codec``).
+chunk length (2, 4, 8, 16 frames and a stream's shorter last chunk) and every number of streams.
+
+Measured (``python -m bench.steps --codec-only``, one thread, CPU time per call): eager PyTorch dispatches
+the decoder's ~60 small ops (convs, transposed convs, pads and cats of the carried history, an LSTM) at
+tens of microseconds each, so small calls cost it 2-4x what they cost ONNX Runtime (a 2-frame chunk of one
+stream: 15.9 against 4.3 ms); at 8 streams x 16 frames both are bound by the convolutions' arithmetic and
+ONNX Runtime is 1.2x faster. ONNX Runtime's own Elu op computes exp one value at a time (27 % of the
+decoder's time), so ELU is exported as vectorised ops (`vectorised_elu`). Tried in eager and dropped:
+oneDNN off (`torch.backends.mkldnn`: 2-3x slower at batch 2-8), inference mode instead of no_grad (no
+change), a frozen TorchScript trace (within 10 % of eager); channels-last has no 1-D form and the loaded
+codec has no weight norm to fuse.
 
 State layout, inputs and outputs alike: the `DecoderState` buffers in order (conv histories and
 transposed-conv tails, each (B, C, N)), then the LSTM's h and c (each (1, B, H)). Example, shipped codec:
