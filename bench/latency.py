@@ -4,10 +4,12 @@
     python -m bench.latency --quick    # about a minute: no 600 s run, one baseline repeat, 1 and 4 streams
     python -m bench.latency --step compiled   # the TorchInductor step instead of the default (ONNX Runtime)
     python -m bench.latency --step eager      # the plain eager step
+    python -m bench.latency --codec torch     # the torch codec decoder instead of the default (ONNX Runtime)
     python -m bench.latency --device cuda --streams 64 128 256 512 1024 --arrival-rate 25   # the GPU load table
 
 Step times are AR step + sampling per frame tick, after warm-up; on the CPU the engine's step is the one
-every user path gets (ONNX Runtime) unless ``--step`` says otherwise. Baselines run eagerly, batch 1, on the same weights: ``ring`` is our step through
+every user path gets (ONNX Runtime) unless ``--step`` says otherwise, and so is the codec decoder
+(ONNX Runtime, `kernels.ort_codec`) unless ``--codec torch``. Baselines run eagerly, batch 1, on the same weights: ``ring`` is our step through
 the ring caches, ``no_cache`` recomputes the whole prefix for every step, ``concat_cache`` grows a
 concatenated KV cache and attends to everything (what a default dynamic cache does). The speed-ups compare
 the baselines with ``ring``, measured the same way in the same run.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import threading
 import time
@@ -171,13 +174,21 @@ def cpu_step_factory(model, device: str, step: str):
     return factory.faster.result(timeout=900) or factory
 
 
-def concurrency(model, codec, presets, device: str, counts: list[int], factory,
+def cpu_codec_step(codec, device: str, choice: str):
+    """The codec decode step of ``--codec``: "default", what every user path gets (`kernels.auto.faster_codec_step`:
+    ONNX Runtime, built now if the disk cache lacks it, and waited for; None if it cannot be had); "torch", None."""
+    from kernels.auto import faster_codec_step
+    return faster_codec_step(codec, device).result(timeout=900) if choice == "default" else None
+
+
+def concurrency(model, codec, presets, device: str, counts: list[int], factory, codec_step=None,
                 jitter_s: float = 0.2) -> list[dict]:
     """N streams at once on an engine of N slots; a stream is real-time if no chunk arrives after its
     playback deadline (first chunk's arrival + the audio before it + a ``jitter_s`` buffer)."""
     rows = []
     for n in counts:
         engine = Engine(model, codec, presets, max_streams=n, device=device, step_factory=factory)
+        engine.set_codec_step(codec_step)
         engine.warm_up()  # every bucket's step built (compiled) before the clock starts
         synthesize(TEN_WORDS, engine=engine)
         rows.append({"streams": n, **load(engine, PARAGRAPH, [0.0] * n, jitter_s)})
@@ -307,6 +318,8 @@ def main() -> None:
                         help="engine slots for the single-stream figures (1: batch 1; see concurrency for more)")
     parser.add_argument("--step", choices=["default", "compiled", "eager"], default="default",
                         help="CPU step: the default paths' (ONNX Runtime), TorchInductor's, or plain eager")
+    parser.add_argument("--codec", choices=["default", "torch"], default="default",
+                        help="CPU codec decoder: the default paths' (ONNX Runtime) or the torch decoder")
     parser.add_argument("--arrival-rate", type=float, default=25.0, help="cuda: Poisson arrivals a second")
     parser.add_argument("--poisson-max", type=int, help="cuda: Poisson arrivals only for loads up to this")
     parser.add_argument("--sentences", type=int, default=8, help="Harvard sentences each stream speaks")
@@ -323,11 +336,14 @@ def main() -> None:
         return
     factory = cpu_step_factory(model, args.device, args.step)
     engine = Engine(model, codec, presets, max_streams=args.slots, device=args.device, step_factory=factory)
+    codec_step = cpu_codec_step(codec, args.device, args.codec)  # after the engine split the cores: the
+    engine.set_codec_step(codec_step)  # session takes one intra-op thread per torch thread, as the worker's share
     frame_ms = 1000 / codec.cfg.frame_rate
     engine.warm_up()
     synthesize(TEN_WORDS, engine=engine)  # warm-up
     step, rtf = steady_state(engine)
-    result = {"device": args.device, "step": engine.step_kind, "threads": args.threads, "slots": args.slots,
+    result = {"device": args.device, "step": engine.step_kind, "codec": getattr(codec_step, "kind", "torch"),
+              "threads": args.threads, "slots": args.slots, "load_avg_1min": round(os.getloadavg()[0], 2),
               "frame_ms": frame_ms,
               "step_ms_p50": step["p50"], "step_ms_p99": step["p99"],
               "tick_ms": percentiles(list(engine.tick_ms)),
@@ -345,8 +361,9 @@ def main() -> None:
     result["speedup_vs_no_cache_60s"] = round(baselines["no_cache"][60]["step_ms"] / ring, 2)
     result["speedup_vs_concat_cache_60s"] = round(baselines["concat_cache"][60]["step_ms"] / ring, 2)
     load_rows = concurrency(model, codec, presets, args.device,
-                            args.streams or ([1, 4] if args.quick else [1, 2, 4, 6, 8]), factory)
+                            args.streams or ([1, 4] if args.quick else [1, 2, 4, 6, 8]), factory, codec_step)
     result["concurrency"] = load_rows
+    result["load_avg_1min_end"] = round(os.getloadavg()[0], 2)
     passing = [row for row in load_rows if row["realtime"]]
     result["streams_realtime"] = max((row["streams"] for row in passing), default=0)
     result["step_ms_p99_at_that_load"] = passing[-1]["step_ms"]["p99"] if passing else None

@@ -3,6 +3,7 @@
     python -m bench.steps                  # every kind, batch 1 2 4 8, one thread (the engine's share of 2 cores)
     python -m bench.steps --quick          # fewer steps, no inductor compile
     python -m bench.steps --threads 4      # more intra-op threads, where the machine has the cores
+    python -m bench.steps --codec-only     # only the codec rows (below)
 
 For each kind and batch size: step time p50/p99 (wall clock and the thread's CPU time, which is less
 disturbed by other processes on a shared machine) after warm-up, with full rings and every slot active;
@@ -10,6 +11,14 @@ kinds are interleaved in rounds so that load from other processes falls on all o
 times are taken in fresh processes: ``cold`` with an empty cache directory, ``warm`` with the one the
 cold build left, and ``rss_mb`` is what the build added to the process. ``max_abs_logit_diff`` compares
 each kind's logits with the eager ``decode_step``'s on the same inputs.
+
+Codec rows (``codec_ms``): the CPU codec worker's decode call (`Codec.decode_step`, codes to audio with the
+decoder state carried) for each chunk length the engine hands it (2, 4, 8, 16 frames) and batch size, torch
+(eager) and onnxruntime (`kernels.ort_codec`), interleaved the same way: per call p50/p99 and the thread's
+CPU time, and ``frame_ms_p50`` = call p50 / (batch x chunk), the decoder's cost per frame of one stream
+(real time for N streams on the codec's one core needs N x frame_ms below the 20 ms frame;
+``frame_cpu_ms_p50`` the same from CPU time, less disturbed by other processes).
+``max_abs_audio_diff`` compares onnxruntime's chunked audio with the torch decoder's.
 """
 from __future__ import annotations
 
@@ -136,6 +145,53 @@ def logit_diff(model, kinds: dict, batch: int = 2, steps: int = 30) -> dict:
     return out
 
 
+def codec_steps(codec, batches: list[int], chunks: list[int], rounds: int, per_round: int) -> dict:
+    """Decode-call times of the torch decoder and ONNX Runtime's (exported now if not cached), interleaved
+    in rounds as `time_steps`; random codes, the state carried across calls as in speech."""
+    from kernels import ort_codec
+    path = ort_codec.load(codec)
+    if path is None:
+        path = ort_codec.onnx_path(codec)
+        ort_codec.export(codec, path)
+    steps = {"torch": codec.decode_step, "onnxruntime": ort_codec.OrtCodecStep(path, codec.decoder.lstm is not None)}
+    g = torch.Generator().manual_seed(0)
+    result = {kind: {} for kind in steps}
+    for chunk in chunks:
+        for batch in batches:
+            codes = torch.randint(0, codec.cfg.codebook_size, (batch, codec.cfg.codebooks, chunk), generator=g)
+            states = {kind: codec.init_state(batch) for kind in steps}
+            wall = {kind: [] for kind in steps}
+            cpu = {kind: [] for kind in steps}
+            for round_ in range(rounds + 1):
+                for kind, step in steps.items():
+                    for _ in range(per_round if round_ else 5):
+                        start_wall, start_cpu = time.perf_counter(), time.thread_time()
+                        step(codes, states[kind])
+                        if round_:
+                            cpu[kind].append((time.thread_time() - start_cpu) * 1000)
+                            wall[kind].append((time.perf_counter() - start_wall) * 1000)
+            for kind in steps:
+                p50 = float(np.percentile(wall[kind], 50))
+                result[kind].setdefault(str(chunk), {})[str(batch)] = {
+                    "p50": round(p50, 3), "p99": round(float(np.percentile(wall[kind], 99)), 3),
+                    "cpu_p50": round(float(np.percentile(cpu[kind], 50)), 3),
+                    "frame_ms_p50": round(p50 / (batch * chunk), 3),
+                    "frame_cpu_ms_p50": round(float(np.percentile(cpu[kind], 50)) / (batch * chunk), 3)}
+    return {"codec_ms": result, "max_abs_audio_diff": codec_audio_diff(codec, steps["onnxruntime"])}
+
+
+def codec_audio_diff(codec, step, frames: int = 40, chunk: int = 4) -> float:
+    """The largest difference between ``step``'s chunked decode of 2 streams and the torch decoder's."""
+    codes = torch.randint(0, codec.cfg.codebook_size, (2, codec.cfg.codebooks, frames),
+                          generator=torch.Generator().manual_seed(1))
+    want, got = codec.init_state(2), codec.init_state(2)
+    worst = 0.0
+    for t in range(0, frames, chunk):
+        part = codes[..., t:t + chunk]
+        worst = max(worst, float((step(part, got) - codec.decode_step(part, want)).abs().max()))
+    return worst
+
+
 def build_in_fresh_process(kind: str, cache: str, threads: int) -> dict:
     env = dict(os.environ, TTS_CACHE_DIR=cache, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))
     done = subprocess.run([sys.executable, "-m", "bench.steps", "--build-only", kind, "--threads", str(threads)],
@@ -166,6 +222,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--kinds", nargs="*", default=None, help=f"default: {' '.join(KINDS)} (--quick: no compiled)")
+    parser.add_argument("--chunks", type=int, nargs="*", default=[2, 4, 8, 16], help="codec chunk lengths (frames)")
+    parser.add_argument("--codec-only", action="store_true", help="only the codec decoder rows")
     parser.add_argument("--build-only", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -173,6 +231,9 @@ def main() -> None:
     torch.set_grad_enabled(False)
     if args.build_only:
         return build_only(args.build_only)
+    rounds, per_round = (3, 50) if args.quick else (6, 100)
+    if args.codec_only:
+        return print(json.dumps(codec_report(args, rounds, per_round // 5), indent=1))
     kinds = args.kinds or [k for k in KINDS if not (args.quick and k == "compiled")]
     builds = {}
     with tempfile.TemporaryDirectory() as cache:
@@ -184,18 +245,28 @@ def main() -> None:
     model, _ = load_model(VOICES_DIR)
     made = {kind: factory(kind, model) for kind in kinds}
     load_before = os.getloadavg()[0]
-    rounds, per_round = (3, 50) if args.quick else (6, 100)
     timings = {str(b): time_steps(model, made, b, rounds, per_round) for b in args.batches}
     result = {"threads": args.threads, "cores": os.cpu_count(), "torch": torch.__version__,
               "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
               "step_ms": {kind: {b: timings[b][kind] for b in timings} for kind in kinds},
               "build": builds, "max_abs_logit_diff": logit_diff(model, made)}
+    result["codec"] = codec_report(args, rounds, per_round // 5)
     try:
         import onnxruntime
         result["onnxruntime"] = onnxruntime.__version__
     except ImportError:
         pass
     print(json.dumps(result, indent=1))
+
+
+def codec_report(args, rounds: int, per_round: int) -> dict:
+    """The codec rows on the shipped codec, with the machine's load before and after."""
+    from tts.codec import load_codec
+    from tts.voices import VOICES_DIR
+    codec = load_codec(VOICES_DIR)
+    load_before = os.getloadavg()[0]
+    rows = codec_steps(codec, args.batches, args.chunks, rounds, max(per_round, 5))
+    return {"threads": args.threads, "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)], **rows}
 
 
 if __name__ == "__main__":

@@ -7,13 +7,17 @@
      factory (the engine's ``set_step_factory`` swaps it in at a tick boundary);
   3. if ONNX Runtime cannot be used (TTS_NO_ORT=1, not installed, the export fails) it warns once and stays
      on the lean eager step, which computes the same logits.
-Measured choices (2-core machine, one thread): see ``python -m bench.steps``.
+`faster_codec_step(codec)` does the same for the CPU codec worker's decoder (`kernels.ort_codec`): a Future
+of the ONNX Runtime decode step, at once from the disk cache or after a background export, for
+`Engine.set_codec_step`; meanwhile, and whenever it cannot be had, the torch decoder decodes.
+Measured choices (2-core machine, one thread): see ``python -m bench.steps`` (``--codec-only``: the decoder).
 """
 from __future__ import annotations
 
 import threading
 import warnings
 from concurrent.futures import Future
+from pathlib import Path
 
 from kernels import ort
 from kernels.lean import EagerLeanStep
@@ -78,18 +82,23 @@ class DefaultStepFactory:
             if self._building or self.faster.done():
                 return
             self._building = True
-        path = ort.onnx_path(model)
+        build_in_background(model, ort.onnx_path(model), "kernels.ort", ort.factory, self._resolve,
+                            "ONNX Runtime step unavailable, staying on the lean eager step")
 
-        def run():
-            try:
-                ort.export_in_background_process(model, path)
-                ort.session(path)
-                self._resolve(ort.factory(path))
-            except Exception as err:  # no compiler needed, but onnx may be missing or the export may fail
-                warnings.warn(f"ONNX Runtime step unavailable, staying on the lean eager step: {err}")
-                self._resolve(None)
 
-        threading.Thread(target=run, name="tts-step-build", daemon=True).start()
+def build_in_background(module, path: Path, runner: str, make, resolve, failure: str) -> None:
+    """On a thread: export ``module`` to ``path`` in a child process (``python -m runner``), open its
+    session, then ``resolve(make(path))``; on any failure warn ``failure: error`` and ``resolve(None)``."""
+    def run():
+        try:
+            ort.export_in_background_process(module, path, runner)
+            ort.session(path)
+            resolve(make(path))
+        except Exception as err:  # no compiler needed, but onnx may be missing or the export may fail
+            warnings.warn(f"{failure}: {err}")
+            resolve(None)
+
+    threading.Thread(target=run, name=f"tts-build-{path.stem}", daemon=True).start()
 
 
 def default_step_factory(device="cpu") -> DefaultStepFactory:
@@ -101,3 +110,38 @@ def default_step_factory(device="cpu") -> DefaultStepFactory:
         factory.when_faster(engine.set_step_factory)
     """
     return DefaultStepFactory()
+
+
+def faster_codec_step(codec, device="cpu") -> Future:
+    """A Future of the CPU codec worker's fastest decode step for ``codec`` (for `Engine.set_codec_step`):
+    the ONNX Runtime one (`kernels.ort_codec`), resolved at once when its export is in the disk cache, else
+    once a background process has exported it (meanwhile the engine decodes with the torch decoder). It
+    resolves to None when nothing faster will come: a GPU (its frame codec runs a CUDA graph), TTS_NO_ORT=1,
+    onnxruntime missing, or a failed export or unreadable cache (with a warning). Typical::
+
+        faster_codec_step(codec).add_done_callback(lambda done: engine.set_codec_step(done.result()))
+    """
+    from kernels import ort_codec
+    faster: Future = Future()
+    if str(device).startswith("cuda") or not ort.available():
+        faster.set_result(None)
+        return faster
+    lstm = codec.decoder.lstm is not None
+
+    def make(path: Path):
+        return ort_codec.OrtCodecStep(path, lstm)
+
+    def resolve(value) -> None:
+        if not faster.done():
+            faster.set_result(value)
+    failure = "ONNX Runtime codec decoder unavailable, staying on the torch decoder"
+    try:
+        path = ort_codec.load(codec)
+        if path is not None:
+            resolve(make(path))
+        else:
+            build_in_background(codec, ort_codec.onnx_path(codec), "kernels.ort_codec", make, resolve, failure)
+    except Exception as err:  # an unreadable cache, say: decode on with torch rather than fail
+        warnings.warn(f"{failure}: {err}")
+        resolve(None)
+    return faster

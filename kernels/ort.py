@@ -10,7 +10,7 @@ Cache: ``$TTS_CACHE_DIR`` (default ``~/.cache/tts``) ``/kernels/step-<key>.onnx`
 weights, the model config, this step's source, and the torch and onnxruntime versions. A file that
 does not load is deleted and rebuilt. Exporting takes a few seconds (TorchScript exporter; the dynamo
 exporter took 18-60 s here for the same graph), so `kernels.auto` runs it in a background process.
-Kill switch: TTS_NO_ORT=1.
+Kill switch: TTS_NO_ORT=1. The cache, export and session helpers here also serve `kernels.ort_codec`.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ INPUTS = ["tokens", "frame", "unit", "active", "text_pos", "audio_pos"]
 OUTPUTS = ["logits", "new_keys", "new_values", "new_pos", "slot"]
 _NUMPY = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_}
 _sessions: dict[Path, object] = {}
-_keys: "weakref.WeakKeyDictionary[TTSModel, str]" = weakref.WeakKeyDictionary()
+_keys: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -53,21 +53,46 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def onnx_path(model: TTSModel) -> Path:
-    """Where the export of ``model``'s step lives. The key changes with the weights, the config, the
-    graph's source, torch (the exporter), onnxruntime (the runner) and the ring capacities. Computed once per model (hashing
-    the shipped model's 46 MB takes about 0.1 s)."""
+def versions() -> list[str]:
+    """The versions a cached export depends on: torch (the exporter) and onnxruntime (the runner)."""
     import onnxruntime
-    if model not in _keys:
+    return [torch.__version__, onnxruntime.__version__]
+
+
+def cached_path(kind: str, module: torch.nn.Module, *parts: str) -> Path:
+    """``cache_dir() / <kind>-<key>.onnx``, the key hashing ``module``'s weights and ``parts`` (config,
+    graph source, versions, baked-in shapes). Computed once per module and kind (hashing the shipped
+    model's 46 MB takes about 0.1 s)."""
+    keys = _keys.setdefault(module, {})
+    if kind not in keys:
         weights = hashlib.sha256()
-        for name, tensor in model.state_dict().items():
+        for name, tensor in module.state_dict().items():
             weights.update(name.encode())
             weights.update(tensor.detach().cpu().contiguous().numpy())
-        rings = StepCaches.empty(model.cfg, 1)  # ring capacities are baked into the graph's shapes
-        key = "\n".join([weights.hexdigest(), repr(model.cfg), inspect.getsource(lean), torch.__version__,
-                         onnxruntime.__version__, f"rings {rings.text[0].capacity} {rings.audio[0].capacity}"])
-        _keys[model] = hashlib.sha256(key.encode()).hexdigest()[:24]
-    return cache_dir() / f"step-{_keys[model]}.onnx"
+        keys[kind] = hashlib.sha256("\n".join([weights.hexdigest(), *parts]).encode()).hexdigest()[:24]
+    return cache_dir() / f"{kind}-{keys[kind]}.onnx"
+
+
+def onnx_path(model: TTSModel) -> Path:
+    """Where the export of ``model``'s step lives. The key changes with the weights, the config, the
+    graph's source, torch, onnxruntime and the ring capacities (baked into the graph's shapes)."""
+    rings = StepCaches.empty(model.cfg, 1)
+    return cached_path("step", model, repr(model.cfg), inspect.getsource(lean), *versions(),
+                       f"rings {rings.text[0].capacity} {rings.audio[0].capacity}")
+
+
+def write_atomically(path: Path, write) -> None:
+    """``write(tmp)`` to a temporary file beside ``path``, then rename it to ``path``: a reader never sees a
+    half-written file, and a failed write leaves nothing behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".onnx.tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _names(layers: int) -> list[str]:
@@ -87,34 +112,39 @@ def export(model: TTSModel, path: Path) -> None:
     names = _names(cfg.layers)
     axes = {name: {0: "batch"} for name in names + ["logits", "new_pos", "slot"]}
     axes.update(new_keys={1: "batch"}, new_values={1: "batch"})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".onnx.tmp", dir=path.parent)
-    os.close(fd)
-    try:
+
+    def write(tmp: str) -> None:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")  # the exporter's notes on advanced indexing and deprecation
             torch.onnx.export(module, args, tmp, dynamo=False, input_names=names, output_names=OUTPUTS,
                               dynamic_axes=axes, opset_version=17)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_atomically(path, write)
 
 
-def export_in_background_process(model: TTSModel, path: Path) -> None:
-    """Export in a child process at low priority: the export is seconds of Python that would otherwise
-    hold this process's GIL and stall the engine thread. Raises if the child fails."""
+def export_in_background_process(module: torch.nn.Module, path: Path, runner: str = "kernels.ort") -> None:
+    """Export in a child process (``python -m runner MODULE.pt OUT.onnx``, see `export_child`) at low
+    priority: the export is seconds of Python that would otherwise hold this process's GIL and stall the
+    engine thread. Raises if the child fails."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, saved = tempfile.mkstemp(suffix=".pt.tmp", dir=path.parent)
     os.close(fd)
     try:
-        torch.save(model, saved)
-        done = subprocess.run([sys.executable, "-m", "kernels.ort", saved, str(path)], capture_output=True,
+        torch.save(module, saved)
+        done = subprocess.run([sys.executable, "-m", runner, saved, str(path)], capture_output=True,
                               text=True, cwd=Path(__file__).resolve().parent.parent)
         if done.returncode:
             raise RuntimeError(f"ONNX export failed: {done.stderr.strip()[-2000:]}")
     finally:
         Path(saved).unlink(missing_ok=True)
+
+
+def export_child(export) -> None:
+    """The child's side of `export_in_background_process`: ``export(module, path)`` at low priority."""
+    os.nice(10)  # behind the engine and the codec, which are serving meanwhile
+    torch.set_num_threads(1)
+    module = torch.load(sys.argv[1], weights_only=False)
+    os.unlink(sys.argv[1])  # ours now: if the parent has exited meanwhile, nothing is left behind
+    export(module, Path(sys.argv[2]))
 
 
 def session(path: Path):
@@ -135,15 +165,19 @@ def session(path: Path):
 
 
 def load(model: TTSModel) -> Path | None:
-    """The cached export of ``model`` if one exists and loads; a file that does not load is deleted."""
-    path = onnx_path(model)
+    """The cached export of ``model``'s step if one exists and loads (see `load_file`)."""
+    return load_file(onnx_path(model))
+
+
+def load_file(path: Path) -> Path | None:
+    """``path`` if it exists and loads; a file that does not load is deleted (with a warning) and None returned."""
     if not path.exists():
         return None
     try:
         session(path)
         return path
     except Exception as err:
-        warnings.warn(f"cached ONNX step {path} does not load, rebuilding it: {err}")
+        warnings.warn(f"cached ONNX export {path} does not load, rebuilding it: {err}")
         path.unlink(missing_ok=True)
         return None
 
@@ -202,8 +236,4 @@ def factory(path: Path):
 
 
 if __name__ == "__main__":  # the background export: python -m kernels.ort MODEL.pt OUT.onnx
-    os.nice(10)  # behind the engine and the codec, which are serving meanwhile
-    torch.set_num_threads(1)
-    saved_model = torch.load(sys.argv[1], weights_only=False)
-    os.unlink(sys.argv[1])  # ours now: if the parent has exited meanwhile, nothing is left behind
-    export(saved_model, Path(sys.argv[2]))
+    export_child(export)

@@ -43,6 +43,7 @@ class CodecWorker:
         self.device = device
         self.jobs: queue.Queue = queue.Queue(maxsize=depth)
         self.codec_ms: deque[tuple[float, int]] = deque(maxlen=200_000)  # (ms, frames) per decode call
+        self.decode_step = codec.decode_step  # (M, K, T) codes, state -> (M, T*hop) audio; see set_decode_step
         self._thread = threading.Thread(target=self._run, name="tts-codec", daemon=True)
         self._thread.start()
 
@@ -58,6 +59,10 @@ class CodecWorker:
         stream gets a call of its own and its audio is the same bit for bit whoever else is speaking.
         Example: lengths [4, 4, 4] with row 1 seeded -> calls {rows 0, 2} and {row 1}."""
         self.jobs.put(("decode", rows, streams, codes, lengths))
+
+    def set_decode_step(self, step) -> None:
+        """Decode with ``step`` (None: the codec's own `decode_step`) from the next decode job on."""
+        self.decode_step = step or self.codec.decode_step
 
     def finish(self, stream: Stream, error: Exception | None) -> None:
         """End ``stream`` once everything queued before has been delivered."""
@@ -106,6 +111,7 @@ class CodecWorker:
                     stream.finish(EngineError(f"internal error: {err}"))
 
     def _decode(self, rows: list[int], streams: list[Stream], codes: torch.Tensor, lengths: list[int]) -> None:
+        step = self.decode_step  # one step for the whole job, even if another is set meanwhile
         groups: dict[tuple[int, int], list[int]] = {}
         for i, length in enumerate(lengths):
             groups.setdefault((length, i if streams[i].decode_alone else -1), []).append(i)
@@ -114,7 +120,7 @@ class CodecWorker:
             select = torch.tensor([rows[i] for i in members], device=self.device)
             sub = self.state.select(select)
             frames = codes[members, :, :length]
-            audio = self.codec.decoder.step(self.codec.quantizer.decode(frames), sub)[:, 0].float().cpu().numpy()
+            audio = step(frames, sub).float().cpu().numpy()
             self.state.write(select, sub)
             self.codec_ms.append(((time.perf_counter() - started) * 1000, len(members) * length))
             for row, i in enumerate(members):

@@ -259,6 +259,12 @@ class Engine:
             self._next_factory = (factory,)
         self.wake()
 
+    def set_codec_step(self, step: Callable | None) -> None:
+        """Decode CPU chunks with ``step(codes (M, K, T), state) -> (M, T*hop) audio`` (None: the torch decoder,
+        `Codec.decode_step`) from the next codec job on; callable from any thread. A GPU's frame codec keeps its own."""
+        if not self.frame_codec:
+            self.codec_worker.set_decode_step(step)
+
     def stats(self) -> dict:
         """Live figures for a health endpoint: streams, the queue, and recent tick/step/codec times (ms)."""
         def recent(values):

@@ -22,6 +22,13 @@ def shipped_engine():
 
 
 @pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A fresh, empty disk cache for the fast paths' exports (TTS_CACHE_DIR): the folder they write to."""
+    monkeypatch.setenv("TTS_CACHE_DIR", str(tmp_path))
+    return tmp_path / "kernels"
+
+
+@pytest.fixture
 def make_server():
     """Start a real server: make_server(engine, **limits) -> started ServerThread, stopped at teardown."""
     from server import ServerThread

@@ -27,12 +27,6 @@ def model():
     return TTSModel(MODEL_PRESETS["tiny"]).eval()
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("TTS_CACHE_DIR", str(tmp_path))
-    return tmp_path / "kernels"
-
-
 def run_side_by_side(model, step, batch, steps=None, seed=0):
     """Drive the eager step and ``step`` with the same random traffic: slots switch between active and
     inactive (inactive slots get frame 0, as the engine gives them), text units arrive into the text

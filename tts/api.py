@@ -63,15 +63,17 @@ def get_engine(max_streams: int | None = None, compile: bool = True, max_open: i
 
     Its decode step is the fastest one ready now (`kernels.auto`: ONNX Runtime when its export is cached,
     else the lean eager step while the export is built in a background process, swapped in when ready,
-    without dropping a stream). A step costs what its active slots cost, so ``max_streams`` (default: the
-    engine's, 8 on a CPU) only bounds how many callers can speak at once; ``max_open`` (default: as many)
+    without dropping a stream); the codec decoder likewise runs in ONNX Runtime once its export is ready
+    (`kernels.auto.faster_codec_step`). A step costs what its active slots cost, so ``max_streams`` (default:
+    the engine's, 8 on a CPU) only bounds how many callers can speak at once; ``max_open`` (default: as many)
     how many streams may be open, those waiting for text or for their reader parked without a slot.
-    ``compile=False`` (or TTS_NO_COMPILE=1) keeps the plain eager step."""
+    ``compile=False`` (or TTS_NO_COMPILE=1) keeps the plain eager step and the torch decoder; TTS_NO_ORT=1 the
+    lean step and the torch decoder."""
     global _engine
     with _engine_lock:
         if _engine is None:
             from kernels import enabled
-            from kernels.auto import default_step_factory
+            from kernels.auto import default_step_factory, faster_codec_step
             from tts.voices import load_shipped
             from tts.text import phonemize
             started = time.perf_counter()
@@ -90,6 +92,7 @@ def get_engine(max_streams: int | None = None, compile: bool = True, max_open: i
                 log.info("step in use: %s", _engine.step_kind)
             else:
                 faster.add_done_callback(_swap_in(_engine, started))
+                faster_codec_step(codec).add_done_callback(_swap_in_codec(_engine, started))
         return _engine
 
 
@@ -103,6 +106,16 @@ def _swap_in(engine: Engine, started: float):
         engine.set_step_factory(faster.result())
         log.info("step in use: %s (built in the background, swapped in %.2f s after loading began)",
                  getattr(faster.result(), "kind", "?"), time.perf_counter() - started)
+    return swap
+
+
+def _swap_in_codec(engine: Engine, started: float):
+    """As `_swap_in`, for the future of a faster codec decode step (`Engine.set_codec_step`)."""
+    def swap(faster) -> None:
+        if faster.result() is not None:
+            engine.set_codec_step(faster.result())
+            log.info("codec decoder in use: %s (%.2f s after loading began)", faster.result().kind,
+                     time.perf_counter() - started)
     return swap
 
 

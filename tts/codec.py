@@ -264,6 +264,11 @@ class Codec(nn.Module):
         self.decoder.step(self.quantizer.decode(self.silence_codes().to(device)), state)
         return state.repeat(batch)
 
+    def decode_step(self, codes: torch.Tensor, state: DecoderState) -> torch.Tensor:
+        """The streaming form of `decode`: (B, K, t) codes of each stream's next t frames -> (B, t*hop) audio,
+        continuing ``state`` (updated in place). Autograd is the caller's to turn off."""
+        return self.decoder.step(self.quantizer.decode(codes), state)[:, 0]
+
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """(B, K, T) codes -> (B, T*hop) audio, decoded after the same silent lead-in as `init_state`, so that a
