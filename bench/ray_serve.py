@@ -11,7 +11,8 @@ N WebSocket clients through Ray's proxy, each speaking utterances one after anot
 A load is real-time when every utterance's rtf (text sent to `done`, over the audio's duration) is below 1 (its
 p99 < 1); `realtime_streams` is the largest load that is, climbing the loads until one is not. Target (issue 27):
 two replicas carry twice the streams of one at the same TTFA p50 (within 20 %); `ttfa_ms_p50_at_same_load` compares
-the two at the largest load one replica keeps real-time.
+the two at the largest load one replica keeps real-time. `direct_no_ray` climbs the same loads on `tts serve`'s
+server without Ray (what Ray's proxy and the replica processes cost).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import asyncio
 import json
 import os
 import socket
+from pathlib import Path
 
 from bench.common import ROOT
 from bench.serve import load
@@ -31,32 +33,52 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def measure(url: str, replicas: int, loads: list[int], rounds: int, tiny: bool) -> dict:
-    """Deploy ``replicas`` replicas, climb the loads until one is not real-time; the rows and the capacity."""
+def engine_factory(tiny: bool):
+    """(factory, kwargs) of the engine each replica (or the direct server) runs."""
+    if tiny:
+        from tests.helpers import tiny_random
+        return tiny_random, {"max_streams": 8}
+    from tts.api import get_engine
+    return get_engine, {}
+
+
+def climb(url: str, loads: list[int], rounds: int) -> dict:
+    """The loads in turn until one is not real-time: the rows and the largest real-time load."""
+    rows, capacity = {}, 0
+    for clients in loads:
+        row = asyncio.run(load(url, clients, rounds))
+        row["realtime"] = row["rtf_p99"] < 1.0
+        rows[str(clients)] = row
+        if not row["realtime"]:
+            break
+        capacity = clients
+    return {"loads": rows, "realtime_streams": capacity}
+
+
+def on_ray(url: str, replicas: int, loads: list[int], rounds: int, tiny: bool) -> dict:
+    """`climb` against ``replicas`` replicas on Ray Serve."""
     from ray import serve
 
     from server import create_app
     from streaming import ray_serve
-    if tiny:
-        from tests.helpers import tiny_random as factory
-        kwargs = {"max_streams": 8}
-    else:
-        from tts.api import get_engine as factory
-        kwargs = {}
-    app = ray_serve.application(factory, create_app, ray_serve.ScaleConfig(replicas=replicas), kwargs)
-    serve.run(app, name="tts", route_prefix="/")
-    rows, capacity = {}, 0
+    factory, kwargs = engine_factory(tiny)
+    serve.run(ray_serve.application(factory, create_app, ray_serve.ScaleConfig(replicas=replicas), kwargs),
+              name="tts", route_prefix="/")
     try:
-        for clients in loads:
-            row = asyncio.run(load(url, clients, rounds))
-            row["realtime"] = row["rtf_p99"] < 1.0
-            rows[str(clients)] = row
-            if not row["realtime"]:
-                break
-            capacity = clients
+        return climb(url, loads, rounds)
     finally:
         serve.delete("tts")
-    return {"loads": rows, "realtime_streams": capacity}
+
+
+def direct(loads: list[int], rounds: int, tiny: bool) -> dict:
+    """`climb` against `tts serve`'s server without Ray (in this process, as bench.serve runs it)."""
+    from server import ServerThread
+    factory, kwargs = engine_factory(tiny)
+    engine = factory(**kwargs)
+    with ServerThread(engine) as server:
+        result = climb(server.ws_url, loads, rounds)
+    engine.close()
+    return result
 
 
 def main() -> None:
@@ -65,6 +87,8 @@ def main() -> None:
     parser.add_argument("--loads", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16], help="concurrent clients")
     parser.add_argument("--rounds", type=int, default=3, help="utterances per client after its warm-up")
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--no-direct", action="store_true", help="skip the same loads on `tts serve` without Ray")
+    parser.add_argument("--out", help="also write the JSON here (Ray may print a line of its own on stdout)")
     args = parser.parse_args()
     import ray
     from ray import serve
@@ -79,11 +103,13 @@ def main() -> None:
               "stats_period_s": ray_serve.STATS_PERIOD_S, "replicas": {}}
     try:
         for replicas in args.replicas:
-            report["replicas"][str(replicas)] = measure(f"ws://127.0.0.1:{port}/v1/stream", replicas, args.loads,
-                                                        args.rounds, args.tiny)
+            report["replicas"][str(replicas)] = on_ray(f"ws://127.0.0.1:{port}/v1/stream", replicas, args.loads,
+                                                       args.rounds, args.tiny)
     finally:
         serve.shutdown()
         ray.shutdown()
+    if not args.no_direct:
+        report["direct_no_ray"] = direct(args.loads, args.rounds, args.tiny)
     report["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     one, two = report["replicas"].get("1"), report["replicas"].get("2")
     if one and two and one["realtime_streams"]:
@@ -93,7 +119,10 @@ def main() -> None:
         report["streams_ratio_2_over_1"] = round(two["realtime_streams"] / one["realtime_streams"], 2)
         if p50["1"] and p50["2"]:
             report["ttfa_ratio_2_over_1"] = round(p50["2"] / p50["1"], 2)
-    print(json.dumps(report, indent=2))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ very code `tts serve` runs. Ray's proxy holds the client's socket and relays it 
   * session affinity: a WebSocket is one ASGI request, so it and every utterance on it stay on one replica;
   * least-loaded placement (`StreamRouter`, a Ray Serve request router): a new connection or speech request goes
     to the replica with the fewest active streams (reported by `EngineServer.record_routing_stats`), ties broken
-    by fewer open connections;
+    by fewer requests in flight from the proxy (open connections);
   * autoscaling on active streams (`streams_policy`): replicas = ceil(active streams / target_ongoing_requests),
     within min_replicas..max_replicas (Ray applies the bounds and the up/down delays);
   * draining (`EngineServer._watch_drain`): a replica Ray removes (scale-down, redeploy) takes no new connection;
@@ -27,6 +27,7 @@ import importlib
 import logging
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,12 +73,14 @@ class ScaleConfig:
                                                                 request_routing_stats_period_s=STATS_PERIOD_S,
                                                                 request_routing_stats_timeout_s=5.0)}
         if self.autoscale:
-            options["autoscaling_config"] = AutoscalingConfig(
-                min_replicas=self.min_replicas, max_replicas=self.max_replicas,
-                initial_replicas=min(max(self.replicas, self.min_replicas), self.max_replicas),
-                target_ongoing_requests=self.target_streams, metrics_interval_s=STATS_PERIOD_S,
-                look_back_period_s=2.0, upscale_delay_s=1.0, downscale_delay_s=10.0,
-                policy=AutoscalingPolicy(policy_function=streams_policy))
+            with warnings.catch_warnings():  # metrics_interval_s is to move to an environment variable; until
+                warnings.simplefilter("ignore", DeprecationWarning)  # then it is how the replicas report often
+                options["autoscaling_config"] = AutoscalingConfig(
+                    min_replicas=self.min_replicas, max_replicas=self.max_replicas,
+                    initial_replicas=min(max(self.replicas, self.min_replicas), self.max_replicas),
+                    target_ongoing_requests=self.target_streams, metrics_interval_s=STATS_PERIOD_S,
+                    look_back_period_s=2.0, upscale_delay_s=1.0, downscale_delay_s=10.0,
+                    policy=AutoscalingPolicy(policy_function=streams_policy))
         else:
             options["num_replicas"] = self.replicas
         return options
@@ -234,15 +237,24 @@ def start(app, host: str = "127.0.0.1", port: int = 8000, address: str | None = 
 
 
 def run(app, host: str = "127.0.0.1", port: int = 8000, address: str | None = None) -> None:
-    """`start`, then serve until interrupted (`tts serve --ray`)."""
+    """`start`, then serve until Ctrl-C or SIGTERM; then Serve shuts down, draining its replicas (`tts serve
+    --ray`)."""
+    import signal
     import time
-    start(app, host, port, address)
-    log.info("Ray Serve is serving on http://%s:%d (WebSocket ws://%s:%d/v1/stream); Ctrl-C stops it",
-             host, port, host, port)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
+        start(app, host, port, address)
+        log.info("Ray Serve is serving on http://%s:%d (WebSocket ws://%s:%d/v1/stream); Ctrl-C stops it",
+                 host, port, host, port)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
+        import ray
+        if ray.is_initialized():
+            serve.shutdown()
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt

@@ -211,6 +211,33 @@ def test_a_redeploy_drains_the_old_replicas_without_losing_a_sample(cluster):
     assert [audio for audio, _ in results] == [audio for audio, _ in fresh]  # no sample lost or changed
 
 
+def test_autoscaling_adds_a_replica_for_active_streams_and_removes_it_when_they_end(cluster):
+    """Autoscaling between 1 and 2 replicas at 1 active stream per replica: two open streams bring a second
+    replica, which takes the next connection; when they end, Ray goes back to one (after its 10 s delay)."""
+    _, ws_url = cluster
+    scale = ray_serve.ScaleConfig(replicas=1, autoscale=True, min_replicas=1, max_replicas=2, target_streams=1,
+                                  num_cpus=0.5, graceful_shutdown_timeout_s=30)
+    serve.run(ray_serve.application(tiny_random, create_app, scale, {"max_streams": 4}), name="tts", route_prefix="/")
+    wait_for(lambda: replica_states() == {"RUNNING": 1})
+
+    async def scenario():
+        streams = [await websockets.connect(ws_url) for _ in range(2)]
+        for seed, ws in enumerate(streams):
+            await start(ws, seed, TEXT)
+        await asyncio.to_thread(wait_for, lambda: replica_states() == {"RUNNING": 2})
+        await asyncio.sleep(4 * ray_serve.STATS_PERIOD_S)
+        async with websockets.connect(ws_url) as newcomer:
+            placed = newcomer.response.headers[REPLICA]
+        for ws in streams:
+            await finish(ws)
+            await ws.close()
+        await asyncio.to_thread(wait_for, lambda: replica_states() == {"RUNNING": 1})
+        return {ws.response.headers[REPLICA] for ws in streams}, placed
+
+    busy, placed = run(scenario(), 300)
+    assert len(busy) == 1 and placed not in busy  # the streams shared the one replica; the new one took the newcomer
+
+
 def test_the_autoscaling_policy_asks_for_a_replica_per_target_streams():
     """`streams_policy` on Ray's own AutoscalingContext: 13 active streams at 6 per replica want 3 replicas;
     none want 0 (Ray then holds min_replicas)."""
