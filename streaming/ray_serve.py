@@ -120,10 +120,6 @@ class EngineServer:
     async def record_autoscaling_stats(self) -> dict:
         return {"active_streams": self.active_streams()}
 
-    def stats(self) -> dict:
-        """This replica's figures (`Hub.stats`) with its id (a handle's `stats.remote()` answers them)."""
-        return {"replica": self.replica, "draining": self.draining, **self.hub.stats()}
-
     async def _watch_drain(self) -> None:
         """Find out that Ray is removing this replica, then drain it (module docstring). Ray tells a replica
         nothing before it stops routing to it, but every router learns which replicas it may route to: so the
