@@ -23,6 +23,8 @@ from helpers import tiny_random  # noqa: E402
 from server import create_app  # noqa: E402
 from streaming import ray_serve  # noqa: E402
 
+# Ray copies the autoscaling config as it deploys, warning each time about a field it is retiring (see ScaleConfig)
+pytestmark = pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")
 ROOT = Path(__file__).resolve().parents[1]
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 TEXT = SENTENCE * 2
