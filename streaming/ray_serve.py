@@ -138,7 +138,10 @@ class EngineServer:
         while True:
             for session in list(self.hub.sessions):
                 if not session.utterances:
-                    await _close_quietly(session.ws, CLOSE_DRAINING, "draining")
+                    ws = _socket(session)
+                    await session.close()  # ended here for good: no resume on this replica, which is going
+                    if ws is not None:
+                        await _close_quietly(ws, CLOSE_DRAINING, "draining")
             await asyncio.sleep(DRAIN_POLL_S)
 
     def ping(self) -> str:
@@ -167,6 +170,14 @@ class ReplicaHeader:
             await send(message)
 
         await self.app(scope, receive, tagged)
+
+
+def _socket(session):
+    """The WebSocket serving a server session now, if any: ``session.link.ws`` where sessions outlive their socket
+    for a resume (``link`` None while one waits for it), else ``session.ws``."""
+    if hasattr(session, "link"):
+        return session.link.ws if session.link is not None else None
+    return session.ws
 
 
 async def _close_quietly(ws, code: int, reason: str) -> None:

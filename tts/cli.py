@@ -188,13 +188,13 @@ def cmd_voices(args) -> int:
 def cmd_serve(args) -> int:
     """Loads the engine (about a second: its step is the fastest one ready, a faster one is built in the
     background and swapped in), then listens."""
+    if args.ray:
+        return serve_on_ray(args)
     import logging
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")  # uvicorn's look
     from server import serve
     from streaming.limits import limits_from
     from tts.api import get_engine
-    if args.ray:
-        return serve_on_ray(args)
     engine = get_engine(max_streams=args.max_streams, compile=not args.no_compile)
     with contextlib.ExitStack() as also:
         if args.wyoming_uri:  # one engine for both servers
@@ -209,6 +209,8 @@ def serve_on_ray(args) -> int:
     """`tts serve --ray`: the same server on Ray Serve, one engine per replica (streaming/ray_serve.py)."""
     if args.wyoming_uri:
         raise InputError("--wyoming-uri is not served with --ray (run `tts wyoming` beside it)")
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     from server import create_app
     from streaming import ray_serve
     from streaming.limits import Limits, limits_from
