@@ -11,6 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install -e '.[ray]')")
@@ -111,6 +112,14 @@ async def speak(url: str, seed: int, text: str) -> tuple[bytes, str]:
         return audio, ws.response.headers[REPLICA]
 
 
+def same_audio(a: bytes, b: bytes) -> bool:
+    """Two pcm_s16le utterances hold the same samples: equal length, each within 1e-4 of full scale (3 steps of
+    16 bits). Seeded streams are bit-identical unless one was parked while it waited for text: restored into
+    another batch, it may differ by float rounding (the engine's parking bound)."""
+    x, y = np.frombuffer(a, np.int16).astype(int), np.frombuffer(b, np.int16).astype(int)
+    return len(x) == len(y) and (len(x) == 0 or int(np.abs(x - y).max()) <= 3)
+
+
 def get(url: str) -> tuple[dict, str]:
     with urllib.request.urlopen(url, timeout=30) as response:
         return json.loads(response.read()), response.headers[REPLICA]
@@ -176,7 +185,7 @@ def test_a_killed_replica_leaves_the_other_serving(cluster):
         audio, again, replica, victim, seconds = run(scenario(), 240)
     finally:  # Ray starts a replacement: wait until it serves
         wait_for(lambda: len(replica_names() - {victim}) == 2 and replica_states() == {"RUNNING": 2})
-    assert audio == again and replica != victim
+    assert same_audio(audio, again) and replica != victim
     assert seconds < 5, f"a new utterance took {seconds:.1f} s after the kill"
 
 
@@ -210,7 +219,7 @@ def test_a_redeploy_drains_the_old_replicas_without_losing_a_sample(cluster):
     old, results, closed, fresh = run(scenario(), 300)
     assert closed == [ray_serve.CLOSE_DRAINING] * 2
     assert not old & {replica for _, replica in fresh}  # the new replicas serve the newcomers
-    assert [audio for audio, _ in results] == [audio for audio, _ in fresh]  # no sample lost or changed
+    assert all(same_audio(a, b) for (a, _), (b, _) in zip(results, fresh))  # no sample lost or changed
 
 
 def test_autoscaling_adds_a_replica_for_active_streams_and_removes_it_when_they_end(cluster):
