@@ -188,6 +188,8 @@ def cmd_voices(args) -> int:
 def cmd_serve(args) -> int:
     """Loads the engine (about a second: its step is the fastest one ready, a faster one is built in the
     background and swapped in), then listens."""
+    if args.ray:
+        return serve_on_ray(args)
     import logging
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")  # uvicorn's look
     from server import serve
@@ -201,6 +203,28 @@ def cmd_serve(args) -> int:
             also.enter_context(WyomingServer(engine, args.wyoming_uri, args.zeroconf))
         serve(host=args.host, port=args.port, engine=engine, api_keys=args.api_key, allow_origins=args.allow_origin,
               **limits_from(args))
+    return 0
+
+
+def serve_on_ray(args) -> int:
+    """`tts serve --ray`: the same server on Ray Serve, one engine per replica (streaming/ray_serve.py)."""
+    if args.wyoming_uri:
+        raise InputError("--wyoming-uri is not served with --ray (run `tts wyoming` beside it)")
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    from server import create_app
+    from streaming import ray_serve
+    from streaming.limits import Limits, limits_from
+    from tts.api import get_engine
+    autoscale = args.max_replicas is not None
+    scale = ray_serve.ScaleConfig(replicas=args.replicas, autoscale=autoscale, min_replicas=args.replicas,
+                                  max_replicas=args.max_replicas or args.replicas, target_streams=args.target_streams,
+                                  num_cpus=args.replica_cpus)
+    app = ray_serve.application(get_engine, create_app, scale,
+                                {"max_streams": args.max_streams, "compile": not args.no_compile},
+                                {"limits": Limits(**limits_from(args)), "api_keys": args.api_key,
+                                 "allow_origins": args.allow_origin})
+    ray_serve.run(app, args.host, args.port, args.ray_address)
     return 0
 
 
@@ -237,6 +261,18 @@ def serve_parser(sub) -> None:
     serve.add_argument("--wyoming-uri", help="also serve Home Assistant's Wyoming protocol, e.g. tcp://0.0.0.0:10200")
     serve.add_argument("--zeroconf", nargs="?", const="", metavar="NAME",
                        help="announce the Wyoming server on the local network (mDNS), optionally under NAME")
+    ray = serve.add_argument_group("Ray Serve (pip install 'tts[ray]'; docs/scale-out.md)")
+    ray.add_argument("--ray", action="store_true", help="serve from engine replicas on Ray Serve (a local Ray "
+                     "cluster is started unless --ray-address names one)")
+    ray.add_argument("--replicas", type=int, default=2, metavar="N", help="engine replicas (default 2); with "
+                     "--max-replicas, the fewest the autoscaler keeps")
+    ray.add_argument("--max-replicas", type=int, metavar="N",
+                     help="autoscale on active streams between --replicas and this many replicas")
+    ray.add_argument("--target-streams", type=float, default=6.0, metavar="F",
+                     help="active streams per replica the autoscaler aims at (default 6)")
+    ray.add_argument("--replica-cpus", type=float, metavar="F",
+                     help="CPU cores per replica (default: the machine's cores shared evenly)")
+    ray.add_argument("--ray-address", metavar="ADDR", help="an existing Ray cluster, e.g. auto or ray://HOST:10001")
     add_arguments(serve)  # the server's limits, one flag each: --max-connections, --queue-timeout-s, ...
     serve.set_defaults(run=cmd_serve)
 

@@ -1,0 +1,268 @@
+"""Scale-out on Ray Serve (streaming/ray_serve.py): a real two-replica local Ray cluster on the CPU, each replica
+a tiny engine behind the server's own app, reached through Ray Serve's proxy with real clients (websockets, the
+OpenAI SDK). Seeded utterances are bit-identical whatever else runs, so audio through any replica can be compared
+sample for sample."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install -e '.[ray]')")
+import openai  # noqa: E402
+import ray  # noqa: E402
+import websockets  # noqa: E402
+from ray import serve  # noqa: E402
+
+from helpers import tiny_random  # noqa: E402
+from server import create_app  # noqa: E402
+from streaming import ray_serve  # noqa: E402
+
+# Ray copies the autoscaling config as it deploys, warning each time about a field it is retiring (see ScaleConfig)
+pytestmark = pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")
+ROOT = Path(__file__).resolve().parents[1]
+SENTENCE = "The quick brown fox jumps over the lazy dog. "
+TEXT = SENTENCE * 2
+REPLICA = "x-tts-replica"
+
+
+def scale(replicas: int) -> ray_serve.ScaleConfig:
+    return ray_serve.ScaleConfig(replicas=replicas, num_cpus=0.5, graceful_shutdown_timeout_s=30)
+
+
+def application(replicas: int):
+    return ray_serve.application(tiny_random, create_app, scale(replicas), {"max_streams": 4})
+
+
+def replica_states() -> dict[str, int]:
+    """How many replicas are in each state ("RUNNING", "STOPPING", "STARTING", ...)."""
+    states = serve.status().applications["tts"].deployments["tts"].replica_states
+    return {str(getattr(state, "value", state)): n for state, n in states.items()}
+
+
+def replica_names() -> set[str]:
+    """The ids of the replica actors alive now."""
+    prefix = "SERVE_REPLICA::tts#tts#"
+    return {a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)}
+
+
+def wait_for(condition, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {seconds} s: {replica_states()}"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Ray Serve on a local two-core cluster with two replicas: (http url, ws url)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}})
+    try:
+        ray_serve.start(application(2), port=port)
+        yield f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/v1/stream"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def run(coro, seconds: float = 120):
+    return asyncio.run(asyncio.wait_for(coro, seconds))
+
+
+async def send(ws, **message) -> None:
+    await ws.send(json.dumps(message))
+
+
+async def start(ws, seed: int, text: str = SENTENCE, context_id: str | None = None) -> None:
+    """Open a seeded pcm utterance and send its first text, leaving it open (an active stream)."""
+    ids = {} if context_id is None else {"context_id": context_id}
+    await send(ws, type="start", format="pcm_s16le", seed=seed, **ids)
+    ready = json.loads(await ws.recv())
+    assert ready["type"] == "ready", ready
+    await send(ws, type="text", text=text, **ids)
+
+
+async def finish(ws) -> tuple[bytes, dict]:
+    """End the default utterance's text: (all its audio, the done event)."""
+    await send(ws, type="end")
+    audio = b""
+    while isinstance(message := await asyncio.wait_for(ws.recv(), 60), bytes):
+        audio += message
+    done = json.loads(message)
+    assert done["type"] == "done" and not done["cancelled"], done
+    return audio, done
+
+
+async def speak(url: str, seed: int, text: str) -> tuple[bytes, str]:
+    """One whole seeded utterance on a new connection: (audio, the replica that spoke it)."""
+    async with websockets.connect(url) as ws:
+        await start(ws, seed, text)
+        audio, _ = await finish(ws)
+        return audio, ws.response.headers[REPLICA]
+
+
+def same_audio(a: bytes, b: bytes) -> bool:
+    """Two pcm_s16le utterances hold the same samples: equal length, each within 1e-4 of full scale (3 steps of
+    16 bits). Seeded streams are bit-identical unless one was parked while it waited for text: restored into
+    another batch, it may differ by float rounding (the engine's parking bound)."""
+    x, y = np.frombuffer(a, np.int16).astype(int), np.frombuffer(b, np.int16).astype(int)
+    return len(x) == len(y) and (len(x) == 0 or int(np.abs(x - y).max()) <= 3)
+
+
+def get(url: str) -> tuple[dict, str]:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read()), response.headers[REPLICA]
+
+
+def test_placement_goes_to_the_replica_with_fewer_active_streams_and_both_serve(cluster):
+    http, ws_url = cluster
+
+    async def scenario():
+        async with websockets.connect(ws_url) as busy:
+            await start(busy, 1, SENTENCE * 8, context_id="a")
+            await start(busy, 2, SENTENCE * 8, context_id="b")
+            await asyncio.sleep(4 * ray_serve.STATS_PERIOD_S)  # the routers hear of the two streams
+            loaded = busy.response.headers[REPLICA]
+            placed = []
+            for _ in range(3):
+                async with websockets.connect(ws_url) as ws:
+                    placed.append(ws.response.headers[REPLICA])
+            health = [await asyncio.to_thread(get, http + "/health") for _ in range(2)]
+            return loaded, placed, health
+
+    loaded, placed, health = run(scenario())
+    assert all(p != loaded for p in placed), (loaded, placed)  # the idle replica takes every newcomer
+    assert all(replica == placed[0] and figures["status"] == "ok" for figures, replica in health)
+
+
+def test_a_websocket_utterance_and_an_http_speech_request_through_ray(cluster):
+    http, ws_url = cluster
+    audio, _ = run(speak(ws_url, 7, TEXT))
+    client = openai.OpenAI(api_key="not-needed", base_url=http + "/v1", max_retries=0)
+    with client.audio.speech.with_streaming_response.create(model="tts-1", voice="joe", input=TEXT,
+                                                           response_format="pcm", extra_body={"seed": 7}) as response:
+        body = b"".join(response.iter_bytes())
+        assert response.headers[REPLICA]
+    assert len(audio) > 24_000 and body == audio  # one seeded utterance, the same samples by either surface
+    voices, _ = get(http + "/v1/voices")
+    assert voices["default"] == "joe" and len(voices["voices"]) == 5
+
+
+def test_a_killed_replica_leaves_the_other_serving(cluster):
+    """A replica killed mid-stream: the other replica's utterance goes on to its last sample, the killed one's
+    connection ends, and a new connection is served by the survivor at once."""
+    _, ws_url = cluster
+
+    async def scenario():
+        first = await websockets.connect(ws_url)
+        await start(first, 21, TEXT)
+        await asyncio.sleep(4 * ray_serve.STATS_PERIOD_S)
+        second = await websockets.connect(ws_url)
+        await start(second, 22, TEXT)
+        victim = first.response.headers[REPLICA]
+        assert victim != second.response.headers[REPLICA]
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::tts#tts#{victim}", namespace="serve"), no_restart=True)
+        killed = time.perf_counter()
+        again, replica = await speak(ws_url, 22, TEXT)
+        seconds = time.perf_counter() - killed
+        with pytest.raises(websockets.ConnectionClosed):
+            await finish(first)
+        audio, _ = await finish(second)
+        return audio, again, replica, victim, seconds
+
+    try:
+        audio, again, replica, victim, seconds = run(scenario(), 240)
+    finally:  # Ray starts a replacement: wait until it serves
+        wait_for(lambda: len(replica_names() - {victim}) == 2 and replica_states() == {"RUNNING": 2})
+    assert same_audio(audio, again) and replica != victim
+    assert seconds < 5, f"a new utterance took {seconds:.1f} s after the kill"
+
+
+def test_a_redeploy_drains_the_old_replicas_without_losing_a_sample(cluster):
+    """A redeploy (new code: Ray replaces every replica) with an utterance open on each old replica: Ray stops
+    routing to the old replicas, which finish their utterances with every sample (equal to the same seeded
+    utterance spoken afresh on a new replica), then close their sockets with 1012 so the clients reconnect."""
+    _, ws_url = cluster
+
+    async def scenario():
+        first = await websockets.connect(ws_url)
+        await start(first, 11, TEXT)
+        await asyncio.sleep(4 * ray_serve.STATS_PERIOD_S)  # the routers hear of its stream
+        second = await websockets.connect(ws_url)
+        await start(second, 12, TEXT)
+        old = {first.response.headers[REPLICA], second.response.headers[REPLICA]}
+        assert len(old) == 2, old  # one utterance on each replica
+        serve.run_many([serve.RunTarget(application(2), name="tts", route_prefix="/")],
+                       wait_for_applications_running=False)
+        await asyncio.to_thread(wait_for, lambda: replica_states().get("STOPPING", 0) >= 1)
+        results = [await finish(ws) for ws in (first, second)]
+        closed = []
+        for ws in (first, second):
+            with pytest.raises(websockets.ConnectionClosed) as gone:
+                await asyncio.wait_for(ws.recv(), 60)
+            closed.append(gone.value.rcvd.code)
+        await asyncio.to_thread(wait_for, lambda: replica_states() == {"RUNNING": 2})
+        fresh = [await speak(ws_url, seed, TEXT) for seed in (11, 12)]
+        return old, results, closed, fresh
+
+    old, results, closed, fresh = run(scenario(), 300)
+    assert closed == [ray_serve.CLOSE_DRAINING] * 2
+    assert not old & {replica for _, replica in fresh}  # the new replicas serve the newcomers
+    assert all(same_audio(a, b) for (a, _), (b, _) in zip(results, fresh))  # no sample lost or changed
+
+
+def test_autoscaling_adds_a_replica_for_active_streams_and_removes_it_when_they_end(cluster):
+    """Autoscaling between 1 and 2 replicas at 1 active stream per replica: two open streams bring a second
+    replica, which takes the next connection; when they end, Ray goes back to one (after its 10 s delay)."""
+    _, ws_url = cluster
+    scale = ray_serve.ScaleConfig(replicas=1, autoscale=True, min_replicas=1, max_replicas=2, target_streams=1,
+                                  num_cpus=0.5, graceful_shutdown_timeout_s=30)
+    serve.run(ray_serve.application(tiny_random, create_app, scale, {"max_streams": 4}), name="tts", route_prefix="/")
+    wait_for(lambda: replica_states() == {"RUNNING": 1})
+
+    async def scenario():
+        streams = [await websockets.connect(ws_url) for _ in range(2)]
+        for seed, ws in enumerate(streams):
+            await start(ws, seed, TEXT)
+        await asyncio.to_thread(wait_for, lambda: replica_states() == {"RUNNING": 2})
+        await asyncio.sleep(4 * ray_serve.STATS_PERIOD_S)
+        async with websockets.connect(ws_url) as newcomer:
+            placed = newcomer.response.headers[REPLICA]
+        for ws in streams:
+            await finish(ws)
+            await ws.close()
+        await asyncio.to_thread(wait_for, lambda: replica_states() == {"RUNNING": 1})
+        return {ws.response.headers[REPLICA] for ws in streams}, placed
+
+    busy, placed = run(scenario(), 300)
+    assert len(busy) == 1 and placed not in busy  # the streams shared the one replica; the new one took the newcomer
+
+
+def test_the_autoscaling_policy_asks_for_a_replica_per_target_streams():
+    """`streams_policy` on Ray's own AutoscalingContext: 13 active streams at 6 per replica want 3 replicas;
+    none want 0 (Ray then holds min_replicas)."""
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+    def context(streams: list[int]) -> AutoscalingContext:
+        return AutoscalingContext(
+            deployment_id=None, deployment_name="tts", app_name="tts", current_num_replicas=len(streams),
+            target_num_replicas=len(streams), running_replicas=[], total_num_requests=0, total_queued_requests=0,
+            aggregated_metrics={"active_streams": {f"r{i}": n for i, n in enumerate(streams)}}, raw_metrics=None,
+            capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=8, policy_state={},
+            last_scale_up_time=None, last_scale_down_time=None, current_time=None,
+            config=AutoscalingConfig(min_replicas=1, max_replicas=8, target_ongoing_requests=6))
+
+    assert ray_serve.streams_policy(context([7, 6]))[0] == 3
+    assert ray_serve.streams_policy(context([6, 0]))[0] == 1
+    assert ray_serve.streams_policy(context([0, 0]))[0] == 0
