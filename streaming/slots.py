@@ -26,8 +26,9 @@ Example, K = 4: at step 9 frame 6 completes; its codebooks 0..3 came out at step
 columns 2, 3, 0, 1.
 
 **Chunk schedule.** Completed frames wait in ``pending`` until a chunk is due: ``schedule[slot, chunks]``
-frames (the last entry repeats), or whatever is left when the utterance is done or its slot is held waiting
-for text (then the next chunk follows the schedule on). Example, (2, 4, 8, 16, 16):
+frames (the last entry repeats), or whatever is left when the utterance is done. Chunk sizes never depend on
+timing (a chunk handed out early because text ran dry would change the codec's float rounding, and a seeded
+or parked stream would no longer repeat bit for bit). Example, (2, 4, 8, 16, 16):
 a stream's chunks hold frames 0-1, 2-5, 6-13, 14-29, 30-45, ..., and the tail. With ``stagger`` the fourth
 chunk of slot s is ``16 - s % 8`` frames, so streams that started in the same tick hand out their 16-frame
 chunks in 8 different ticks, not all in one: slot 3's chunks hold frames 0-1, 2-5, 6-13, 14-26, 27-42, ...
@@ -163,10 +164,7 @@ class Slots:
         done = self.live[s] & ended & (step >= self.total_steps(s))
         chunks = self.chunks[s]
         size = self.schedule[s].gather(1, chunks.clamp(max=self.schedule.shape[1] - 1)[:, None])[:, 0]
-        # A slot held for text (live, not paused, yet not stepping) hands out what it has: a player must not
-        # wait on frames that sit in a part-filled chunk while the next words are still being typed.
-        held = self.live[s] & ~ready & ~self.paused[s]
-        due = (pending >= size) | ((done | held) & (pending > 0))
+        due = (pending >= size) | (done & (pending > 0))
         meta = torch.stack([unit, ready.long(), completed.long(), pending, due.long(), done.long()], 1)
         pending.masked_fill_(due, 0)
         chunks += due
