@@ -221,7 +221,8 @@ def serve_on_ray(args) -> int:
                                   max_replicas=args.max_replicas or args.replicas, target_streams=args.target_streams,
                                   num_cpus=args.replica_cpus)
     app = ray_serve.application(get_engine, create_app, scale,
-                                {"max_streams": args.max_streams, "compile": not args.no_compile},
+                                {"max_streams": args.max_streams, "compile": not args.no_compile,
+                                 "max_open": args.max_connections},
                                 {"limits": Limits(**limits_from(args)), "api_keys": args.api_key,
                                  "allow_origins": args.allow_origin})
     ray_serve.run(app, args.host, args.port, args.ray_address)
