@@ -45,7 +45,9 @@ def words_of(sentence: str) -> list[str]:
 class TextClock:
     """When the text thread has handed a stream what the engine's first step needs: units 0..`ahead` encoded,
     each with `text_lookahead` units of right context, so ``text_lookahead + ahead + 1`` units (or fewer, once
-    closed by a flush or the end). Wraps the engine's text worker's hand-off; `since` reads the latest."""
+    closed by a flush or the end). Wraps the engine's text worker's hand-off; `since` reads the latest. The
+    first chunk (2 frames) needs the steps through its 2nd frame (the delay pattern: step 8), whose unit's
+    lookahead asks for a few units more (about 14), so ``engine_ms`` includes any wait for those."""
 
     def __init__(self, engine):
         self.needed = engine.cfg.text_lookahead + engine.cfg.ahead + 1
