@@ -8,8 +8,9 @@ Measured (``python -m bench.steps --codec-only``, one thread, CPU time per call)
 the decoder's ~60 small ops (convs, transposed convs, pads and cats of the carried history, an LSTM) at
 tens of microseconds each, so small calls cost it 2-4x what they cost ONNX Runtime (a 2-frame chunk of one
 stream: 15.9 against 4.3 ms); at 8 streams x 16 frames both are bound by the convolutions' arithmetic and
-ONNX Runtime is 1.2x faster. ONNX Runtime's own Elu op computes exp one value at a time (27 % of the
-decoder's time), so ELU is exported as vectorised ops (`vectorised_elu`). Tried in eager and dropped:
+ONNX Runtime is 1.2-1.3x faster (1.0 against 1.3 ms per frame of one stream). ONNX Runtime's own Elu op
+computes exp one value at a time (27 % of the decoder's time), so ELU is exported as vectorised ops
+(`vectorised_elu`). Tried in eager and dropped:
 oneDNN off (`torch.backends.mkldnn`: 2-3x slower at batch 2-8), inference mode instead of no_grad (no
 change), a frozen TorchScript trace (within 10 % of eager); channels-last has no 1-D form and the loaded
 codec has no weight norm to fuse.
