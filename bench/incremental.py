@@ -8,7 +8,7 @@ sent whole. One JSON object.
     python -m bench.incremental --pauses            # no text timing: silence a <break> gives, per length
     python -m bench.incremental --quick             # 8 sentences, 10 words/s, no DNSMOS
     python -m bench.incremental --burst 64 128      # N streams start at once (tiny engine): the text front end's
-                                                    # cost per stream (TTS_TEXT_PROCESSES=N: read in N processes)
+                                                    # cost per stream
 
 Words go out as an LLM client sends them, each with its trailing space ("The ", "birch ", ...), word i at
 i / rate seconds; the last word is followed by `end`. Per rate: ``first_audio_ms`` from the first word sent to
@@ -243,7 +243,6 @@ def burst_report(counts: list[int], sentences: int, shipped: bool) -> dict:
               "cpu_cores": os.cpu_count(), "loads": []}
     for n in counts:
         engine = _burst_engine(n, shipped)
-        engine.text_worker.wait_for_processes(60)  # with TTS_TEXT_PROCESSES: reading in them from the start
         speak_engine(engine, text, None, None, 0)  # warm-up: the step, the phonemiser, the word cache
         first_units: dict = {}
         deliver = engine.text_worker.deliver

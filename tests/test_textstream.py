@@ -232,26 +232,3 @@ def test_a_first_take_reads_one_sentence(end):
         taken.append(stream.take()[0])
     assert stream.ended and spell([u for ids in taken for u in ids]) == whole(text)
     assert len(taken) <= 4  # after the first sentence, the rest in one take
-
-
-
-def test_text_read_in_processes_speaks_the_same(monkeypatch):
-    """With text processes (``TTS_TEXT_PROCESSES``) streams get the same units, so the same audio."""
-    import numpy as np
-    from helpers import tiny_random
-
-    from streaming.engine import SamplingConfig
-    from tts.api import synthesize
-    text = SENTENCES[1]  # numbers, a title, two sentences: two takes
-    local = tiny_random(max_streams=2, sampling=SamplingConfig(temperature=0.0))
-    monkeypatch.setenv("TTS_TEXT_PROCESSES", "2")
-    pooled = tiny_random(max_streams=2, sampling=SamplingConfig(temperature=0.0))
-    try:
-        assert local.text_worker.processes == 0 or local.text_worker.wait_for_processes(30)
-        assert pooled.text_worker.processes == 2 and pooled.text_worker.wait_for_processes(30)
-        np.testing.assert_allclose(synthesize(text, engine=pooled), synthesize(text, engine=local), atol=1e-5)
-        with pytest.raises(TextError):
-            synthesize("[[QQ]] bad markup", engine=pooled)
-    finally:
-        local.close()
-        pooled.close()
