@@ -23,6 +23,7 @@ from ray import serve  # noqa: E402
 from helpers import tiny_random  # noqa: E402
 from server import create_app  # noqa: E402
 from streaming import ray_serve  # noqa: E402
+from tts.client import StreamClient, connect  # noqa: E402
 
 # Ray copies the autoscaling config as it deploys, warning each time about a field it is retiring (see ScaleConfig)
 pytestmark = pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")
@@ -159,34 +160,65 @@ def test_a_websocket_utterance_and_an_http_speech_request_through_ray(cluster):
     assert voices["default"] == "joe" and len(voices["voices"]) == 5
 
 
-def test_a_killed_replica_leaves_the_other_serving(cluster):
-    """A replica killed mid-stream: the other replica's utterance goes on to its last sample, the killed one's
-    connection ends, and a new connection is served by the survivor at once."""
+async def words(text: str, gap_s: float):
+    """Text as an LLM sends it: a word at a time."""
+    for word in text.split():
+        yield word + " "
+        await asyncio.sleep(gap_s)
+
+
+async def listen(url: str, seed: int, text: str, on_audio=None) -> tuple[bytes, list, StreamClient]:
+    """One seeded utterance through the Python client, its text a word every 50 ms: (audio, (arrival time,
+    reconnects so far) per frame, the client). ``on_audio(client, bytes so far)`` is awaited after each frame."""
+    audio, arrivals = b"", []
+    async with connect(url, backoff_s=0.05) as client:
+        async for frame in client.stream(words(text, 0.05), seed=seed):
+            audio += frame
+            arrivals.append((time.perf_counter(), client.reconnects))
+            if on_audio is not None:
+                await on_audio(client, len(audio))
+    return audio, arrivals, client
+
+
+def kill(replica: str) -> None:
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::tts#tts#{replica}", namespace="serve"), no_restart=True)
+
+
+def test_a_killed_replicas_stream_continues_on_the_other_with_every_sample(cluster):
+    """A replica killed (ray.kill) mid-stream, its client still sending text: the Python client resumes through
+    the proxy on the other replica, which replays the session's journal; the client's audio goes on within 1 s
+    and equals, sample for sample, the same seeded stream never interrupted. The other replica's own utterance
+    goes on to its last sample, and a new connection is served by the survivor."""
     _, ws_url = cluster
+    text = SENTENCE * 2
+    killed = {}
+
+    async def kill_at_half_a_second(client, nbytes):
+        if not killed and nbytes >= 24_000:
+            killed["replica"] = client.ws.response.headers[REPLICA]
+            killed["at"] = time.perf_counter()
+            await asyncio.to_thread(kill, killed["replica"])
 
     async def scenario():
-        first = await websockets.connect(ws_url)
-        await start(first, 21, TEXT)
-        await asyncio.sleep(4 * ray_serve.STATS_PERIOD_S)
-        second = await websockets.connect(ws_url)
-        await start(second, 22, TEXT)
-        victim = first.response.headers[REPLICA]
-        assert victim != second.response.headers[REPLICA]
-        ray.kill(ray.get_actor(f"SERVE_REPLICA::tts#tts#{victim}", namespace="serve"), no_restart=True)
-        killed = time.perf_counter()
+        reference, _, _ = await listen(ws_url, 31, text)
+        other = await websockets.connect(ws_url)
+        await start(other, 22, TEXT)
+        await asyncio.sleep(4 * ray_serve.STATS_PERIOD_S)  # the routers hear of its stream: ours goes elsewhere
+        audio, arrivals, client = await listen(ws_url, 31, text, kill_at_half_a_second)
+        assert other.response.headers[REPLICA] != killed["replica"]
+        other_audio, _ = await finish(other)
         again, replica = await speak(ws_url, 22, TEXT)
-        seconds = time.perf_counter() - killed
-        with pytest.raises(websockets.ConnectionClosed):
-            await finish(first)
-        audio, _ = await finish(second)
-        return audio, again, replica, victim, seconds
+        return reference, audio, arrivals, client, other_audio, again, replica
 
     try:
-        audio, again, replica, victim, seconds = run(scenario(), 240)
+        reference, audio, arrivals, client, other_audio, again, replica = run(scenario(), 240)
     finally:  # Ray starts a replacement: wait until it serves
-        wait_for(lambda: len(replica_names() - {victim}) == 2 and replica_states() == {"RUNNING": 2})
-    assert same_audio(audio, again) and replica != victim
-    assert seconds < 5, f"a new utterance took {seconds:.1f} s after the kill"
+        wait_for(lambda: len(replica_names() - {killed.get("replica")}) == 2 and replica_states() == {"RUNNING": 2})
+    gap = next(at for at, reconnects in arrivals if reconnects) - killed["at"]
+    assert client.reconnects == 1 and client.ws.response.headers[REPLICA] != killed["replica"]
+    assert same_audio(audio, reference), (len(audio), len(reference))  # no sample lost, repeated or changed
+    assert gap < 1.0, f"the audio went on {gap:.2f} s after the kill"
+    assert same_audio(other_audio, again) and replica != killed["replica"]
 
 
 def test_a_redeploy_drains_the_old_replicas_without_losing_a_sample(cluster):

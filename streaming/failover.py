@@ -1,0 +1,415 @@
+"""A killed replica's WebSocket sessions continue on another (Ray Serve scale-out; docs/scale-out.md, Failover).
+
+A session's audio is a function of what its client sent: seeded sampling makes the same messages give the same
+samples on any engine with the same weights. So every replica keeps, in a Ray actor that outlives it
+(`Journals`), each session's **journal**: the client messages its server took, in order. When a replica dies, Ray's
+proxy drops its sockets without a close frame; the client reconnects (through the proxy, to a live replica) and
+sends `resume` with its token and what it holds. The live replica does not know the token, finds the journal, and
+**replays** it into a new session of its own server: the messages go in again (paced as they first came, below),
+the regenerated output the client already holds is dropped, the rest goes to the client, and the client sends
+again the messages the journal lacks (`resumed.received` says how many it has). From then on it is an ordinary
+session on this replica.
+
+    client --resume(token, 96000 B, 1 event)--> replica B --claim(token)--> Journals: [start, text, text, end]
+    replica B's server <-- start, text, text, end (the journal)
+    replica B's server --> ready, audio 0..96000 B (dropped: the client has it), audio 96000.. B (sent)
+
+`Failover` is ASGI middleware around the server's app (streaming/ray_serve.py puts it on every replica); it reads
+and writes the WebSocket messages the app exchanges and touches nothing inside the server. It also gives every
+`start` without a seed a random one, so that every utterance can be regenerated.
+
+Pacing: a message goes into the replay once the replay has sent as much audio on its context as the first run
+had when the message arrived (`Entry.at_bytes`), so text that arrived after a `flush` had been spoken is not seen
+earlier by the text front end than it was (a flush speaks what is there without waiting for more).
+
+Limits (measured and stated in docs/scale-out.md): the gap is the time to regenerate the session's audio so far,
+which grows with its length; the journal of one session is bounded (MAX_JOURNAL_BYTES); a session is continued
+sample-exactly when its audio depends only on its messages (seeded, no `flush` timing that the pacing misses).
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from streaming.protocol import UNCOUNTED
+
+log = logging.getLogger("tts.failover")
+FLUSH_S = 0.05  # how often a replica sends its sessions' new messages to the journals
+TOUCH_S = 1.0  # how often a replica says that its sessions live on (the journals forget the others)
+PACE_STALL_S = 0.5  # a paced message goes in anyway once the replay's output has not grown for this long
+MAX_JOURNAL_BYTES = 4 << 20  # a session's journal past this is dropped: that session cannot fail over
+JOURNALS_ACTOR = "tts-journals"
+UNCOUNTED_EVENTS = ("queued", "audio", "resumed")  # events a client's position does not count
+
+
+@dataclass
+class Entry:
+    """One client message the server took: its text (or binary data), its context and the audio bytes already
+    sent on that context when it came."""
+    message: str | bytes
+    context_id: str | None
+    at_bytes: int
+
+
+class Journals:
+    """Ray actor: every live session's journal, by journal id (the session's first resume token), and each token
+    the session has had -> its journal id. A journal nobody touches for its time-to-live is forgotten (its
+    replica is gone, and the window for a resume has passed). One actor: its methods run one at a time, so two
+    replicas claiming one token cannot both win."""
+
+    def __init__(self):
+        self.entries: dict[str, list[Entry]] = {}
+        self.sizes: dict[str, int] = {}
+        self.expires: dict[str, float] = {}
+        self.tokens: dict[str, str | None] = {}  # token -> journal id; None once claimed (spent)
+
+    def append(self, batch: list[tuple[str, list[Entry], list[str], float]]) -> None:
+        """(journal id, new entries, new tokens, time to live) for each session a replica has news of."""
+        now = time.monotonic()
+        for jid, entries, tokens, ttl_s in batch:
+            if self.sizes.get(jid, 0) < 0:
+                continue  # over the bound: it stays dropped
+            self.entries.setdefault(jid, []).extend(entries)
+            self.sizes[jid] = self.sizes.get(jid, 0) + sum(len(e.message) for e in entries)
+            if self.sizes[jid] > MAX_JOURNAL_BYTES:
+                self.entries[jid], self.sizes[jid] = [], -1
+            self.tokens.update({token: jid for token in tokens})
+            self.expires[jid] = now + ttl_s
+        self._expire(now)
+
+    def claim(self, token: str) -> tuple[str, list[Entry]] | None:
+        """(journal id, its entries) for a resume with ``token``, which is then spent; None when no journal has it."""
+        jid = self.tokens.get(token)
+        if jid is None or self.sizes.get(jid, 0) < 0 or jid not in self.entries:
+            return None
+        self.tokens[token] = None
+        return jid, list(self.entries[jid])
+
+    def forget(self, ended: list[tuple[str, str]]) -> None:
+        """(journal id, its session's last token) of sessions that ended; one that a resume took elsewhere since
+        (its token claimed) lives on there."""
+        for jid, token in ended:
+            if self.tokens.get(token) == jid:
+                self.expires[jid] = 0.0
+        self._expire(time.monotonic())
+
+    def claimed(self, tokens: list[str]) -> list[str]:
+        """Those of ``tokens`` that a resume has claimed."""
+        return [token for token in tokens if token in self.tokens and self.tokens[token] is None]
+
+    def _expire(self, now: float) -> None:
+        for jid in [jid for jid, at in self.expires.items() if at <= now]:
+            del self.expires[jid]
+            self.entries.pop(jid, None)
+            self.sizes.pop(jid, None)
+        self.tokens = {t: jid for t, jid in self.tokens.items() if jid is None or jid in self.entries}
+
+
+def journals():
+    """The cluster's `Journals` actor, started on first use. Detached: it outlives the replica that started it."""
+    import ray
+    return ray.remote(Journals).options(name=JOURNALS_ACTOR, namespace="serve", lifetime="detached",
+                                        get_if_exists=True, num_cpus=0, max_concurrency=1).remote()
+
+
+def stop_journals() -> None:
+    """End the journals actor, if there is one (it is detached: nothing else ends it but the cluster's end)."""
+    import ray
+    try:
+        ray.kill(ray.get_actor(JOURNALS_ACTOR, namespace="serve"))
+    except ValueError:
+        pass
+
+
+class Journaler:
+    """A replica's side of the journals: new entries and tokens wait here and go in one call every FLUSH_S;
+    every TOUCH_S the sessions still alive here (with a socket, or waiting for a resume) are touched."""
+
+    def __init__(self, actor, hub):
+        self.actor, self.hub = actor, hub
+        self.pending: dict[str, tuple[list[Entry], list[str]]] = {}
+        self.live: dict[str, "Socket"] = {}  # journal id -> its socket here (the latest)
+        self.resting: dict[str, str] = {}  # journal id -> a token of its session, once its socket has gone
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def add(self, jid: str, entries: list[Entry] = (), tokens: list[str] = ()) -> None:
+        queued = self.pending.setdefault(jid, ([], []))
+        queued[0].extend(entries)
+        queued[1].extend(tokens)
+
+    async def flush(self) -> None:
+        async with self._lock:
+            ttl = self.hub.limits.resume_window_s + 2 * TOUCH_S
+            batch, self.pending = [(jid, e, t, ttl) for jid, (e, t) in self.pending.items()], {}
+            if batch:
+                try:
+                    await self.actor.append.remote(batch)
+                except Exception:  # the journals are unreachable: serving goes on, without failover
+                    log.exception("could not write the session journals")
+
+    async def claim(self, token: str):
+        try:
+            return await self.actor.claim.remote(token)
+        except Exception:
+            log.exception("could not read the session journals")
+            return None
+
+    async def _run(self) -> None:
+        touched = time.monotonic()
+        while True:
+            await asyncio.sleep(FLUSH_S)
+            if time.monotonic() - touched >= TOUCH_S:
+                touched = time.monotonic()
+                await self._touch()
+            await self.flush()
+
+    async def _touch(self) -> None:
+        """Touch the journals of live sessions; forget those whose session has ended here; end those waiting here
+        for a resume that another replica has resumed (the client's resume went there)."""
+        ended = []
+        for jid, token in list(self.resting.items()):
+            session = self.hub.resume_tokens.get(token)
+            if session is None or session.closed:
+                ended.append((jid, token))
+                del self.resting[jid]
+        for jid in [*self.live, *self.resting]:
+            self.add(jid)
+        try:
+            if ended:
+                await self.actor.forget.remote(ended)
+            if self.resting:
+                for token in await self.actor.claimed.remote(list(self.resting.values())):
+                    if (session := self.hub.resume_tokens.get(token)) is not None:
+                        await session.close()
+        except Exception:
+            log.exception("could not update the session journals")
+
+    def socket_ended(self, socket: "Socket") -> None:
+        if socket.jid is not None and self.live.get(socket.jid) is socket:
+            del self.live[socket.jid]
+            self.resting[socket.jid] = socket.token
+
+
+@dataclass
+class Socket:
+    """One WebSocket's bookkeeping: its session's journal id, the session's current token, and per context the
+    audio bytes and events sent (in the session's own count, which a resume continues)."""
+    jid: str | None = None
+    token: str | None = None
+    sent: dict = field(default_factory=dict)  # context id -> [bytes, events]
+    early: list[Entry] = field(default_factory=list)  # taken before the session's journal id was known
+    replay: "Replay | None" = None
+
+    def position(self, context_id: str | None) -> list[int]:
+        return self.sent.setdefault(context_id, [0, 0])
+
+
+class Failover:
+    """ASGI middleware: journal each WebSocket session's messages (`Journaler`); resume one whose token this
+    replica does not know from its journal (`Replay`). HTTP passes through untouched."""
+
+    def __init__(self, app, hub, actor):
+        self.app, self.hub = app, hub
+        self.journaler = Journaler(actor, hub)
+        self.local: dict[str, str] = {}  # token -> journal id, for sessions served here
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "websocket":
+            return await self.app(scope, receive, send)
+        self.journaler.start()
+        sock = Socket()
+        try:
+            await self.app(scope, self._receiver(sock, receive, send), self._sender(sock, send))
+        finally:
+            self.journaler.socket_ended(sock)
+
+    # -- what the app receives --
+    def _receiver(self, sock: Socket, receive, send):
+        first = True
+
+        async def wrapped():
+            nonlocal first
+            if sock.replay is not None and (fed := await sock.replay.next_entry()) is not None:
+                return fed
+            message = await receive()
+            if message["type"] != "websocket.receive":
+                return message
+            parsed = _parse(message)
+            if first:
+                first = False
+                if parsed.get("type") == "resume":
+                    return await self._on_resume(sock, message, parsed, send)
+            if parsed.get("type") in UNCOUNTED:
+                return message
+            if parsed.get("type") == "start" and parsed.get("seed") is None:
+                message = {**message, "text": json.dumps({**parsed, "seed": secrets.randbelow(2**62)})}
+            self._journal(sock, Entry(message.get("text") or message.get("bytes") or b"", parsed.get("context_id"),
+                                      sock.position(parsed.get("context_id"))[0]))
+            return message
+
+        return wrapped
+
+    async def _on_resume(self, sock: Socket, message: dict, parsed: dict, send) -> dict:
+        """A resume: by the server here if it knows the token (or knows nothing of it anywhere), else a replay."""
+        token = parsed.get("token")
+        contexts = {p.get("context_id"): [p.get("bytes", 0), p.get("events", 0)]
+                    for p in parsed.get("contexts") or () if isinstance(p, dict)}
+        if not isinstance(token, str) or token in self.hub.resume_tokens:
+            sock.jid = self.local.get(token) if isinstance(token, str) else None
+            sock.sent = contexts
+            return message
+        claimed = await self.journaler.claim(token)
+        if claimed is None:
+            return message  # the server answers resume_expired
+        sock.jid, entries = claimed
+        sock.replay = Replay(entries, contexts, send)
+        log.info("resuming session %s… from its journal: %d messages", sock.jid[:6], len(entries))
+        return await sock.replay.next_entry()
+
+    def _journal(self, sock: Socket, entry: Entry) -> None:
+        if sock.jid is None:
+            sock.early.append(entry)
+        else:
+            self.journaler.add(sock.jid, [entry])
+
+    # -- what the app sends --
+    def _sender(self, sock: Socket, send):
+        async def wrapped(message):
+            if message["type"] != "websocket.send":
+                if sock.replay is not None and message["type"] == "websocket.close":
+                    await sock.replay.failed()
+                return await send(message)
+            context_id, nbytes, event = _output(message)
+            if event is not None and (token := event.get("resume_token")):
+                self._token(sock, token)
+            if event is not None and event.get("type") == "done" and sock.jid is not None:
+                await self.journaler.flush()  # the client forgets the utterance's messages once it has done
+            position = sock.position(context_id)
+            if sock.replay is not None:
+                message = await sock.replay.filter(message, context_id, position, nbytes, event, sock.token)
+            position[0] += nbytes
+            position[1] += event is not None and event.get("type") not in UNCOUNTED_EVENTS
+            if message is not None:
+                await send(message)
+
+        return wrapped
+
+    def _token(self, sock: Socket, token: str) -> None:
+        """The session's token (in ready or resumed): the first names its journal; each is an alias of it."""
+        if token == sock.token:
+            return
+        sock.token = token
+        if sock.jid is None:
+            sock.jid = token
+        self.local[token] = sock.jid
+        self.journaler.live[sock.jid] = sock
+        self.journaler.add(sock.jid, sock.early, [token])
+        sock.early = []
+
+
+class Replay:
+    """A session coming back from its journal on this replica: the journal's messages go to the server first
+    (each once the replay's output on its context has reached where the first run's was when it came), and of
+    the server's output only what the client lacks goes out, after a `resumed` answer that names the session's
+    new token and how many messages it has (the client sends the rest again).
+
+    Example: the client holds 9600 audio bytes and 1 event (ready) of the default context; the replay's output
+    is ready, 4800 B, timing, 9600 B, ...: ready is dropped (event 0 < 1), the 4800 B go (bytes 0..4800 < 9600),
+    the timing event goes (event 1 >= 1), of the 9600 B chunk (bytes 4800..14400) the last 4800 B go."""
+
+    def __init__(self, entries: list[Entry], have: dict, send):
+        self.feed, self.have, self.send = deque(entries), have, send
+        self.received = len(entries)
+        self.answered = asyncio.Event()
+        self.grew = asyncio.Event()  # the replay's output has grown
+        self.sent: dict = {}  # context id -> audio bytes the replay has sent (pacing)
+        self.started = time.monotonic()
+
+    async def next_entry(self) -> dict | None:
+        """The next journal message for the server, once its pace allows; None when the journal is all in."""
+        if not self.feed:
+            return None
+        entry = self.feed.popleft()
+        await self._pace(entry)
+        if isinstance(entry.message, bytes):
+            return {"type": "websocket.receive", "bytes": entry.message}
+        return {"type": "websocket.receive", "text": entry.message}
+
+    async def _pace(self, entry: Entry) -> None:
+        while self.sent.get(entry.context_id, 0) < entry.at_bytes:
+            self.grew.clear()
+            try:
+                await asyncio.wait_for(self.grew.wait(), PACE_STALL_S)
+            except TimeoutError:
+                return  # stalled: the first run's output got there with this message, it seems
+
+    async def filter(self, message: dict, context_id, position: list[int], nbytes: int, event: dict | None,
+                     token: str | None) -> dict | None:
+        """The part of an output message the client lacks (None: it has it all), after the `resumed` answer."""
+        if not self.answered.is_set():
+            if event is None or event.get("type") != "ready":
+                return None  # nothing goes out before the first ready names the session's token
+            await self.send({"type": "websocket.send", "text": json.dumps(
+                {"type": "resumed", "resume_token": token, "received": self.received,
+                 "resume_window_s": event.get("resume_window_s")})})
+            self.answered.set()
+            log.info("session resumed from its journal: answered in %.0f ms", (time.monotonic() - self.started) * 1e3)
+        self.sent[context_id] = self.sent.get(context_id, 0) + nbytes
+        self.grew.set()
+        have_bytes, have_events = self.have.get(context_id, (0, 0))
+        if event is None or event.get("type") == "audio":
+            return _tail(message, event, max(0, have_bytes - position[0]))
+        if event.get("type") == "queued":
+            return message if position[0] >= have_bytes and position[1] >= have_events else None
+        return message if position[1] >= have_events else None
+
+    async def failed(self) -> None:
+        """The server closes the socket before the replay has answered (full, say): tell the client why."""
+        if not self.answered.is_set():
+            self.answered.set()
+            await self.send({"type": "websocket.send", "text": json.dumps(
+                {"type": "error", "code": "resume_expired", "message": "the session could not be resumed here"})})
+
+
+def _parse(message: dict) -> dict:
+    """A client message's JSON object ({} for binary data or anything else)."""
+    try:
+        parsed = json.loads(message.get("text") or "null")
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def _output(message: dict) -> tuple[str | None, int, dict | None]:
+    """(context id, audio bytes, the event or None) of a message the server sends: binary audio is the default
+    context's; a named context's audio is an `audio` event with base64 data."""
+    if message.get("bytes") is not None:
+        return None, len(message["bytes"]), None
+    event = json.loads(message["text"])
+    nbytes = 0
+    if event.get("type") == "audio":  # base64: 4 characters per 3 bytes, "=" padding the last group
+        data = event["audio"]
+        nbytes = len(data) * 3 // 4 - data[-2:].count("=")
+    return event.get("context_id"), nbytes, event
+
+
+def _tail(message: dict, event: dict | None, skip: int) -> dict | None:
+    """An audio message without its first ``skip`` bytes (None when nothing is left)."""
+    if skip == 0:
+        return message
+    if event is None:
+        rest = message["bytes"][skip:]
+        return {**message, "bytes": rest} if rest else None
+    rest = base64.b64decode(event["audio"])[skip:]
+    return {**message, "text": json.dumps({**event, "audio": base64.b64encode(rest).decode("ascii")})} if rest else None
