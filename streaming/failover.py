@@ -18,13 +18,11 @@ session on this replica.
 and writes the WebSocket messages the app exchanges and touches nothing inside the server. It also gives every
 `start` without a seed a random one, so that every utterance can be regenerated.
 
-Pacing: a message goes into the replay once the replay has sent as much audio on its context as the first run
-had when the message arrived (`Entry.at_bytes`), so text that arrived after a `flush` had been spoken is not seen
-earlier by the text front end than it was (a flush speaks what is there without waiting for more).
-
 Limits (measured and stated in docs/scale-out.md): the gap is the time to regenerate the session's audio so far,
 which grows with its length; the journal of one session is bounded (MAX_JOURNAL_BYTES); a session is continued
-sample-exactly when its audio depends only on its messages (seeded, no `flush` timing that the pacing misses).
+sample-exactly when its audio depends only on its messages, which holds for every utterance without a `flush`
+(a flush speaks what has come so far at once, so where it falls in the audio depends on timing; such an
+utterance goes on with no byte lost or repeated, but its samples after the flush may differ).
 """
 from __future__ import annotations
 
@@ -42,19 +40,12 @@ from streaming.protocol import UNCOUNTED
 log = logging.getLogger("tts.failover")
 FLUSH_S = 0.05  # how often a replica sends its sessions' new messages to the journals
 TOUCH_S = 1.0  # how often a replica says that its sessions live on (the journals forget the others)
-PACE_STALL_S = 0.5  # a paced message goes in anyway once the replay's output has not grown for this long
 MAX_JOURNAL_BYTES = 4 << 20  # a session's journal past this is dropped: that session cannot fail over
 JOURNALS_ACTOR = "tts-journals"
 UNCOUNTED_EVENTS = ("queued", "audio", "resumed")  # events a client's position does not count
 
 
-@dataclass
-class Entry:
-    """One client message the server took: its text (or binary data), its context and the audio bytes already
-    sent on that context when it came."""
-    message: str | bytes
-    context_id: str | None
-    at_bytes: int
+Message = str | bytes  # a client message the server took: its text, or its binary data
 
 
 class Journals:
@@ -64,26 +55,26 @@ class Journals:
     replicas claiming one token cannot both win."""
 
     def __init__(self):
-        self.entries: dict[str, list[Entry]] = {}
+        self.entries: dict[str, list[Message]] = {}
         self.sizes: dict[str, int] = {}
         self.expires: dict[str, float] = {}
         self.tokens: dict[str, str | None] = {}  # token -> journal id; None once claimed (spent)
 
-    def append(self, batch: list[tuple[str, list[Entry], list[str], float]]) -> None:
+    def append(self, batch: list[tuple[str, list[Message], list[str], float]]) -> None:
         """(journal id, new entries, new tokens, time to live) for each session a replica has news of."""
         now = time.monotonic()
         for jid, entries, tokens, ttl_s in batch:
             if self.sizes.get(jid, 0) < 0:
                 continue  # over the bound: it stays dropped
             self.entries.setdefault(jid, []).extend(entries)
-            self.sizes[jid] = self.sizes.get(jid, 0) + sum(len(e.message) for e in entries)
+            self.sizes[jid] = self.sizes.get(jid, 0) + sum(len(m) for m in entries)
             if self.sizes[jid] > MAX_JOURNAL_BYTES:
                 self.entries[jid], self.sizes[jid] = [], -1
             self.tokens.update({token: jid for token in tokens})
             self.expires[jid] = now + ttl_s
         self._expire(now)
 
-    def claim(self, token: str) -> tuple[str, list[Entry]] | None:
+    def claim(self, token: str) -> tuple[str, list[Message]] | None:
         """(journal id, its entries) for a resume with ``token``, which is then spent; None when no journal has it."""
         jid = self.tokens.get(token)
         if jid is None or self.sizes.get(jid, 0) < 0 or jid not in self.entries:
@@ -133,7 +124,7 @@ class Journaler:
 
     def __init__(self, actor, hub):
         self.actor, self.hub = actor, hub
-        self.pending: dict[str, tuple[list[Entry], list[str]]] = {}
+        self.pending: dict[str, tuple[list[Message], list[str]]] = {}
         self.live: dict[str, "Socket"] = {}  # journal id -> its socket here (the latest)
         self.resting: dict[str, str] = {}  # journal id -> a token of its session, once its socket has gone
         self._lock = asyncio.Lock()
@@ -143,7 +134,7 @@ class Journaler:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
-    def add(self, jid: str, entries: list[Entry] = (), tokens: list[str] = ()) -> None:
+    def add(self, jid: str, entries: list[Message] = (), tokens: list[str] = ()) -> None:
         queued = self.pending.setdefault(jid, ([], []))
         queued[0].extend(entries)
         queued[1].extend(tokens)
@@ -208,7 +199,7 @@ class Socket:
     jid: str | None = None
     token: str | None = None
     sent: dict = field(default_factory=dict)  # context id -> [bytes, events]
-    early: list[Entry] = field(default_factory=list)  # taken before the session's journal id was known
+    early: list[Message] = field(default_factory=list)  # taken before the session's journal id was known
     replay: "Replay | None" = None
 
     def position(self, context_id: str | None) -> list[int]:
@@ -240,7 +231,7 @@ class Failover:
 
         async def wrapped():
             nonlocal first
-            if sock.replay is not None and (fed := await sock.replay.next_entry()) is not None:
+            if sock.replay is not None and (fed := sock.replay.next_message()) is not None:
                 return fed
             message = await receive()
             if message["type"] != "websocket.receive":
@@ -254,8 +245,7 @@ class Failover:
                 return message
             if parsed.get("type") == "start" and parsed.get("seed") is None:
                 message = {**message, "text": json.dumps({**parsed, "seed": secrets.randbelow(2**62)})}
-            self._journal(sock, Entry(message.get("text") or message.get("bytes") or b"", parsed.get("context_id"),
-                                      sock.position(parsed.get("context_id"))[0]))
+            self._journal(sock, message.get("text") or message.get("bytes") or b"")
             return message
 
         return wrapped
@@ -275,9 +265,9 @@ class Failover:
         sock.jid, entries = claimed
         sock.replay = Replay(entries, contexts, send)
         log.info("resuming session %s… from its journal: %d messages", sock.jid[:6], len(entries))
-        return await sock.replay.next_entry()
+        return sock.replay.next_message()
 
-    def _journal(self, sock: Socket, entry: Entry) -> None:
+    def _journal(self, sock: Socket, entry: Message) -> None:
         if sock.jid is None:
             sock.early.append(entry)
         else:
@@ -319,40 +309,28 @@ class Failover:
 
 
 class Replay:
-    """A session coming back from its journal on this replica: the journal's messages go to the server first
-    (each once the replay's output on its context has reached where the first run's was when it came), and of
-    the server's output only what the client lacks goes out, after a `resumed` answer that names the session's
+    """A session coming back from its journal on this replica: the journal's messages go to the server first, and
+    of the server's output only what the client lacks goes out, after a `resumed` answer that names the session's
     new token and how many messages it has (the client sends the rest again).
 
     Example: the client holds 9600 audio bytes and 1 event (ready) of the default context; the replay's output
     is ready, 4800 B, timing, 9600 B, ...: ready is dropped (event 0 < 1), the 4800 B go (bytes 0..4800 < 9600),
     the timing event goes (event 1 >= 1), of the 9600 B chunk (bytes 4800..14400) the last 4800 B go."""
 
-    def __init__(self, entries: list[Entry], have: dict, send):
+    def __init__(self, entries: list[Message], have: dict, send):
         self.feed, self.have, self.send = deque(entries), have, send
         self.received = len(entries)
         self.answered = asyncio.Event()
-        self.grew = asyncio.Event()  # the replay's output has grown
-        self.sent: dict = {}  # context id -> audio bytes the replay has sent (pacing)
         self.started = time.monotonic()
 
-    async def next_entry(self) -> dict | None:
-        """The next journal message for the server, once its pace allows; None when the journal is all in."""
+    def next_message(self) -> dict | None:
+        """The next journal message for the server; None when the journal is all in."""
         if not self.feed:
             return None
-        entry = self.feed.popleft()
-        await self._pace(entry)
-        if isinstance(entry.message, bytes):
-            return {"type": "websocket.receive", "bytes": entry.message}
-        return {"type": "websocket.receive", "text": entry.message}
-
-    async def _pace(self, entry: Entry) -> None:
-        while self.sent.get(entry.context_id, 0) < entry.at_bytes:
-            self.grew.clear()
-            try:
-                await asyncio.wait_for(self.grew.wait(), PACE_STALL_S)
-            except TimeoutError:
-                return  # stalled: the first run's output got there with this message, it seems
+        message = self.feed.popleft()
+        if isinstance(message, bytes):
+            return {"type": "websocket.receive", "bytes": message}
+        return {"type": "websocket.receive", "text": message}
 
     async def filter(self, message: dict, context_id, position: list[int], nbytes: int, event: dict | None,
                      token: str | None) -> dict | None:
@@ -365,8 +343,6 @@ class Replay:
                  "resume_window_s": event.get("resume_window_s")})})
             self.answered.set()
             log.info("session resumed from its journal: answered in %.0f ms", (time.monotonic() - self.started) * 1e3)
-        self.sent[context_id] = self.sent.get(context_id, 0) + nbytes
-        self.grew.set()
         have_bytes, have_events = self.have.get(context_id, (0, 0))
         if event is None or event.get("type") == "audio":
             return _tail(message, event, max(0, have_bytes - position[0]))
