@@ -45,7 +45,9 @@ JOURNALS_ACTOR = "tts-journals"
 UNCOUNTED_EVENTS = ("queued", "audio", "resumed")  # events a client's position does not count
 
 
-Message = str | bytes  # a client message the server took: its text, or its binary data
+# A journal entry: a client message the server took (its text, or its binary data), or, where the server sent an
+# utterance's `done`, {"done": context id, "at": [bytes, events]}: the context's count after it (`compact` uses it).
+Entry = str | bytes | dict
 
 
 class Journals:
@@ -55,26 +57,26 @@ class Journals:
     replicas claiming one token cannot both win."""
 
     def __init__(self):
-        self.entries: dict[str, list[Message]] = {}
+        self.entries: dict[str, list[Entry]] = {}
         self.sizes: dict[str, int] = {}
         self.expires: dict[str, float] = {}
         self.tokens: dict[str, str | None] = {}  # token -> journal id; None once claimed (spent)
 
-    def append(self, batch: list[tuple[str, list[Message], list[str], float]]) -> None:
+    def append(self, batch: list[tuple[str, list[Entry], list[str], float]]) -> None:
         """(journal id, new entries, new tokens, time to live) for each session a replica has news of."""
         now = time.monotonic()
         for jid, entries, tokens, ttl_s in batch:
             if self.sizes.get(jid, 0) < 0:
                 continue  # over the bound: it stays dropped
             self.entries.setdefault(jid, []).extend(entries)
-            self.sizes[jid] = self.sizes.get(jid, 0) + sum(len(m) for m in entries)
+            self.sizes[jid] = self.sizes.get(jid, 0) + sum(len(m) if not isinstance(m, dict) else 64 for m in entries)
             if self.sizes[jid] > MAX_JOURNAL_BYTES:
                 self.entries[jid], self.sizes[jid] = [], -1
             self.tokens.update({token: jid for token in tokens})
             self.expires[jid] = now + ttl_s
         self._expire(now)
 
-    def claim(self, token: str) -> tuple[str, list[Message]] | None:
+    def claim(self, token: str) -> tuple[str, list[Entry]] | None:
         """(journal id, its entries) for a resume with ``token``, which is then spent; None when no journal has it."""
         jid = self.tokens.get(token)
         if jid is None or self.sizes.get(jid, 0) < 0 or jid not in self.entries:
@@ -124,7 +126,7 @@ class Journaler:
 
     def __init__(self, actor, hub):
         self.actor, self.hub = actor, hub
-        self.pending: dict[str, tuple[list[Message], list[str]]] = {}
+        self.pending: dict[str, tuple[list[Entry], list[str]]] = {}
         self.live: dict[str, "Socket"] = {}  # journal id -> its socket here (the latest)
         self.resting: dict[str, str] = {}  # journal id -> a token of its session, once its socket has gone
         self._lock = asyncio.Lock()
@@ -134,7 +136,7 @@ class Journaler:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
-    def add(self, jid: str, entries: list[Message] = (), tokens: list[str] = ()) -> None:
+    def add(self, jid: str, entries: list[Entry] = (), tokens: list[str] = ()) -> None:
         queued = self.pending.setdefault(jid, ([], []))
         queued[0].extend(entries)
         queued[1].extend(tokens)
@@ -193,14 +195,24 @@ class Journaler:
 
 
 @dataclass
+class Shift:
+    """A session replayed here without its finished utterances (`compact`): per context, where the server's count
+    of bytes and events starts in the session's; and how many client messages were left out. Acks, resumes and
+    `resumed.received` are translated by it."""
+    offsets: dict = field(default_factory=dict)  # context id -> [bytes, events]
+    dropped: int = 0
+
+
+@dataclass
 class Socket:
     """One WebSocket's bookkeeping: its session's journal id, the session's current token, and per context the
     audio bytes and events sent (in the session's own count, which a resume continues)."""
     jid: str | None = None
     token: str | None = None
     sent: dict = field(default_factory=dict)  # context id -> [bytes, events]
-    early: list[Message] = field(default_factory=list)  # taken before the session's journal id was known
+    early: list = field(default_factory=list)  # journal entries from before the session's journal id was known
     replay: "Replay | None" = None
+    shift: Shift = field(default_factory=Shift)
 
     def position(self, context_id: str | None) -> list[int]:
         return self.sent.setdefault(context_id, [0, 0])
@@ -213,7 +225,9 @@ class Failover:
     def __init__(self, app, hub, actor):
         self.app, self.hub = app, hub
         self.journaler = Journaler(actor, hub)
-        self.local: dict[str, str] = {}  # token -> journal id, for sessions served here
+        self.local: dict[str, str] = {}  # token (the server's, or one a replay gave) -> journal id, sessions here
+        self.latest: dict[str, str] = {}  # journal id -> the server's latest token for the session
+        self.shifts: dict[str, Shift] = {}  # journal id -> its shift, for sessions replayed here
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "websocket":
@@ -241,6 +255,8 @@ class Failover:
                 first = False
                 if parsed.get("type") == "resume":
                     return await self._on_resume(sock, message, parsed, send)
+            if parsed.get("type") == "ack":
+                return _shifted(message, parsed, sock.shift)
             if parsed.get("type") in UNCOUNTED:
                 return message
             if parsed.get("type") == "start" and parsed.get("seed") is None:
@@ -251,23 +267,37 @@ class Failover:
         return wrapped
 
     async def _on_resume(self, sock: Socket, message: dict, parsed: dict, send) -> dict:
-        """A resume: by the server here if it knows the token (or knows nothing of it anywhere), else a replay."""
+        """A resume: by the server here if it knows the session (or nobody does), else a replay of its journal."""
         token = parsed.get("token")
-        contexts = {p.get("context_id"): [p.get("bytes", 0), p.get("events", 0)]
-                    for p in parsed.get("contexts") or () if isinstance(p, dict)}
+        have = {p.get("context_id"): [p.get("bytes", 0), p.get("events", 0)]
+                for p in parsed.get("contexts") or () if isinstance(p, dict)}
+        if isinstance(token, str) and token not in self.hub.resume_tokens and token in self.local:
+            token = self.latest.get(self.local[token], token)  # a token a replay here gave: the server's own
+            message = {**message, "text": json.dumps({**parsed, "token": token})}
         if not isinstance(token, str) or token in self.hub.resume_tokens:
-            sock.jid = self.local.get(token) if isinstance(token, str) else None
-            sock.sent = contexts
-            return message
+            sock.jid = self.local.get(token)
+            sock.shift = self.shifts.get(sock.jid, sock.shift)
+            sock.sent = have
+            return _shifted(message, json.loads(message["text"]), sock.shift)
         claimed = await self.journaler.claim(token)
         if claimed is None:
             return message  # the server answers resume_expired
         sock.jid, entries = claimed
-        sock.replay = Replay(entries, contexts, send)
-        log.info("resuming session %s… from its journal: %d messages", sock.jid[:6], len(entries))
+        sock.replay = Replay(entries, have)
+        sock.shift = self.shifts[sock.jid] = sock.replay.shift
+        sock.sent = {context_id: list(at) for context_id, at in sock.shift.offsets.items()}
+        answer = secrets.token_urlsafe(16)  # the server's token comes with its first ready; until then, this one
+        self.local[answer] = sock.jid
+        self.journaler.live[sock.jid] = sock
+        self.journaler.add(sock.jid, tokens=[answer])
+        await send({"type": "websocket.send", "text": json.dumps(
+            {"type": "resumed", "resume_token": answer, "resume_window_s": self.hub.limits.resume_window_s,
+             "received": sock.replay.received})})
+        log.info("session %s… resumed from its journal: %d of its %d messages again", sock.jid[:6],
+                 len(sock.replay.feed), sock.replay.received)
         return sock.replay.next_message()
 
-    def _journal(self, sock: Socket, entry: Message) -> None:
+    def _journal(self, sock: Socket, entry) -> None:
         if sock.jid is None:
             sock.early.append(entry)
         else:
@@ -277,19 +307,22 @@ class Failover:
     def _sender(self, sock: Socket, send):
         async def wrapped(message):
             if message["type"] != "websocket.send":
-                if sock.replay is not None and message["type"] == "websocket.close":
-                    await sock.replay.failed()
                 return await send(message)
             context_id, nbytes, event = _output(message)
-            if event is not None and (token := event.get("resume_token")):
+            kind = event.get("type") if event is not None else "audio"
+            if (token := (event or {}).get("resume_token")) and kind in ("ready", "resumed"):
                 self._token(sock, token)
-            if event is not None and event.get("type") == "done" and sock.jid is not None:
-                await self.journaler.flush()  # the client forgets the utterance's messages once it has done
+            if kind == "resumed" and sock.shift.dropped:
+                message = {**message, "text": json.dumps({**event, "received": event["received"] +
+                                                          sock.shift.dropped})}
             position = sock.position(context_id)
             if sock.replay is not None:
-                message = await sock.replay.filter(message, context_id, position, nbytes, event, sock.token)
+                message = sock.replay.filter(message, event, position, nbytes, context_id)
             position[0] += nbytes
-            position[1] += event is not None and event.get("type") not in UNCOUNTED_EVENTS
+            position[1] += kind not in UNCOUNTED_EVENTS
+            if kind == "done" and sock.jid is not None:
+                self._journal(sock, {"done": context_id, "at": list(position)})
+                await self.journaler.flush()  # the client forgets the utterance's messages once it has done
             if message is not None:
                 await send(message)
 
@@ -303,25 +336,25 @@ class Failover:
         if sock.jid is None:
             sock.jid = token
         self.local[token] = sock.jid
+        self.latest[sock.jid] = token
         self.journaler.live[sock.jid] = sock
         self.journaler.add(sock.jid, sock.early, [token])
         sock.early = []
 
 
 class Replay:
-    """A session coming back from its journal on this replica: the journal's messages go to the server first, and
-    of the server's output only what the client lacks goes out, after a `resumed` answer that names the session's
-    new token and how many messages it has (the client sends the rest again).
+    """A session coming back from its journal on this replica: the journal's messages go to the server first
+    (those of utterances the client has whole left out: `compact`), and of the server's output only what the
+    client lacks goes out.
 
     Example: the client holds 9600 audio bytes and 1 event (ready) of the default context; the replay's output
-    is ready, 4800 B, timing, 9600 B, ...: ready is dropped (event 0 < 1), the 4800 B go (bytes 0..4800 < 9600),
+    is ready, 4800 B, timing, 9600 B, ...: ready is dropped (event 0 < 1), the 4800 B too (bytes 0..4800 < 9600),
     the timing event goes (event 1 >= 1), of the 9600 B chunk (bytes 4800..14400) the last 4800 B go."""
 
-    def __init__(self, entries: list[Message], have: dict, send):
-        self.feed, self.have, self.send = deque(entries), have, send
-        self.received = len(entries)
-        self.answered = asyncio.Event()
-        self.started = time.monotonic()
+    def __init__(self, entries: list, have: dict):
+        self.received = sum(not isinstance(entry, dict) for entry in entries)
+        feed, self.shift = compact(entries, have)
+        self.feed, self.have = deque(feed), have
 
     def next_message(self) -> dict | None:
         """The next journal message for the server; None when the journal is all in."""
@@ -332,30 +365,61 @@ class Replay:
             return {"type": "websocket.receive", "bytes": message}
         return {"type": "websocket.receive", "text": message}
 
-    async def filter(self, message: dict, context_id, position: list[int], nbytes: int, event: dict | None,
-                     token: str | None) -> dict | None:
-        """The part of an output message the client lacks (None: it has it all), after the `resumed` answer."""
-        if not self.answered.is_set():
-            if event is None or event.get("type") != "ready":
-                return None  # nothing goes out before the first ready names the session's token
-            await self.send({"type": "websocket.send", "text": json.dumps(
-                {"type": "resumed", "resume_token": token, "received": self.received,
-                 "resume_window_s": event.get("resume_window_s")})})
-            self.answered.set()
-            log.info("session resumed from its journal: answered in %.0f ms", (time.monotonic() - self.started) * 1e3)
+    def filter(self, message: dict, event: dict | None, position: list[int], nbytes: int, context_id) -> dict | None:
+        """The part of an output message the client lacks (None: it has it all). ``position``: the context's
+        (bytes, events) before it, in the session's count."""
         have_bytes, have_events = self.have.get(context_id, (0, 0))
         if event is None or event.get("type") == "audio":
-            return _tail(message, event, max(0, have_bytes - position[0]))
+            return _tail(message, event, max(0, have_bytes - position[0])) if nbytes else message
         if event.get("type") == "queued":
             return message if position[0] >= have_bytes and position[1] >= have_events else None
         return message if position[1] >= have_events else None
 
-    async def failed(self) -> None:
-        """The server closes the socket before the replay has answered (full, say): tell the client why."""
-        if not self.answered.is_set():
-            self.answered.set()
-            await self.send({"type": "websocket.send", "text": json.dumps(
-                {"type": "error", "code": "resume_expired", "message": "the session could not be resumed here"})})
+
+def compact(entries: list, have: dict) -> tuple[list, Shift]:
+    """The journal's messages to replay for a client holding ``have`` (context id -> (bytes, events)), and the
+    shift: per context, the messages before the last `done` the client holds are left out, and the server's
+    count for it starts where that done left the session's.
+
+    Example: journal [start, text, end, done-mark(None at 96000 B, 3 events), start, text] and a client holding
+    (120000 B, 4 events) of the default context: it has the first utterance's done, so the replay is [start,
+    text]; the shift is offsets {None: [96000, 3]}, 3 messages dropped; the server's 0 B is the session's 96000 B."""
+    cuts = {}
+    for i, entry in enumerate(entries):
+        if isinstance(entry, dict):
+            held_bytes, held_events = have.get(entry["done"], (0, 0))
+            if entry["at"][0] <= held_bytes and entry["at"][1] <= held_events:
+                cuts[entry["done"]] = (i, entry["at"])
+    feed, shift = [], Shift({context_id: list(at) for context_id, (_, at) in cuts.items()})
+    for i, entry in enumerate(entries):
+        if isinstance(entry, dict):
+            continue
+        cut = cuts.get(_context(entry))
+        if cut is not None and i < cut[0]:
+            shift.dropped += 1
+        else:
+            feed.append(entry)
+    return feed, shift
+
+
+def _context(message) -> str | None:
+    """The context a client message belongs to (the default one, None, for binary data and unreadable text)."""
+    return _parse({"text": message}).get("context_id") if isinstance(message, str) else None
+
+
+def _shifted(message: dict, parsed: dict, shift: Shift) -> dict:
+    """An ack or resume with its positions in the server's count (`Shift`)."""
+    if not shift.offsets:
+        return message
+    def moved(position: dict) -> dict:
+        bytes_at, events_at = shift.offsets.get(position.get("context_id"), (0, 0))
+        return {**position, "bytes": max(0, position.get("bytes", 0) - bytes_at),
+                "events": max(0, position.get("events", 0) - events_at)}
+    if parsed.get("type") == "ack":
+        parsed = moved(parsed)
+    else:
+        parsed = {**parsed, "contexts": [moved(p) for p in parsed.get("contexts") or () if isinstance(p, dict)]}
+    return {**message, "text": json.dumps(parsed)}
 
 
 def _parse(message: dict) -> dict:
