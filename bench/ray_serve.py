@@ -18,9 +18,11 @@ server without Ray (what Ray's proxy and the replica processes cost).
 `--kill`: replica failover (streaming/failover.py) on two replicas. Per trial: one seeded utterance, its text sent
 a word every 50 ms by the Python client, spoken uninterrupted (the reference); then the same one again, and once
 its client holds ``kill_after_s`` seconds of audio the replica serving it is killed (`ray.kill`). Reported per
-kill point: `gap_ms` (the kill -> the first audio frame over the resumed connection, p50/p99), `exact` (trials
-whose audio equals the reference: equal length, every sample within 3 steps of 16 bits) and `max_abs_diff`.
-Ray starts a replacement replica after each kill; the next trial waits for it.
+kill point: `gap_ms` (the kill -> the first audio frame over the resumed connection, p50/p99), `resumed_ms_each`
+(the kill -> the client's resume answered: the rest of the gap is the replay regenerating what the client
+holds), `exact` (trials whose audio equals the reference: equal length, every sample within 3 steps of 16 bits)
+and `max_abs_diff`. Ray starts a replacement replica after each kill; the next trial waits until the proxy
+routes to it.
 """
 from __future__ import annotations
 
@@ -100,7 +102,12 @@ async def utterance(url: str, seed: int, text: str, kill_at_bytes: int | None = 
             yield word + " "
             await asyncio.sleep(0.05)
 
-    audio, killed_at, gap_ms = b"", None, None
+    async def watch(client, killed_at: float) -> float:
+        while not client.reconnects:
+            await asyncio.sleep(0.002)
+        return (time.perf_counter() - killed_at) * 1000
+
+    audio, killed_at, gap_ms, resumed = b"", None, None, None
     async with connect(url, backoff_s=0.05) as client:
         async for frame in client.stream(llm(), seed=seed):
             if killed_at is not None and gap_ms is None and client.reconnects:
@@ -109,7 +116,8 @@ async def utterance(url: str, seed: int, text: str, kill_at_bytes: int | None = 
             if kill_at_bytes is not None and killed_at is None and len(audio) >= kill_at_bytes:
                 await asyncio.to_thread(kill_replica, client.ws.response.headers["x-tts-replica"])
                 killed_at = time.perf_counter()
-    return {"audio": audio, "gap_ms": gap_ms, "reconnects": client.reconnects}
+                resumed = asyncio.create_task(watch(client, killed_at))
+    return {"audio": audio, "gap_ms": gap_ms, "resumed_ms": resumed and await resumed}
 
 
 def kill_replica(replica: str) -> None:
@@ -117,10 +125,17 @@ def kill_replica(replica: str) -> None:
     ray.kill(ray.get_actor(f"SERVE_REPLICA::tts#tts#{replica}", namespace="serve"), no_restart=True)
 
 
-def two_running() -> bool:
-    from ray import serve
-    states = serve.status().applications["tts"].deployments["tts"].replica_states
-    return {str(getattr(k, "value", k)): n for k, n in states.items()} == {"RUNNING": 2}
+async def both_serve(url: str, seconds: float = 300) -> None:
+    """Wait until the proxy places two connections held at once on two replicas: after a kill, Ray's replacement
+    is running some time before the proxy routes to it (a kill before then finds no other replica to go to)."""
+    import websockets
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        async with websockets.connect(url) as a, websockets.connect(url) as b:
+            if a.response.headers["x-tts-replica"] != b.response.headers["x-tts-replica"]:
+                return
+        await asyncio.sleep(0.5)
+    raise TimeoutError("the proxy did not route to two replicas")
 
 
 def failover(url: str, kill_after_s: list[float], trials: int, tiny: bool) -> dict:
@@ -136,8 +151,9 @@ def failover(url: str, kill_after_s: list[float], trials: int, tiny: bool) -> di
     text = " ".join(SENTENCES)
     rows = {}
     try:
+        asyncio.run(both_serve(url))
         for after_s in kill_after_s:
-            gaps, diffs, exact = [], [], 0
+            gaps, resumed, diffs, exact = [], [], [], 0
             for trial in range(trials):
                 reference = asyncio.run(utterance(url, 100 + trial, text))["audio"]
                 cut = asyncio.run(utterance(url, 100 + trial, text, int(after_s * SAMPLE_RATE) * 2))
@@ -147,13 +163,13 @@ def failover(url: str, kill_after_s: list[float], trials: int, tiny: bool) -> di
                 exact += same_length and diff is not None and diff <= 3
                 diffs.append(diff)
                 gaps.append(cut["gap_ms"])
-                deadline = time.monotonic() + 300
-                while not two_running() and time.monotonic() < deadline:
-                    time.sleep(0.5)
+                resumed.append(cut["resumed_ms"])
+                asyncio.run(both_serve(url))
             done = [g for g in gaps if g is not None]
             rows[str(after_s)] = {"trials": trials, "resumed": len(done), "exact": exact, "max_abs_diff": diffs,
                                   "audio_s": round(len(a) / SAMPLE_RATE, 2), "gap_ms": percentiles(done) if done
-                                  else None, "gap_ms_each": [round(g, 1) for g in done]}
+                                  else None, "gap_ms_each": [round(g, 1) for g in done],
+                                  "resumed_ms_each": [r and round(r, 1) for r in resumed]}
     finally:
         serve.delete("tts")
     return rows

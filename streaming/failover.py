@@ -122,13 +122,17 @@ def stop_journals() -> None:
 
 class Journaler:
     """A replica's side of the journals: new entries and tokens wait here and go in one call every FLUSH_S;
-    every TOUCH_S the sessions still alive here (with a socket, or waiting for a resume) are touched."""
+    every TOUCH_S the sessions still alive here (with a socket, or waiting for a resume) are touched. It also
+    keeps what the replica knows of its sessions (tokens, shifts), until they end."""
 
     def __init__(self, actor, hub):
         self.actor, self.hub = actor, hub
         self.pending: dict[str, tuple[list[Entry], list[str]]] = {}
         self.live: dict[str, "Socket"] = {}  # journal id -> its socket here (the latest)
-        self.resting: dict[str, str] = {}  # journal id -> a token of its session, once its socket has gone
+        self.resting: dict[str, str] = {}  # journal id -> its session's token, once its socket has gone
+        self.local: dict[str, str] = {}  # token (the server's, or one a replay gave) -> journal id
+        self.latest: dict[str, str] = {}  # journal id -> the server's latest token for the session
+        self.shifts: dict[str, "Shift"] = {}  # journal id -> its shift, for sessions replayed here
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
 
@@ -175,7 +179,7 @@ class Journaler:
             session = self.hub.resume_tokens.get(token)
             if session is None or session.closed:
                 ended.append((jid, token))
-                del self.resting[jid]
+                self._forget_here(jid)
         for jid in [*self.live, *self.resting]:
             self.add(jid)
         try:
@@ -188,10 +192,20 @@ class Journaler:
         except Exception:
             log.exception("could not update the session journals")
 
+    def socket_started(self, socket: "Socket") -> None:
+        self.live[socket.jid] = socket
+        self.resting.pop(socket.jid, None)
+
     def socket_ended(self, socket: "Socket") -> None:
         if socket.jid is not None and self.live.get(socket.jid) is socket:
             del self.live[socket.jid]
             self.resting[socket.jid] = socket.token
+
+    def _forget_here(self, jid: str) -> None:
+        del self.resting[jid]
+        self.latest.pop(jid, None)
+        self.shifts.pop(jid, None)
+        self.local = {token: j for token, j in self.local.items() if j != jid}
 
 
 @dataclass
@@ -225,9 +239,6 @@ class Failover:
     def __init__(self, app, hub, actor):
         self.app, self.hub = app, hub
         self.journaler = Journaler(actor, hub)
-        self.local: dict[str, str] = {}  # token (the server's, or one a replay gave) -> journal id, sessions here
-        self.latest: dict[str, str] = {}  # journal id -> the server's latest token for the session
-        self.shifts: dict[str, Shift] = {}  # journal id -> its shift, for sessions replayed here
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "websocket":
@@ -271,12 +282,13 @@ class Failover:
         token = parsed.get("token")
         have = {p.get("context_id"): [p.get("bytes", 0), p.get("events", 0)]
                 for p in parsed.get("contexts") or () if isinstance(p, dict)}
-        if isinstance(token, str) and token not in self.hub.resume_tokens and token in self.local:
-            token = self.latest.get(self.local[token], token)  # a token a replay here gave: the server's own
+        known = self.journaler
+        if isinstance(token, str) and token not in self.hub.resume_tokens and token in known.local:
+            token = known.latest.get(known.local[token], token)  # a token a replay here gave: the server's own
             message = {**message, "text": json.dumps({**parsed, "token": token})}
         if not isinstance(token, str) or token in self.hub.resume_tokens:
-            sock.jid = self.local.get(token)
-            sock.shift = self.shifts.get(sock.jid, sock.shift)
+            sock.jid = known.local.get(token)
+            sock.shift = known.shifts.get(sock.jid, sock.shift)
             sock.sent = have
             return _shifted(message, json.loads(message["text"]), sock.shift)
         claimed = await self.journaler.claim(token)
@@ -284,12 +296,12 @@ class Failover:
             return message  # the server answers resume_expired
         sock.jid, entries = claimed
         sock.replay = Replay(entries, have)
-        sock.shift = self.shifts[sock.jid] = sock.replay.shift
+        sock.shift = known.shifts[sock.jid] = sock.replay.shift
         sock.sent = {context_id: list(at) for context_id, at in sock.shift.offsets.items()}
         answer = secrets.token_urlsafe(16)  # the server's token comes with its first ready; until then, this one
-        self.local[answer] = sock.jid
-        self.journaler.live[sock.jid] = sock
-        self.journaler.add(sock.jid, tokens=[answer])
+        known.local[answer] = sock.jid
+        known.socket_started(sock)
+        known.add(sock.jid, tokens=[answer])
         await send({"type": "websocket.send", "text": json.dumps(
             {"type": "resumed", "resume_token": answer, "resume_window_s": self.hub.limits.resume_window_s,
              "received": sock.replay.received})})
@@ -335,10 +347,11 @@ class Failover:
         sock.token = token
         if sock.jid is None:
             sock.jid = token
-        self.local[token] = sock.jid
-        self.latest[sock.jid] = token
-        self.journaler.live[sock.jid] = sock
-        self.journaler.add(sock.jid, sock.early, [token])
+        known = self.journaler
+        known.local[token] = sock.jid
+        known.latest[sock.jid] = token
+        known.socket_started(sock)
+        known.add(sock.jid, sock.early, [token])
         sock.early = []
 
 
