@@ -227,6 +227,7 @@ class Socket:
     early: list = field(default_factory=list)  # journal entries from before the session's journal id was known
     replay: "Replay | None" = None
     shift: Shift = field(default_factory=Shift)
+    untracked: bool = False  # a resumed session this replica has no journal of
 
     def position(self, context_id: str | None) -> list[int]:
         return self.sent.setdefault(context_id, [0, 0])
@@ -256,16 +257,19 @@ class Failover:
 
         async def wrapped():
             nonlocal first
-            if sock.replay is not None and (fed := sock.replay.next_message()) is not None:
-                return fed
-            message = await receive()
-            if message["type"] != "websocket.receive":
-                return message
-            parsed = _parse(message)
-            if first:
+            while True:
+                if sock.replay is not None and (fed := sock.replay.next_message()) is not None:
+                    return fed
+                message = await receive()
+                if message["type"] != "websocket.receive":
+                    return message
+                parsed = _parse(message)
+                if not first or parsed.get("type") != "resume":
+                    break
                 first = False
-                if parsed.get("type") == "resume":
-                    return await self._on_resume(sock, message, parsed, send)
+                if (message := await self._on_resume(sock, message, parsed, send)) is not None:
+                    return message  # else: replaying, from the top
+            first = False
             if parsed.get("type") == "ack":
                 return _shifted(message, parsed, sock.shift)
             if parsed.get("type") in UNCOUNTED:
@@ -277,8 +281,9 @@ class Failover:
 
         return wrapped
 
-    async def _on_resume(self, sock: Socket, message: dict, parsed: dict, send) -> dict:
-        """A resume: by the server here if it knows the session (or nobody does), else a replay of its journal."""
+    async def _on_resume(self, sock: Socket, message: dict, parsed: dict, send) -> dict | None:
+        """A resume: for the server here (the message, translated) if it knows the session or nobody does; else
+        a replay of the session's journal is set up here (None)."""
         token = parsed.get("token")
         have = {p.get("context_id"): [p.get("bytes", 0), p.get("events", 0)]
                 for p in parsed.get("contexts") or () if isinstance(p, dict)}
@@ -288,6 +293,7 @@ class Failover:
             message = {**message, "text": json.dumps({**parsed, "token": token})}
         if not isinstance(token, str) or token in self.hub.resume_tokens:
             sock.jid = known.local.get(token)
+            sock.untracked = sock.jid is None  # no journal of its past here: it gets none (a replay would miss it)
             sock.shift = known.shifts.get(sock.jid, sock.shift)
             sock.sent = have
             return _shifted(message, json.loads(message["text"]), sock.shift)
@@ -307,9 +313,11 @@ class Failover:
              "received": sock.replay.received})})
         log.info("session %s… resumed from its journal: %d of its %d messages again", sock.jid[:6],
                  len(sock.replay.feed), sock.replay.received)
-        return sock.replay.next_message()
+        return None
 
     def _journal(self, sock: Socket, entry) -> None:
+        if sock.untracked:
+            return
         if sock.jid is None:
             sock.early.append(entry)
         else:
@@ -342,7 +350,7 @@ class Failover:
 
     def _token(self, sock: Socket, token: str) -> None:
         """The session's token (in ready or resumed): the first names its journal; each is an alias of it."""
-        if token == sock.token:
+        if token == sock.token or sock.untracked:
             return
         sock.token = token
         if sock.jid is None:
