@@ -328,7 +328,7 @@ class Failover:
         async def wrapped(message):
             if message["type"] != "websocket.send":
                 return await send(message)
-            context_id, nbytes, event = _output(message)
+            context_id, nbytes, event = outgoing(message)
             kind = event.get("type") if event is not None else "audio"
             if (token := (event or {}).get("resume_token")) and kind in ("ready", "resumed"):
                 self._token(sock, token)
@@ -452,7 +452,7 @@ def _parse(message: dict) -> dict:
     return parsed if isinstance(parsed, dict) else {}
 
 
-def _output(message: dict) -> tuple[str | None, int, dict | None]:
+def outgoing(message: dict) -> tuple[str | None, int, dict | None]:
     """(context id, audio bytes, the event or None) of a message the server sends: binary audio is the default
     context's; a named context's audio is an `audio` event with base64 data."""
     if message.get("bytes") is not None:

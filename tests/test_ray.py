@@ -22,7 +22,7 @@ from ray import serve  # noqa: E402
 
 from helpers import tiny_random  # noqa: E402
 from server import create_app  # noqa: E402
-from streaming import ray_serve  # noqa: E402
+from streaming import failover, ray_serve  # noqa: E402
 from tts.client import StreamClient, connect  # noqa: E402
 
 # Ray copies the autoscaling config as it deploys, warning each time about a field it is retiring (see ScaleConfig)
@@ -191,9 +191,9 @@ def test_a_killed_replicas_stream_continues_on_the_other_with_every_sample(clust
     """A replica killed (ray.kill) in a session's second utterance, its client still sending text: the Python
     client resumes through the proxy on the other replica, which replays the session's journal (its second
     utterance: the client has the first whole); the client's audio goes on and equals, sample for sample, the
-    same seeded session never interrupted (how soon it goes on is bench.ray_serve --kill's
-    to measure; here only that it does not hang). The other replica's own utterance
-    goes on to its last sample, and a new connection is served by the survivor."""
+    same seeded session never interrupted (how soon it goes on is for bench.ray_serve --kill to measure; here
+    only that it does not hang). The other replica's own utterance goes on to its last sample, and a new
+    connection is served by the survivor."""
     _, ws_url = cluster
     text = SENTENCE * 2
     killed = {}
@@ -221,9 +221,33 @@ def test_a_killed_replicas_stream_continues_on_the_other_with_every_sample(clust
         wait_for(lambda: len(replica_names() - {killed.get("replica")}) == 2 and replica_states() == {"RUNNING": 2})
     gap = next(at for at, reconnects in arrivals if reconnects) - killed["at"]
     assert client.reconnects == 1 and client.ws.response.headers[REPLICA] != killed["replica"]
+    assert len(audio) == len(reference) == 2
     assert all(same_audio(a, b) for a, b in zip(audio, reference))  # no sample lost, repeated or changed
     assert gap < 10, f"the audio went on {gap:.1f} s after the kill"
     assert same_audio(other_audio, again) and replica != killed["replica"]
+
+
+def test_a_replay_leaves_out_what_the_client_has_and_cuts_a_chunk_at_its_byte():
+    """`failover.compact` and `Replay.filter` on the worked examples of their docstrings."""
+    start, text, end = (json.dumps({"type": kind}) for kind in ("start", "text", "end"))
+    done = {"done": None, "at": [96_000, 3]}
+    feed, shift = failover.compact([start, text, end, done, start, text], {None: (120_000, 4)})
+    assert feed == [start, text] and shift.offsets == {None: [96_000, 3]} and shift.dropped == 3
+    feed, shift = failover.compact([start, text, end, done, start, text], {None: (50_000, 2)})  # done not had
+    assert len(feed) == 5 and shift.dropped == 0
+
+    replay = failover.Replay([start], {None: (9600, 1)})
+    position, sent = [0, 0], []
+    for message in ({"type": "websocket.send", "text": json.dumps({"type": "ready"})},
+                    {"type": "websocket.send", "bytes": bytes(4800)},
+                    {"type": "websocket.send", "text": json.dumps({"type": "timing"})},
+                    {"type": "websocket.send", "bytes": bytes(range(256)) * 37 + bytes(128)}):
+        context_id, nbytes, event = failover.outgoing(message)
+        sent.append(replay.filter(message, event, position, nbytes, context_id))
+        position[0] += nbytes
+        position[1] += event is not None
+    assert sent[:2] == [None, None] and json.loads(sent[2]["text"])["type"] == "timing"
+    assert sent[3]["bytes"] == (bytes(range(256)) * 37 + bytes(128))[4800:]
 
 
 def test_a_redeploy_drains_the_old_replicas_without_losing_a_sample(cluster):
