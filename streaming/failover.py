@@ -5,10 +5,10 @@ samples on any engine with the same weights. So every replica keeps, in a Ray ac
 (`Journals`), each session's **journal**: the client messages its server took, in order. When a replica dies, Ray's
 proxy drops its sockets without a close frame; the client reconnects (through the proxy, to a live replica) and
 sends `resume` with its token and what it holds. The live replica does not know the token, finds the journal, and
-**replays** it into a new session of its own server: the messages go in again (paced as they first came, below),
-the regenerated output the client already holds is dropped, the rest goes to the client, and the client sends
-again the messages the journal lacks (`resumed.received` says how many it has). From then on it is an ordinary
-session on this replica.
+**replays** it into a new session of its own server: the messages go in again (but those of utterances the
+client has whole: `compact`), the regenerated output the client already holds is dropped, the rest goes to the
+client, and the client sends again the messages the journal lacks (`resumed.received` says how many it has).
+From then on it is an ordinary session on this replica.
 
     client --resume(token, 96000 B, 1 event)--> replica B --claim(token)--> Journals: [start, text, text, end]
     replica B's server <-- start, text, text, end (the journal)
@@ -18,8 +18,8 @@ session on this replica.
 and writes the WebSocket messages the app exchanges and touches nothing inside the server. It also gives every
 `start` without a seed a random one, so that every utterance can be regenerated.
 
-Limits (measured and stated in docs/scale-out.md): the gap is the time to regenerate the session's audio so far,
-which grows with its length; the journal of one session is bounded (MAX_JOURNAL_BYTES); a session is continued
+Limits (measured and stated in docs/scale-out.md): the gap is the time to regenerate the current utterance's
+audio so far, which grows with its length; the journal of one session is bounded (MAX_JOURNAL_BYTES); a session is continued
 sample-exactly when its audio depends only on its messages, which holds for every utterance without a `flush`
 (a flush speaks what has come so far at once, so where it falls in the audio depends on timing; such an
 utterance goes on with no byte lost or repeated, but its samples after the flush may differ).
@@ -316,7 +316,7 @@ class Failover:
         return None
 
     def _journal(self, sock: Socket, entry) -> None:
-        if sock.untracked:
+        if sock.untracked or not self.hub.limits.resume_window_s:  # no resume, no failover
             return
         if sock.jid is None:
             sock.early.append(entry)
