@@ -16,6 +16,12 @@ is unknown or later). Running dry between sentences is the LLM's pause, not a st
 resumes at once; at the start of a sentence it first buffers ``JITTER_S``. **Real-time fraction**: the share of
 clients that spoke and never stalled. **TTFA**: first text sent to first audio received, per turn.
 The engine's parking figures (parks, restores, per tier park/restore/spill/load ms) come from its stats.
+
+**Offered load** (`offered_streams`): the real-time streams of audio these clients ask for on average, from the
+same timing draws with an engine that keeps up (each sentence spoken at the run's measured words per second of
+audio as soon as its first word is in and the previous one has played). Compare it with what the slots deliver:
+a load above it cannot be real-time, whatever the parking policy. `--offered-only` prints it without a server
+(at `--words-per-s`, default the shipped model's 3.18).
 """
 from __future__ import annotations
 
@@ -128,7 +134,7 @@ async def speak_turn(ws, turn: list[str], rng: random.Random, ahead_s: float) ->
         raise RuntimeError(error)
     await writer
     return {"ttfa_ms": None if player.first_audio is None else (player.first_audio - sent_at) * 1000,
-            "stalls": player.stalls, "stall_s": player.stall_s, "audio_s": player.received}
+            "stalls": player.stalls, "stall_s": player.stall_s, "audio_s": player.received, "words": sum(player.sizes)}
 
 
 async def write_turn(ws, turn: list[str], rng: random.Random) -> None:
@@ -143,6 +149,30 @@ async def write_turn(ws, turn: list[str], rng: random.Random) -> None:
     await ws.send(json.dumps({"type": "end"}))
 
 
+def offered_streams(clients: int, seconds: float, ahead_s: float, words_per_s: float) -> float:
+    """Audio seconds the clients ask for per wall second (module docstring): each client's turns drawn as
+    `agent` and `write_turn` draw them. Example: a client whose 10 s turn holds 6 s of speech, then listens
+    4 s, asks for 0.6 of a stream; 64 such clients, 38 streams."""
+    sentences, audio = _sentences(), 0.0
+    for index in range(clients):
+        rng = random.Random(index)
+        now = rng.uniform(0, 5)
+        while now < seconds:
+            sent = played = now
+            for k, sentence in enumerate(rng.sample(sentences, rng.randint(2, 4))):
+                sent += rng.uniform(1, 5) if k else 0.0
+                words, delay = len(sentence.split()), TOKENS_PER_WORD / rng.uniform(10, 30)
+                played = max(sent + delay, played) + words / words_per_s
+                audio += words / words_per_s
+                sent += words * delay
+            now = max(played - ahead_s, sent) + rng.uniform(2, 6)  # `done` comes ahead_s before the end plays
+    return audio / seconds
+
+
+def _sentences() -> list[str]:
+    return [s for s in harvard(720) if re.fullmatch(r"[A-Za-z' ]+\.", s)]
+
+
 def sample_server(server, engine, stop: threading.Event, used: list[int], held: list[int]) -> None:
     """Every 0.1 s: the engine's slots in use and the server's open connections."""
     while not stop.wait(0.1):
@@ -152,7 +182,7 @@ def sample_server(server, engine, stop: threading.Event, used: list[int], held: 
 
 def run(url: str, clients: int, seconds: float, ahead_s: float, out=None) -> list[list]:
     """The clients, in this process (put their results in ``out``, a queue, when given)."""
-    sentences = [s for s in harvard(720) if re.fullmatch(r"[A-Za-z' ]+\.", s)]
+    sentences = _sentences()
     deadline = time.perf_counter() + seconds
     results: list[list] = [[] for _ in range(clients)]
 
@@ -181,6 +211,8 @@ def report(results: list[list], held: list[int], used: list[int], engine, args, 
     spoke = [per for per in results if any("error" not in t and t["audio_s"] > 0 for t in per)]
     steady = [per for per in spoke if all(t.get("stalls", 0) == 0 for t in per)]
     ttfa = [t["ttfa_ms"] for t in turns if t["ttfa_ms"] is not None]
+    audio_s = sum(t["audio_s"] for t in turns)
+    words_per_s = sum(t["words"] for t in turns if t["audio_s"] > 0) / audio_s if audio_s else None
     stats = engine.stats()
     parking = stats["parking"]
     return {
@@ -192,7 +224,10 @@ def report(results: list[list], held: list[int], used: list[int], engine, args, 
         "connections_held": {"p50": int(np.median(held)) if held else 0, "max": max(held, default=0)},
         "slots_used": {"p50": float(np.median(used)) if used else 0, "max": max(used, default=0)},
         "turns": len(turns), "errors": len(errors), "error_kinds": sorted(set(errors))[:5],
-        "audio_s": round(sum(t["audio_s"] for t in turns), 1),
+        "audio_s": round(audio_s, 1), "delivered_streams": round(audio_s / (args.minutes * 60), 2),
+        "offered_streams": words_per_s and round(offered_streams(args.clients, args.minutes * 60, args.ahead_s,
+                                                                 words_per_s), 2),
+        "words_per_audio_s": words_per_s and round(words_per_s, 2),
         "real_time_fraction": round(len(steady) / len(spoke), 3) if spoke else None,
         "clients_spoke": len(spoke), "stalls": sum(t["stalls"] for t in turns),
         "stall_s": round(sum(t["stall_s"] for t in turns), 2),
@@ -214,7 +249,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--park-after-s", type=float, default=None, help="the engine's grace (default its own)")
     parser.add_argument("--disk-after-s", type=float, default=None, help="the engine's disk tier idle time")
     parser.add_argument("--tiny", action="store_true", help="the tiny random-weight engine")
+    parser.add_argument("--offered-only", action="store_true", help="print the offered load alone (no server)")
+    parser.add_argument("--words-per-s", type=float, default=3.18, help="speaking rate for --offered-only")
     args = parser.parse_args(argv)
+    if args.offered_only:
+        streams = offered_streams(args.clients, args.minutes * 60, args.ahead_s, args.words_per_s)
+        print(json.dumps({"clients": args.clients, "minutes": args.minutes, "ahead_s": args.ahead_s,
+                          "words_per_s": args.words_per_s, "offered_streams": round(streams, 2)}))
+        return
     from streaming.parking import ParkingConfig
     parking = ParkingConfig()
     if args.park_after_s is not None:

@@ -4,6 +4,7 @@ load. One JSON object.
     python -m bench.ray_serve                  # shipped voices, loads 1 2 3 4 6 8 12 16, 3 utterances per client
     python -m bench.ray_serve --tiny           # the tiny random-weight engine
     python -m bench.ray_serve --loads 1 2 4 --rounds 2
+    python -m bench.ray_serve --kill [--tiny] [--kill-after-s 1 4] [--trials 3]   # replica failover (below)
 
 For each replica count, Ray Serve runs `streaming.ray_serve` (each replica: one engine, the server app, the
 machine's cores shared evenly: `ScaleConfig.num_cpus` default) on a local Ray cluster, and `bench.serve.load` drives
@@ -13,6 +14,15 @@ p99 < 1); `realtime_streams` is the largest load that is, climbing the loads unt
 two replicas carry twice the streams of one at the same TTFA p50 (within 20 %); `ttfa_ms_p50_at_same_load` compares
 the two at the largest load one replica keeps real-time. `direct_no_ray` climbs the same loads on `tts serve`'s
 server without Ray (what Ray's proxy and the replica processes cost).
+
+`--kill`: replica failover (streaming/failover.py) on two replicas. Per trial: one seeded utterance, its text sent
+a word every 50 ms by the Python client, spoken uninterrupted (the reference); then the same one again, and once
+its client holds ``kill_after_s`` seconds of audio the replica serving it is killed (`ray.kill`). Reported per
+kill point: `gap_ms` (the kill -> the first audio frame over the resumed connection, p50/p99), `resumed_ms_each`
+(the kill -> the client's resume answered: the rest of the gap is the replay regenerating what the client
+holds), `exact` (trials whose audio equals the reference: equal length, every sample within 3 steps of 16 bits)
+and `max_abs_diff`. Ray starts a replacement replica after each kill; the next trial waits until the proxy
+routes to it.
 """
 from __future__ import annotations
 
@@ -21,10 +31,11 @@ import asyncio
 import json
 import os
 import socket
+import time
 from pathlib import Path
 
-from bench.common import ROOT
-from bench.serve import load
+from bench.common import ROOT, percentiles
+from bench.serve import SAMPLE_RATE, SENTENCES, load
 
 
 def free_port() -> int:
@@ -81,6 +92,89 @@ def direct(loads: list[int], rounds: int, tiny: bool) -> dict:
     return result
 
 
+async def utterance(url: str, seed: int, text: str, kill_at_bytes: int | None = None) -> dict:
+    """One seeded utterance through the Python client, a word every 50 ms; with ``kill_at_bytes``, the replica
+    serving it is killed once the client holds that much audio. {audio, gap_ms, reconnects}."""
+    from tts.client import connect
+
+    async def llm():
+        for word in text.split():
+            yield word + " "
+            await asyncio.sleep(0.05)
+
+    async def watch(client, killed_at: float) -> float:
+        while not client.reconnects:
+            await asyncio.sleep(0.002)
+        return (time.perf_counter() - killed_at) * 1000
+
+    audio, killed_at, gap_ms, resumed = b"", None, None, None
+    async with connect(url, backoff_s=0.05) as client:
+        async for frame in client.stream(llm(), seed=seed):
+            if killed_at is not None and gap_ms is None and client.reconnects:
+                gap_ms = (time.perf_counter() - killed_at) * 1000
+            audio += frame
+            if kill_at_bytes is not None and killed_at is None and len(audio) >= kill_at_bytes:
+                await asyncio.to_thread(kill_replica, client.ws.response.headers["x-tts-replica"])
+                killed_at = time.perf_counter()
+                resumed = asyncio.create_task(watch(client, killed_at))
+    return {"audio": audio, "gap_ms": gap_ms, "resumed_ms": resumed and await resumed}
+
+
+def kill_replica(replica: str) -> None:
+    import ray
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::tts#tts#{replica}", namespace="serve"), no_restart=True)
+
+
+async def both_serve(url: str, seconds: float = 300) -> None:
+    """Wait until the proxy places two connections held at once on two replicas: after a kill, Ray's replacement
+    is running some time before the proxy routes to it (a kill before then finds no other replica to go to)."""
+    import websockets
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        async with websockets.connect(url) as a, websockets.connect(url) as b:
+            if a.response.headers["x-tts-replica"] != b.response.headers["x-tts-replica"]:
+                return
+        await asyncio.sleep(0.5)
+    raise TimeoutError("the proxy did not route to two replicas")
+
+
+def failover(url: str, kill_after_s: list[float], trials: int, tiny: bool) -> dict:
+    """The kill trials (module docstring) on two replicas."""
+    import numpy as np
+    from ray import serve
+
+    from server import create_app
+    from streaming import ray_serve
+    factory, kwargs = engine_factory(tiny)
+    serve.run(ray_serve.application(factory, create_app, ray_serve.ScaleConfig(replicas=2), kwargs),
+              name="tts", route_prefix="/")
+    text = " ".join(SENTENCES)
+    rows = {}
+    try:
+        asyncio.run(both_serve(url))
+        for after_s in kill_after_s:
+            gaps, resumed, diffs, exact = [], [], [], 0
+            for trial in range(trials):
+                reference = asyncio.run(utterance(url, 100 + trial, text))["audio"]
+                cut = asyncio.run(utterance(url, 100 + trial, text, int(after_s * SAMPLE_RATE) * 2))
+                a, b = (np.frombuffer(x, np.int16).astype(int) for x in (reference, cut["audio"]))
+                same_length = len(a) == len(b)
+                diff = int(np.abs(a - b).max()) if same_length and len(a) else None
+                exact += same_length and diff is not None and diff <= 3
+                diffs.append(diff)
+                gaps.append(cut["gap_ms"])
+                resumed.append(cut["resumed_ms"])
+                asyncio.run(both_serve(url))
+            done = [g for g in gaps if g is not None]
+            rows[str(after_s)] = {"trials": trials, "resumed": len(done), "exact": exact, "max_abs_diff": diffs,
+                                  "audio_s": round(len(a) / SAMPLE_RATE, 2), "gap_ms": percentiles(done) if done
+                                  else None, "gap_ms_each": [round(g, 1) for g in done],
+                                  "resumed_ms_each": [r and round(r, 1) for r in resumed]}
+    finally:
+        serve.delete("tts")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="the tiny random-weight engine, not the shipped voices")
@@ -88,6 +182,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="utterances per client after its warm-up")
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--no-direct", action="store_true", help="skip the same loads on `tts serve` without Ray")
+    parser.add_argument("--kill", action="store_true", help="replica failover: kill a replica mid-stream")
+    parser.add_argument("--kill-after-s", type=float, nargs="+", default=[1.0, 4.0],
+                        help="audio the client holds when its replica is killed (seconds)")
+    parser.add_argument("--trials", type=int, default=3, help="kills per kill point")
     parser.add_argument("--out", help="also write the JSON here (Ray may print a line of its own on stdout)")
     args = parser.parse_args()
     import ray
@@ -101,17 +199,20 @@ def main() -> None:
     report = {"engine": "tiny_random" if args.tiny else "shipped", "cpu_cores": os.cpu_count(),
               "loadavg_at_start": [round(x, 2) for x in os.getloadavg()], "utterances_per_client": args.rounds,
               "stats_period_s": ray_serve.STATS_PERIOD_S, "replicas": {}}
+    url = f"ws://127.0.0.1:{port}/v1/stream"
     try:
-        for replicas in args.replicas:
-            report["replicas"][str(replicas)] = on_ray(f"ws://127.0.0.1:{port}/v1/stream", replicas, args.loads,
-                                                       args.rounds, args.tiny)
+        if args.kill:
+            report = {k: report[k] for k in ("engine", "cpu_cores", "loadavg_at_start")}
+            report["failover"] = failover(url, args.kill_after_s, args.trials, args.tiny)
+        for replicas in [] if args.kill else args.replicas:
+            report["replicas"][str(replicas)] = on_ray(url, replicas, args.loads, args.rounds, args.tiny)
     finally:
         serve.shutdown()
         ray.shutdown()
-    if not args.no_direct:
+    if not args.no_direct and not args.kill:
         report["direct_no_ray"] = direct(args.loads, args.rounds, args.tiny)
     report["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    one, two = report["replicas"].get("1"), report["replicas"].get("2")
+    one, two = report.get("replicas", {}).get("1"), report.get("replicas", {}).get("2")
     if one and two and one["realtime_streams"]:
         same = str(one["realtime_streams"])
         p50 = {n: r["loads"].get(same, {}).get("ttfa_ms_p50") for n, r in (("1", one), ("2", two))}

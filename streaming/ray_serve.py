@@ -16,7 +16,9 @@ very code `tts serve` runs. Ray's proxy holds the client's socket and relays it 
     its utterances in progress finish with all their audio; each of its WebSockets is closed with code 1012
     ("service restart") as soon as it has no utterance open, so the client reconnects and lands on a replica
     that stays; Ray stops the replica once no connection is left, or after graceful_shutdown_timeout_s.
-    Moving a live stream to another replica (engine.detach/attach) is not here yet: see docs/scale-out.md.
+  * failover (`streaming.failover`): every replica journals its WebSocket sessions' messages in a Ray actor that
+    outlives it; when a replica dies, its clients resume (the proxy drops their sockets, they reconnect through
+    it) on a live replica, which replays the journal and sends each client the rest of its audio.
 
 Ray is imported by this module; nothing on the default path imports it (`tts serve --ray` does).
 """
@@ -34,6 +36,8 @@ from pathlib import Path
 from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from streaming.failover import Failover, journals, stop_journals
 
 log = logging.getLogger("tts.ray")
 STATS_PERIOD_S = 0.25  # how often each replica reports its active streams to the routers
@@ -56,6 +60,7 @@ class ScaleConfig:
     num_cpus: float | None = None
     num_gpus: float = 0.0
     graceful_shutdown_timeout_s: float = 60.0
+    failover: bool = True  # journal WebSocket sessions so that a dead replica's continue on another
 
     def __post_init__(self):
         if self.replicas < 1 or not 1 <= self.max_replicas or not 0 <= self.min_replicas <= self.max_replicas:
@@ -94,17 +99,18 @@ class EngineServer:
     the engine (`tts.api.get_engine`; tests pass the tiny engine's); ``app_factory(engine, **app_kwargs)`` the
     ASGI app (`server.create_app`), whose ``state.hub`` is the `streaming.hub.Hub` it serves from."""
 
-    def __init__(self, engine_factory, engine_kwargs: dict, app_factory, app_kwargs: dict):
+    def __init__(self, engine_factory, engine_kwargs: dict, app_factory, app_kwargs: dict, failover: bool = True):
         self.engine = engine_factory(**engine_kwargs)
         self.server_app = app_factory(self.engine, **app_kwargs)
         self.hub = self.server_app.state.hub
+        self.outer_app = Failover(self.server_app, self.hub, journals()) if failover else self.server_app
         context = serve.get_replica_context()
         self.replica, self.deployment, self.app_name = context.replica_tag, context.deployment, context.app_name
         self.draining = False
         self._watcher = None
 
     def __serve_build_asgi_app__(self):
-        return ReplicaHeader(self.server_app, self.replica)
+        return ReplicaHeader(self.outer_app, self.replica)
 
     def active_streams(self) -> int:
         """Streams open for clients here: speaking, or waiting in the engine's queue for a slot."""
@@ -227,7 +233,7 @@ def application(engine_factory, app_factory, scale: ScaleConfig = ScaleConfig(),
                 app_kwargs: dict | None = None):
     """The Ray Serve application: `EngineServer` replicas as ``scale`` says."""
     return EngineServer.options(**scale.deployment_options()).bind(engine_factory, engine_kwargs or {},
-                                                                   app_factory, app_kwargs or {})
+                                                                   app_factory, app_kwargs or {}, scale.failover)
 
 
 def start(app, host: str = "127.0.0.1", port: int = 8000, address: str | None = None, name: str = "tts",
@@ -261,6 +267,7 @@ def run(app, host: str = "127.0.0.1", port: int = 8000, address: str | None = No
         import ray
         if ray.is_initialized():
             serve.shutdown()
+            stop_journals()
 
 
 def _interrupt(*_) -> None:
