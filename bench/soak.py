@@ -74,10 +74,13 @@ class Tally:
 
 
 def _describe(utterance: dict, sends: list[float]) -> dict:
-    """A slow utterance: what it was, and how many others were sent in the half second before it."""
+    """A slow utterance: what it was, how many others were sent in the half second before it, and how many
+    WebSocket utterances were aborted in the 4 s before it (a dropped session's stream speaks on for up to the
+    engine's 4 s queue, waiting for a resume: one more stream than slots meanwhile)."""
     sent = utterance["sent"]
     return {**{k: v for k, v in utterance.items() if k != "sent"},
-            "sent_in_prior_500ms": sum(sent - 0.5 <= t < sent for t in sends)}
+            "sent_in_prior_500ms": sum(sent - 0.5 <= t < sent for t in sends),
+            "ws_aborts_in_prior_4s": sum(sent - 4 <= t < sent for t in WS_ABORTS)}
 
 
 async def _read_slowly(chunk_bytes: int) -> None:
@@ -85,6 +88,7 @@ async def _read_slowly(chunk_bytes: int) -> None:
 
 
 SENDS: list[float] = []  # when every utterance was sent
+WS_ABORTS: list[float] = []  # when each WebSocket abort happened
 
 
 async def ws_utterance(url: str, text: str, abort: bool, slow: bool, tally: Tally) -> None:
@@ -103,6 +107,7 @@ async def ws_utterance(url: str, text: str, abort: bool, slow: bool, tally: Tall
                     first = time.perf_counter()
                     if abort:
                         ws.transport.abort()
+                        WS_ABORTS.append(time.perf_counter())
                         tally.aborted += 1
                         return
                 if slow:
