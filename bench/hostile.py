@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx2 as httpx
@@ -177,25 +178,35 @@ async def voice_empty_ws(server: Server) -> dict:
 
 
 async def aborts(server: Server, count: int = 30) -> dict:
-    """`count` connections aborted in a tight loop (no close frame), at every stage of an utterance's start."""
+    """`count` connections aborted in a tight loop (no close frame), at every stage of an utterance's start. A
+    dropped session that had its `ready` waits for a resume (30 s by default) and keeps its place in the
+    client's connection cap (16), so later ones may be refused with 1013 client_limit: typed, and documented."""
+    refused = []
     for i in range(count):
         ws = await websockets.connect(server.ws_url)
-        await ws.send(json.dumps({"type": "start"}))
-        if i % 3:
-            await ws.send(json.dumps({"type": "text", "text": SPEECH}))
-        if i % 3 == 2:
-            await ws.recv()  # ready
+        try:
+            await ws.send(json.dumps({"type": "start"}))
+            if i % 3:
+                await ws.send(json.dumps({"type": "text", "text": SPEECH}))
+            if i % 3 == 2:
+                await ws.recv()  # ready
+        except websockets.ConnectionClosed as closed:
+            refused.append(f"{closed.rcvd.code} {closed.rcvd.reason}" if closed.rcvd else "no close frame")
         ws.transport.abort()
-    after = await utterance(server.ws_url, SPEECH)
+    after = await utterance(server.ws_url, SPEECH, local_addr=("127.0.0.2", 0))  # another client meanwhile
     waiting = server.health()["awaiting_resume"]
     window = 30.0  # the default resume window: a dropped session waits that long for its client
     deadline = time.monotonic() + window + 15
     while time.monotonic() < deadline and (health := server.health())["connections"]:
         await asyncio.sleep(0.5)
-    return {"row": "aborts_30", "aborted": count, "next_utterance_completed": completed(after),
-            "awaiting_resume_after": waiting, "connections_after_window": health["connections"],
+    again = await utterance(server.ws_url, SPEECH)  # the aborting address, once its sessions expired
+    return {"row": "aborts_30", "aborted": count, "refused": dict(Counter(refused)),
+            "other_client_completed": completed(after), "awaiting_resume_after": waiting,
+            "connections_after_window": health["connections"],
             "engine_streams_after_window": health["engine"]["active_streams"],
-            "ok": completed(after) and health["connections"] == 0 and health["engine"]["active_streams"] == 0}
+            "same_client_after_window_completed": completed(again),
+            "ok": completed(after) and completed(again) and set(refused) <= {"1013 client_limit"}
+            and health["connections"] == 0 and health["engine"]["active_streams"] == 0}
 
 
 async def idle_noop_cancels(server: Server, idle_timeout_s: float, count: int = 16) -> dict:
