@@ -225,9 +225,10 @@ def _serve(port: int, tiny: bool) -> None:
                                   "objects_tracked": len(gc.get_objects())}), file=sys.stderr, flush=True)
     gc.callbacks.append(note)
     engine = None
-    if tiny:
+    if tiny:  # as `tts serve` builds its engine: as many open streams as connections, those waiting parked
+        from streaming.limits import Limits
         from tests.helpers import tiny_random
-        engine = tiny_random(max_streams=4)
+        engine = tiny_random(max_streams=4, max_open=Limits().max_connections)
     serve(port=port, engine=engine, log_level="warning")
 
 
