@@ -52,21 +52,48 @@ class Tally:
         self.served = self.aborted = self.slow = 0
         self.errors: Counter = Counter()
         self.first_audio_ms: list[float] = []
+        self.utterances: list[dict] = []  # each served one: kind, sentence, first audio, when it was sent
 
-    def report(self, rss_mb: float) -> dict:
+    def add(self, kind: str, text: str, sent: float, first: float) -> None:
+        self.served += 1
+        self.first_audio_ms.append((first - sent) * 1000)
+        self.utterances.append({"kind": kind, "sentence": SENTENCES.index(text), "sent": sent,
+                                "first_audio_ms": round((first - sent) * 1000, 1)})
+
+    def report(self, rss_mb: float, sends: list[float], engine: dict) -> dict:
         ttfa = np.asarray(self.first_audio_ms) if self.first_audio_ms else np.zeros(1)
         p50, p99 = float(np.percentile(ttfa, 50)), float(np.percentile(ttfa, 99))
         return {"served": self.served, "aborted": self.aborted, "slow_readers": self.slow,
                 "errors": dict(self.errors), "first_audio_ms_p50": round(p50, 1), "first_audio_ms_p99": round(p99, 1),
-                "p99_over_p50": round(p99 / p50, 2) if p50 else None, "rss_mb": round(rss_mb, 1)}
+                "p99_over_p50": round(p99 / p50, 2) if p50 else None, "rss_mb": round(rss_mb, 1),
+                "p50_by_kind": {kind: round(float(np.median([u["first_audio_ms"] for u in self.utterances
+                                                             if u["kind"] == kind])), 1)
+                                for kind in sorted({u["kind"] for u in self.utterances})},
+                "slowest": [_describe(u, sends) for u in sorted(self.utterances, key=lambda u: -u["first_audio_ms"])[:3]],
+                "engine": engine}
+
+
+def _describe(utterance: dict, sends: list[float]) -> dict:
+    """A slow utterance: what it was, how many others were sent in the half second before it, and how many
+    WebSocket utterances were aborted in the 4 s before it (a dropped session's stream speaks on for up to the
+    engine's 4 s queue, waiting for a resume: one more stream than slots meanwhile)."""
+    sent = utterance["sent"]
+    return {**{k: v for k, v in utterance.items() if k != "sent"},
+            "sent_in_prior_500ms": sum(sent - 0.5 <= t < sent for t in sends),
+            "ws_aborts_in_prior_4s": sum(sent - 4 <= t < sent for t in WS_ABORTS)}
 
 
 async def _read_slowly(chunk_bytes: int) -> None:
     await asyncio.sleep(2 * chunk_bytes / BYTES_PER_S)  # half real time
 
 
+SENDS: list[float] = []  # when every utterance was sent
+WS_ABORTS: list[float] = []  # when each WebSocket abort happened
+
+
 async def ws_utterance(url: str, text: str, abort: bool, slow: bool, tally: Tally) -> None:
     sent = time.perf_counter()
+    SENDS.append(sent)
     ws = await websockets.connect(url, max_queue=4)
     try:
         await ws.send(json.dumps({"type": "start", "format": "pcm_s16le"}))
@@ -80,6 +107,7 @@ async def ws_utterance(url: str, text: str, abort: bool, slow: bool, tally: Tall
                     first = time.perf_counter()
                     if abort:
                         ws.transport.abort()
+                        WS_ABORTS.append(time.perf_counter())
                         tally.aborted += 1
                         return
                 if slow:
@@ -90,8 +118,7 @@ async def ws_utterance(url: str, text: str, abort: bool, slow: bool, tally: Tall
                 tally.errors[event["code"]] += 1
             elif event["type"] == "done":
                 if first is not None and not event["cancelled"]:
-                    tally.served += 1
-                    tally.first_audio_ms.append((first - sent) * 1000)
+                    tally.add("ws", text, sent, first)
                 return
     finally:
         await ws.close()
@@ -99,6 +126,7 @@ async def ws_utterance(url: str, text: str, abort: bool, slow: bool, tally: Tall
 
 async def http_utterance(http: httpx.AsyncClient, text: str, abort: bool, slow: bool, tally: Tally) -> None:
     sent = time.perf_counter()
+    SENDS.append(sent)
     body = {"model": "tts-1", "input": text, "voice": "alloy", "response_format": "pcm"}
     async with http.stream("POST", "/v1/audio/speech", json=body) as response:
         if response.status_code != 200:
@@ -113,8 +141,7 @@ async def http_utterance(http: httpx.AsyncClient, text: str, abort: bool, slow: 
                     return  # leaving the block closes the connection mid-body
             if slow:
                 await _read_slowly(len(part))
-    tally.served += 1
-    tally.first_audio_ms.append((first - sent) * 1000)
+    tally.add("http", text, sent, first)
 
 
 async def client(base: str, index: int, until: float, minutes: list[Tally], started: float) -> None:
@@ -153,7 +180,7 @@ async def soak(base: str, minutes: int, clients: int, server: psutil.Process) ->
     reports = []
     for minute in range(minutes):
         await asyncio.sleep(max(0.0, started + 60 * (minute + 1) - time.monotonic()))
-        reports.append(tallies[minute].report(server.memory_info().rss / 2**20))
+        reports.append(tallies[minute].report(server.memory_info().rss / 2**20, SENDS, await _engine_figures(base)))
         print(json.dumps({"minute": minute + 1, **reports[-1]}), file=sys.stderr, flush=True)
     await asyncio.gather(*tasks)
     errors = sum((Counter(r["errors"]) for r in reports), Counter())
@@ -166,6 +193,16 @@ async def soak(base: str, minutes: int, clients: int, server: psutil.Process) ->
             "worst_p99_over_p50": max((r["p99_over_p50"] or 0) for r in reports)}
 
 
+async def _engine_figures(base: str) -> dict:
+    """The server's engine at the minute's end: recent tick p99, slot waits and parking (from /health)."""
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        engine = (await http.get("/health")).json().get("engine", {})
+    parking = engine.get("parking", {})
+    return {"tick_ms_p99": engine.get("tick_ms", {}).get("p99"), "step_kind": engine.get("step_kind"),
+            "slot_waits": engine.get("slot_waits"), "parks": engine.get("parks"),
+            "parked_disk": parking.get("parked", {}).get("disk"), "spills": parking.get("spill_ms", {}).get("count")}
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -173,12 +210,25 @@ def _free_port() -> int:
 
 
 def _serve(port: int, tiny: bool) -> None:
-    """The child process: the server, as `tts serve` runs it (or on the tiny engine)."""
+    """The child process: the server, as `tts serve` runs it (or on the tiny engine). Each full (generation 2)
+    garbage collection is logged to stderr with its pause: one walks the whole heap with the GIL held."""
+    import gc
     from server import serve
+    started = {}
+
+    def note(phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                started["at"] = time.perf_counter()
+            else:
+                print(json.dumps({"gc_generation_2_ms": round((time.perf_counter() - started["at"]) * 1000, 1),
+                                  "objects_tracked": len(gc.get_objects())}), file=sys.stderr, flush=True)
+    gc.callbacks.append(note)
     engine = None
-    if tiny:
+    if tiny:  # as `tts serve` builds its engine: as many open streams as connections, those waiting parked
+        from streaming.limits import Limits
         from tests.helpers import tiny_random
-        engine = tiny_random(max_streams=4)
+        engine = tiny_random(max_streams=4, max_open=Limits().max_connections)
     serve(port=port, engine=engine, log_level="warning")
 
 

@@ -408,13 +408,16 @@ def test_slow_reader_pauses_generation_and_others_are_unaffected(make_server, ti
     server = make_server(tiny_engine, send_buffer_bytes=16384)
 
     async def plateau(session):
-        last, still_since = -1, time.monotonic()
+        """Bytes sent once neither sending nor generation has moved for 1.5 s (generation fills the engine's
+        queue after sending stalls, later on a loaded machine)."""
+        last, still_since = None, time.monotonic()
         async with asyncio.timeout(60):
             while time.monotonic() - still_since < 1.5:
                 await asyncio.sleep(0.1)
-                if session.sent_bytes != last:
-                    last, still_since = session.sent_bytes, time.monotonic()
-        return last
+                now = (session.sent_bytes, session.stream.stats["audio_seconds"])
+                if now != last:
+                    last, still_since = now, time.monotonic()
+        return last[0]
 
     async def go():
         async with websockets.connect(server.ws_url, max_queue=1) as slow:
