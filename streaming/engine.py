@@ -7,7 +7,8 @@ the slots, the model and the caches; each tick it
   1. handles what happened since the last tick (events: starts, cancels, text, readers catching up) and
      encodes new text of every stream that needs it in one padded text-encoder call (`_prefill`),
   2. steps every ready slot of the bucket that covers the live ones (`_launch`: one AR step, sampling and
-     the slots' bookkeeping as batched tensor ops, `streaming.slots`),
+     the slots' bookkeeping as batched tensor ops, `streaming.slots`; on a GPU all of it one CUDA graph,
+     `streaming.decode.TickGraph`),
   3. decodes the completed frames (one codec call per tick) and hands out chunks that are due (`_collect`).
 Host work per tick is proportional to the events, not the slots: no per-slot Python loop in the steady
 state, and on a GPU one host sync per tick (waiting for the previous tick's audio while this tick's step
