@@ -17,14 +17,18 @@ the baselines with ``ring``, measured the same way in the same run.
 On a GPU (``--device cuda``) the report is the load table instead: one engine, and for each load N streams
 (a) all starting in the same instant and (b) arriving as a Poisson process at ``--arrival-rate`` a second;
 per load: real-time or not, whole-tick, AR step and codec call p50/p99, time to first audio p50/p99, and
-GPU memory per stream. ``--profile DIR`` adds a torch-profiler trace of ticks at the largest real-time load.
+GPU memory per stream; the tick's parts (`Engine.tick_phases`), the parts of the slowest 1 % of ticks, the
+tick once every stream has had its first audio (past the start burst), and the garbage collections. ``--profile DIR`` adds a torch-profiler trace of ticks at the largest real-time load.
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import random
+import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -200,8 +204,8 @@ def load(engine: Engine, text: str, starts_s: list[float], jitter_s: float = 0.2
     """Streams speaking ``text``, stream i opened ``starts_s[i]`` seconds after the first, each read as it is
     decoded by a thread of its own; lateness as in `concurrency`. Tick, step and codec times over the run."""
     n = len(starts_s)
-    late, ttfas = [0] * n, [0.0] * n
-    for figures in (engine.step_ms, engine.tick_ms, engine.codec_ms):
+    late, ttfas, first_tick = [0] * n, [0.0] * n, [0] * n
+    for figures in (engine.step_ms, engine.tick_ms, engine.codec_ms, engine.tick_phases, GC_PAUSES):
         figures.clear()
     origin = time.perf_counter() + 0.05
 
@@ -212,7 +216,7 @@ def load(engine: Engine, text: str, starts_s: list[float], jitter_s: float = 0.2
         for chunk in synthesize_stream(text, engine=engine):
             now = time.perf_counter()
             if first is None:
-                first, ttfas[i] = now, (now - start) * 1000
+                first, ttfas[i], first_tick[i] = now, (now - start) * 1000, len(engine.tick_ms)
             elif now > first + jitter_s + played / engine.sample_rate:
                 late[i] += 1
             played += len(chunk)
@@ -224,7 +228,43 @@ def load(engine: Engine, text: str, starts_s: list[float], jitter_s: float = 0.2
         t.join()
     return {"late_chunks": sum(late), "realtime": not any(late), "ttfa_ms": percentiles(ttfas),
             "tick_ms": percentiles(list(engine.tick_ms)), "step_ms": percentiles(list(engine.step_ms)),
-            "codec_ms": percentiles([ms for ms, _ in engine.codec_ms])}
+            "codec_ms": percentiles([ms for ms, _ in engine.codec_ms]),
+            "tick_ms_once_all_spoke": percentiles(list(engine.tick_ms)[max(first_tick):]), **tick_parts(engine)}
+
+
+PHASES = ("events", "launch", "wait", "hand_out")  # `Engine.tick_phases`
+GC_PAUSES: list = []  # (generation, ms) of the collections during a load (`watch_gc`)
+
+
+def tick_parts(engine: Engine) -> dict:
+    """What a tick's time goes to (`Engine.tick_phases`): p50/p99 of each part, the mean parts of the ticks
+    slower than the p99 tick (what makes the p99), and the garbage collections during the load."""
+    phases = np.array(engine.tick_phases) * 1000  # (ticks, 4) ms
+    ticks = np.array(engine.tick_ms)
+    if not len(phases) or len(phases) != len(ticks):
+        return {}
+    slow = ticks >= np.percentile(ticks, 99)
+    pauses = list(GC_PAUSES)
+    return {"phases_ms": {name: percentiles(list(phases[:, i])) for i, name in enumerate(PHASES)},
+            "slowest_1pct_ticks_ms": {"ticks": int(slow.sum()), "tick": round(float(ticks[slow].mean()), 3),
+                                      **{name: round(float(phases[slow, i].mean()), 3)
+                                         for i, name in enumerate(PHASES)}},
+            "gc": {f"gen{g}": {"count": sum(1 for gen, _ in pauses if gen == g),
+                               "max_ms": round(max([ms for gen, ms in pauses if gen == g], default=0.0), 3)}
+                   for g in (0, 1, 2)}}
+
+
+def watch_gc() -> None:
+    """Time every garbage collection into GC_PAUSES."""
+    import gc
+    started = {}
+
+    def callback(phase, info):
+        if phase == "start":
+            started["at"] = time.perf_counter()
+        elif "at" in started:
+            GC_PAUSES.append((info["generation"], (time.perf_counter() - started.pop("at")) * 1000))
+    gc.callbacks.append(callback)
 
 
 def gpu_table(model, codec, presets, device: str, counts: list[int], rate: float, text: str,
@@ -232,6 +272,7 @@ def gpu_table(model, codec, presets, device: str, counts: list[int], rate: float
     """The load table on one engine of max(counts) slots (a load of N steps a bucket of N slots). Poisson
     arrivals run for loads up to ``poisson_max``: at ``rate`` a second they hold about rate x utterance length
     streams at once whatever N is, so larger N only makes the run longer."""
+    watch_gc()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     engine = Engine(model, codec, presets, max_streams=max(counts), device=device,
@@ -266,13 +307,13 @@ def gpu_table(model, codec, presets, device: str, counts: list[int], rate: float
 
 
 def profile_ticks(engine: Engine, text: str, n: int, folder: Path) -> str:
-    """A torch-profiler trace of about 0.4 s of ticks, a second into a load of ``n`` streams starting at once
-    (past the start: steady speech): chrome trace, and the ops by GPU and by CPU time."""
+    """A torch-profiler trace of about 0.4 s of ticks, three seconds into a load of ``n`` streams starting at
+    once (past the start: steady speech): chrome trace (gzipped), and the ops by GPU and by CPU time."""
     from torch.profiler import ProfilerActivity, profile
     folder.mkdir(parents=True, exist_ok=True)
     runner = threading.Thread(target=load, args=(engine, text, [0.0] * n))
     runner.start()
-    time.sleep(1.0)
+    time.sleep(3.0)
     ticks = len(engine.tick_ms)
     try:  # the engine's own thread too, not only this one
         every_thread = {"experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)}
@@ -282,12 +323,16 @@ def profile_ticks(engine: Engine, text: str, n: int, folder: Path) -> str:
         time.sleep(0.4)
     ticks = len(engine.tick_ms) - ticks
     runner.join()
-    prof.export_chrome_trace(str(folder / f"tick_trace_{n}.json"))
+    trace = folder / f"tick_trace_{n}.json"
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    trace.unlink()
     averages = prof.key_averages()
     (folder / f"tick_ops_{n}.txt").write_text(
         f"{ticks} ticks profiled\n" + averages.table(sort_by="cuda_time_total", row_limit=40)
         + "\n" + averages.table(sort_by="self_cpu_time_total", row_limit=40))
-    return str(folder / f"tick_trace_{n}.json")
+    return f"{trace}.gz"
 
 
 def plot(rows: dict, path: Path) -> None:
@@ -324,9 +369,13 @@ def main() -> None:
     parser.add_argument("--poisson-max", type=int, help="cuda: Poisson arrivals only for loads up to this")
     parser.add_argument("--sentences", type=int, default=8, help="Harvard sentences each stream speaks")
     parser.add_argument("--profile", type=Path, help="cuda: write a profiler trace of the largest real-time load")
+    parser.add_argument("--switch-interval", type=float,
+                        help="Python's thread switch interval in seconds (sys.setswitchinterval; default 0.005)")
     parser.add_argument("--plot", type=Path, default=Path(__file__).parent / "step_vs_length.png")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     torch.set_flush_denormal(True)
     model, codec, presets = load_shipped(device=args.device)
     if args.device.startswith("cuda"):

@@ -8,7 +8,8 @@ never parked. One JSON object.
 Per round, N streams (one slot each) get the first words of a sentence, run dry and are parked together
 (``park_after_s`` 0.05); in the disk round they wait until every state has spilled to disk; then each gets the
 rest of its text and is restored. Tier times come from the engine's stats: slot <-> host memory per stream
-(on a GPU: device time between CUDA events, gather + copy to pinned memory, and copy back + scatter), host
+(on a GPU: device time between CUDA events, gather + copy to pinned memory, and copy back + scatter;
+``park_host``/``restore_host``: the engine thread's time for the same, on any device), host
 <-> disk per stream (safetensors file in the temp dir, the page cache's speed: no fsync). ``max_abs_diff``:
 the largest difference between a parked-and-restored stream's audio and the same seeded stream speaking
 without parking (greedy sampling), over both rounds and one stream detached mid-utterance and attached to a
@@ -19,9 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import numpy as np
+
+import kernels
 
 from bench.common import harvard
 from streaming.engine import Engine, SamplingConfig
@@ -53,14 +57,22 @@ def wait_until(condition, seconds=60.0) -> None:
         time.sleep(0.01)
 
 
-def parked_round(engine: Engine, sentences: list[str], disk: bool) -> list[np.ndarray]:
+def parked_round(engine: Engine, sentences: list[str], disk: bool, restores: dict) -> list[np.ndarray]:
+    """One round; adds the round's restore times per stream to ``restores`` (a restore from disk is the load
+    and then the same copy to the device as from host memory)."""
     streams = [speak(engine, s, 100 + i, 4) for i, s in enumerate(sentences)]
     tier = "disk" if disk else "host"
     wait_until(lambda: engine.stats()["parking"]["parked"][tier] == len(streams))
+    done = len(engine.store.times["restore"])
     for stream, sentence in zip(streams, sentences):
         stream.push_text(" ".join(sentence.split()[4:]))
         stream.end()
-    return [read_all(s) for s in streams]
+    audio = [read_all(s) for s in streams]
+    engine.stats()  # reads the device's timings
+    times = list(engine.store.times["restore"])[done:]
+    restores[f"{tier}_round"] = {"count": len(times), "p50": round(float(np.percentile(times, 50)), 3),
+                                 "p99": round(float(np.percentile(times, 99)), 3)} if times else None
+    return audio
 
 
 def moved_round(engine: Engine, other: Engine, sentence: str) -> np.ndarray:
@@ -78,7 +90,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--switch-interval", type=float,
+                        help="Python's thread switch interval in seconds (sys.setswitchinterval)")
     args = parser.parse_args()
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     parking = ParkingConfig(park_after_s=0.05, disk_after_s=3600)
     greedy = SamplingConfig(temperature=0.0)
     if args.tiny:
@@ -87,16 +103,18 @@ def main() -> None:
     else:
         from tts.voices import load_shipped
         model, codec, voices = load_shipped(device=args.device)
+    factory = kernels.default_step_factory(args.device) if args.device.startswith("cuda") else None
     engine = Engine(model.to(args.device), codec.to(args.device), voices, max_streams=args.streams,
-                    device=args.device, sampling=greedy, parking=parking)
+                    device=args.device, sampling=greedy, parking=parking, step_factory=factory)
     sentences = [s for s in harvard(64) if len(s.split()) >= 7][:args.streams]
     sentences = (sentences * args.streams)[:args.streams]
     parking.park_after_s = 0  # the reference: never parked
     expected = [read_all(s) for s in [speak(engine, s, 100 + i, None) for i, s in enumerate(sentences)]]
     parking.park_after_s = 0.05
-    host = parked_round(engine, sentences, disk=False)
+    restores: dict = {}
+    host = parked_round(engine, sentences, disk=False, restores=restores)
     parking.disk_after_s = 0.05
-    disk = parked_round(engine, sentences, disk=True)
+    disk = parked_round(engine, sentences, disk=True, restores=restores)
     moved = moved_round(engine, Engine(model, codec, voices, max_streams=2, device=args.device, sampling=greedy),
                         sentences[0])
     diffs = [float(np.abs(got - want).max()) if len(got) == len(want) else float("inf")
@@ -105,11 +123,12 @@ def main() -> None:
     state_bytes = engine.caches.nbytes // engine.max_streams
     print(json.dumps({"engine": "tiny_random" if args.tiny else "shipped", "device": args.device,
                       "cpu_cores": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
-                      "streams": args.streams, "parks": stats["parks"], "restores": stats["restores"],
+                      "streams": args.streams, "switch_interval_s": sys.getswitchinterval(), "parks": stats["parks"], "restores": stats["restores"],
                       "cache_bytes_per_stream": state_bytes,
                       "tiers_ms_per_stream": {kind: stats["parking"][f"{kind}_ms"] for kind in
-                                              ("park", "restore", "spill", "load")},
-                      "max_abs_diff": max(diffs), "identical_streams": sum(d == 0 for d in diffs),
+                                              ("park", "restore", "spill", "load", "park_host", "restore_host")},
+                      "restore_ms_per_stream_by_round": restores, "max_abs_diff": max(diffs), "identical_streams": sum(d == 0 for d in diffs),
+                      "streams_within_1e-4": sum(d <= 1e-4 for d in diffs), "step": engine.step_kind,
                       "compared_streams": len(diffs)}, indent=2))
     engine.close()
 

@@ -14,6 +14,7 @@ frame equals its offline decode (`Codec.decode`), as the chunked decode does.
 """
 from __future__ import annotations
 
+import copy
 import os
 import queue
 import threading
@@ -138,10 +139,63 @@ def decoder_rows(state: DecoderState, index: torch.Tensor) -> dict[str, torch.Te
     return rows
 
 
+def decoder_row_tensors(state: DecoderState) -> dict[str, torch.Tensor]:
+    """The decoder state's tensors by the names of `decoder_rows`, batch first, as views (writes land in the
+    state): "codec.i" (B, C, N) per buffer, "codec.h"/"codec.c" (B, 1, H) for the LSTM's (1, B, H) (whose
+    row views then have a contiguous row's strides)."""
+    tensors = {f"codec.{i}": buffer for i, buffer in enumerate(state.buffers)}
+    if state.lstm is not None:
+        tensors["codec.h"], tensors["codec.c"] = (part[0].unsqueeze(1) for part in state.lstm)
+    return tensors
+
+
 def put_decoder_rows(state: DecoderState, index: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
     """Write rows from `decoder_rows` (possibly of another engine) into the streams at ``index``."""
     lstm = None if state.lstm is None else (rows["codec.h"].transpose(0, 1), rows["codec.c"].transpose(0, 1))
     state.write(index, DecoderState([rows[f"codec.{i}"] for i in range(len(state.buffers))], lstm))
+
+
+def exact_convolutions(benchmark: bool = True):
+    """cuDNN without TF32 for the decoder's convolutions, choosing each shape's algorithm by timing them. With
+    TF32 (PyTorch's default for convolutions) a stream's samples depend on the slot bucket it is decoded in
+    (each batch size gets its own algorithm), by up to ~6e-4: a stream restored into another slot, or moved,
+    would not continue exactly; in float32 they agree to ~1e-6. cuDNN's heuristic picks FFT and other slow
+    float32 algorithms for these small convolutions (H200: 7.6 ms a call at 256 slots, against 1.4 with TF32),
+    so the choice is benchmarked (once per shape, before a graph capture). The text encoder, whose shapes vary
+    from call to call, passes ``benchmark=False``: float32 too, so a unit's duration (a rounded float) does not
+    depend on the batch it was encoded in."""
+    return torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, benchmark=benchmark,
+                                      deterministic=False, allow_tf32=False)
+
+
+class FrameUpsample(torch.nn.Module):
+    """A decoder block's transposed convolution (`tts.codec.CausalConvTranspose1d`) stepped one frame at a
+    time as one matrix product: for a single input sample it is x (B, Cin) @ W (Cin, Cout * kernel). cuDNN
+    runs it as a float32 "dgrad" convolution that took 1.1 ms of a 4.4 ms codec call at 512 slots on an H200;
+    the product gives the same samples (to float rounding) for a fraction of that. Longer inputs go to the
+    convolution itself."""
+
+    def __init__(self, up):
+        super().__init__()
+        self.up, self.tail = up, up.tail
+
+    def step(self, x: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.shape[-1] != 1:
+            return self.up.step(x, tail)
+        weight, bias = self.up.weight, self.up.bias  # (Cin, Cout, kernel), (Cout,)
+        y = (x[:, :, 0] @ weight.flatten(1)).view(x.shape[0], *weight.shape[1:]) + bias[:, None]  # (B, Cout, k)
+        y = torch.cat([y[..., :self.tail] + tail, y[..., self.tail:]], dim=-1)
+        cut = y.shape[-1] - self.tail
+        return y[..., :cut], y[..., cut:] - bias[:, None]
+
+
+def frame_decoder(decoder):
+    """``decoder`` with its blocks' transposed convolutions stepped as `FrameUpsample` (weights shared)."""
+    frames = copy.copy(decoder)
+    frames._modules = dict(decoder._modules)
+    frames.blocks = torch.nn.ModuleList(torch.nn.ModuleList([FrameUpsample(up), res1, res3])
+                                        for up, res1, res3 in decoder.blocks)
+    return frames
 
 
 class FrameCodec:
@@ -152,6 +206,7 @@ class FrameCodec:
 
     def __init__(self, codec: Codec, max_streams: int, device):
         self.codec, self.device = codec, torch.device(device)
+        self.decoder = frame_decoder(codec.decoder)
         self.state = codec.init_state(max_streams, device)
         self.codes = torch.zeros(max_streams, codec.cfg.codebooks, dtype=torch.long, device=device)  # (B, K)
         self.mask = torch.zeros(max_streams, dtype=torch.bool, device=device)  # (B,)
@@ -162,10 +217,18 @@ class FrameCodec:
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     def run(self, n: int, codes: torch.Tensor, completed: torch.Tensor, reset: torch.Tensor | None) -> torch.Tensor:
+        self.take(n, codes, completed, reset)
+        return self.decode(n)
+
+    def take(self, n: int, codes: torch.Tensor, completed: torch.Tensor, reset: torch.Tensor | None) -> None:
+        """The first half of `run`: reset rows, copy this tick's frame codes and mask into the static inputs."""
         if reset is not None:
             self.state.reset(reset)
         self.codes[:n].copy_(torch.where(completed[:, None], codes, 0))  # idle rows: any valid code
         self.mask[:n].copy_(completed)
+
+    def decode(self, n: int) -> torch.Tensor:
+        """The second half of `run`: decode the taken frames; (n, hop) samples."""
         if self.use_graphs and n not in self.graphs:
             try:
                 self.graphs[n] = self._capture(n)
@@ -189,7 +252,8 @@ class FrameCodec:
                             None if self.state.lstm is None else tuple(p[:, :n] for p in self.state.lstm))
         stepped = DecoderState(list(rows.buffers), rows.lstm)
         z = self.codec.quantizer.decode(self.codes[:n, :, None])  # (n, D, 1)
-        audio = self.codec.decoder.step(z, stepped)  # (n, 1, hop)
+        with exact_convolutions():
+            audio = self.decoder.step(z, stepped)  # (n, 1, hop)
         keep = self.mask[:n]
         for old, new in zip(rows.buffers, stepped.buffers):
             old.copy_(torch.where(keep[:, None, None], new, old))

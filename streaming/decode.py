@@ -7,6 +7,7 @@ import torch
 
 from streaming.kv_cache import RingKVCache
 from streaming.masks import slot_mask
+from streaming.sampling import sample
 from tts.model import ModelConfig, TTSModel
 
 # Text ring entries per slot. The step sees units p-behind..p+ahead of its aligned unit p (the mask); the rest
@@ -95,3 +96,43 @@ def decode_step(model: TTSModel, caches: StepCaches, tokens: torch.Tensor, frame
     logits = model(tokens[:, :, None], frame[:, None], phoneme[:, None], caches.sinks, text_kv,
                    caches.text[0].positions, audio_kv)
     return logits[:, :, 0]
+
+
+def tick_step(model: TTSModel, caches: StepCaches, slots, n: int, temperature: float, top_k: int,
+              step=decode_step, dry: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One frame tick of the first ``n`` slots on the device: plan (aligned units, who is ready), the AR step,
+    sampling and the slots' bookkeeping (`streaming.slots.Slots`). Returns (meta (n, len(META)), codes (n, K)).
+    ``temperature`` 0 samples greedily, else each slot samples at its own (``slots.temperature``). ``dry``
+    runs plan, step and sampling with every slot inactive and changes nothing (a warm-up before a capture)."""
+    unit, ready = slots.plan(n, caches.text[0].positions[:n])
+    if dry:
+        ready = torch.zeros_like(ready)
+    logits = step(model, caches, slots.tokens[:n], slots.step[:n], unit.clamp(min=0), ready)
+    sampled = sample(logits, slots.temperature[:n] if temperature > 0 else 0.0, top_k, key=slots.key[:n],
+                     step=slots.step[:n])
+    if dry:
+        return None, None
+    return slots.advance(sampled, ready, unit, keep_codes=False)
+
+
+class TickGraph:
+    """`tick_step` of ``n`` slots captured as one CUDA graph: a steady-state tick is one launch, whatever
+    the number of slots (the ~70 small kernels of plan, sampling and bookkeeping included). Every input is
+    state the engine keeps in fixed device tensors (`Slots`, `StepCaches`), so the graph reads it where it
+    lies; ``meta`` and ``codes`` are the graph's outputs, rewritten by each replay."""
+    kind = "cuda_graph_tick"
+
+    def __init__(self, model: TTSModel, caches: StepCaches, slots, n: int, temperature: float, top_k: int):
+        args = (model, caches, slots, n, temperature, top_k)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            tick_step(*args, dry=True)  # lazy initialisation (cuBLAS, the noise table) outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.meta, self.codes = tick_step(*args)
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.graph.replay()
+        return self.meta, self.codes

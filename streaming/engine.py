@@ -7,7 +7,8 @@ the slots, the model and the caches; each tick it
   1. handles what happened since the last tick (events: starts, cancels, text, readers catching up) and
      encodes new text of every stream that needs it in one padded text-encoder call (`_prefill`),
   2. steps every ready slot of the bucket that covers the live ones (`_launch`: one AR step, sampling and
-     the slots' bookkeeping as batched tensor ops, `streaming.slots`),
+     the slots' bookkeeping as batched tensor ops, `streaming.slots`; on a GPU all of it one CUDA graph,
+     `streaming.decode.TickGraph`),
   3. decodes the completed frames (one codec call per tick) and hands out chunks that are due (`_collect`).
 Host work per tick is proportional to the events, not the slots: no per-slot Python loop in the steady
 state, and on a GPU one host sync per tick (waiting for the previous tick's audio while this tick's step
@@ -29,8 +30,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import gc
 import hashlib
 import heapq
+import sys
 import threading
 import time
 import traceback
@@ -43,9 +46,10 @@ import numpy as np
 import torch
 
 from streaming.admission import Admission, Full
-from streaming.codec_worker import AudioOutbox, CodecWorker, FrameCodec, decoder_rows, put_decoder_rows
-from streaming.decode import TEXT_RING, StepCaches, decode_step
-from streaming.parking import Parked, ParkingConfig, ParkingStore, pack, unpack
+from streaming.codec_worker import (AudioOutbox, CodecWorker, FrameCodec, decoder_row_tensors, exact_convolutions,
+                                    fast_path_enabled)
+from streaming.decode import TEXT_RING, StepCaches, TickGraph, decode_step
+from streaming.parking import Parked, ParkingConfig, ParkingStore, RowLayout, pack, unpack
 from streaming.sampling import sample
 from streaming.slots import CHUNK_SCHEDULE, META, Slots
 from streaming.stream import MOVING, Stream
@@ -60,6 +64,15 @@ StepFactory = Callable[..., Callable]  # factory(model, caches, batch, device) -
 UNIT, READY, COMPLETED, PENDING, DUE, DONE = range(len(META))
 URGENT_LEAD = 8  # units encoded ahead of a slot's aligned unit below which its next units are encoded at once
 ROUTINE_TICKS = 8  # otherwise top-ups wait for every 8th tick, so one text-encoder call serves many slots
+# A burst (hundreds of streams starting in one instant) is spread over ticks, so that no tick stalls the
+# streams already speaking for long: at most this many slots granted, and rows prefilled, per tick.
+GRANTS_PER_TICK = 64
+PREFILL_ROWS = 128
+# On a GPU the engine thread shares the interpreter lock with every reader and the text thread; when it asks
+# for the lock back (after a device wait) the holder keeps it up to the switch interval (Python's default 5 ms).
+# 0.5 ms: H200, 1,024 streams at once, late chunks 3,606 -> 806, tick p99 61 -> 46 ms; 512: p99 33 -> 28 ms.
+SWITCH_INTERVAL_S = 0.0005
+STAGING_ROWS = 64  # a GPU parks and restores up to this many streams per batched copy
 CPU_STREAMS = 8  # default slots on a CPU: a step costs what its active slots cost, so idle slots are free
 GPU_STREAMS_CAP = 1024  # default cap on a GPU; memory would allow far more (`default_max_streams`)
 BLEND_PREFIXES = 64  # blends whose prefix keys/values stay cached (64 KB each for the shipped model)
@@ -142,13 +155,22 @@ class Engine:
             torch.set_num_threads(max(1, torch.get_num_threads() // 2))  # by side: split the cores, once a process
             Engine._cores_split = True
         self.frame_codec = self.device.type == "cuda" if frame_codec is None else frame_codec
+        if self.device.type == "cuda":
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._build_device_state(self.max_streams)
         self.step_ms: deque[float] = deque(maxlen=200_000)  # AR step + sampling, per tick
         self.tick_ms: deque[float] = deque(maxlen=200_000)  # a whole tick: events, prefill, step, codec, hand-out
+        # its parts (s): events and prefill, launch, waiting for the device, handing out the previous tick's audio
+        self.tick_phases: deque[tuple[float, float, float, float]] = deque(maxlen=200_000)
+        self._waited = 0.0
         self._factory, self._next_factory = step_factory, None
         self._steps: dict[int, Callable] = {}
         self._views: dict[int, StepCaches] = {}
         self.step_kind = _kind(step_factory)
+        self._graphs = self._tick_graphs()
+        self._layout: tuple[RowLayout, dict] | None = None  # `_row_layout`
+        self._staging: torch.Tensor | None = None
+        self._staging_rows: list[dict] = []
         self._build_host_tables(self.max_streams)
         # thread hand-offs
         self._lock = threading.Lock()  # guards the factory switch
@@ -172,6 +194,9 @@ class Engine:
             self.frame_decoder = FrameCodec(self.codec, batch, self.device)
             self.outbox = AudioOutbox(batch, max(CHUNK_SCHEDULE), self.codec.cfg.hop)
             self.codec_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            if self.device.type == "cuda":  # where each tick's table and audio reach the host, in turn
+                self._pinned = [(torch.zeros(batch, len(META), dtype=torch.long, pin_memory=True),
+                                 torch.zeros(batch, self.codec.cfg.hop, pin_memory=True)) for _ in range(4)]
             self.codec_ms: deque = deque(maxlen=200_000)  # (ms, frames) per codec call
         else:
             self.codec_worker = CodecWorker(self.codec, batch, self.device)
@@ -251,6 +276,8 @@ class Engine:
         self._inbox.append(("warm", None, done))
         self.wake()
         done.wait()
+        gc.collect()
+        gc.freeze()  # what exists now (model, tables, graphs) lives on: later full collections skip it
 
     def set_step_factory(self, factory: StepFactory | None) -> None:
         """Run the AR step built by ``factory`` (None: eager) from the next tick on; callable from any thread
@@ -334,6 +361,8 @@ class Engine:
             raise BadState(str(err)) from None
         if rows and host["frame_codec"] != self.frame_codec:
             raise BadState("the stream was detached from an engine with the other codec path (frame codec on/off)")
+        if rows and not set(self._row_tensors()) <= set(rows):
+            raise BadState("the stream's state lacks rows this engine needs (an engine of another version?)")
         stream = Stream.from_state(self, host["stream"], unread)
         preset = self.voice_preset(stream.voice)
         try:
@@ -396,14 +425,20 @@ class Engine:
         events = self._handle_events()
         n = self._bucket()
         launched = n > 0 and (events or self._any_ready)
+        handled = time.perf_counter()
         if launched:
             self._launch(n)
             self._ticks += 1
+        collecting = time.perf_counter()
         keep = 1 if launched and self.frame_codec else 0
+        self._waited = 0.0
         while len(self._inflight) > keep:
             self._collect(self._inflight.popleft())
         if launched:
-            self.tick_ms.append((time.perf_counter() - started) * 1000)
+            ended = time.perf_counter()
+            self.tick_ms.append((ended - started) * 1000)
+            self.tick_phases.append((handled - started, collecting - handled, self._waited,
+                                     ended - collecting - self._waited))
         return launched or bool(self._inflight)
 
     def _bucket(self) -> int:
@@ -421,6 +456,7 @@ class Engine:
                 (self._factory,), self._next_factory = self._next_factory, None
                 self._steps.clear()
                 self.step_kind = _kind(self._factory)
+                self._graphs = self._tick_graphs()
         handled = False
         while self._inbox:
             kind, stream, payload = self._inbox.popleft()
@@ -477,7 +513,8 @@ class Engine:
             n = 1
             while True:
                 n = min(n, self.max_streams)
-                self._step_for(n)
+                if self._graph_for(n) is None:
+                    self._step_for(n)
                 if self.frame_codec:
                     with torch.cuda.stream(self.codec_stream) if self.codec_stream else contextlib.nullcontext():
                         self.frame_decoder.prepare(n)
@@ -596,8 +633,11 @@ class Engine:
             self.counters["slot_waits"] += 1
 
     def _grant_slots(self) -> None:
-        """Free slots to the waiting streams: parked ones whose state is in memory first, then new ones."""
-        while self._free and (self._starts or self._restores):
+        """Free slots to the waiting streams: parked ones whose state is in memory first, then new ones; at most
+        GRANTS_PER_TICK a tick (the rest in the next ticks, in order)."""
+        granted = 0
+        while self._free and (self._starts or self._restores) and granted < GRANTS_PER_TICK:
+            granted += 1
             u = next((r for r in self._restores if r.detach is None and self.store.want(r.parked)), None)
             if u is None and not self._starts:
                 return  # only restores whose state is still loading
@@ -614,7 +654,8 @@ class Engine:
         self._generation[slot] += 1
         self._encoded[slot], self._encodable[slot], self._unit[slot] = u.encoded, u.encodable, u.unit
         if why == "restore":
-            self._todo.restores.append((u, self.store.take(u.parked)))
+            self.store.take(u.parked)
+            self._todo.restores.append((u, u.parked))
             u.parked = None
             self.counters["restores"] += 1
             u.stream.resume_samples = u.stream.max_queued_samples
@@ -645,25 +686,29 @@ class Engine:
         self.counters["parks"] += 1
 
     def _park_rows(self, parks: list[tuple[Utterance, int]]) -> None:
-        """Copy the parked slots' rows out in one batched gather per tensor (to pinned memory on a GPU)."""
+        """Copy the parked slots' rows out, packed (`RowLayout`): on a GPU one batched gather into a staging
+        buffer, then one copy per stream to pinned host memory; on the CPU one gather into host rows."""
         started, timer = time.perf_counter(), _Timer(self.device.type == "cuda")
         rows = [slot for _, slot in parks]
-        rows_d = self._upload(rows)
         cuda = self.device.type == "cuda"
-        taken = {name: t.index_select(0, rows_d) for name, t in (self.caches.rows() | self.slots.rows()).items()}
-        if self.frame_codec:
-            if cuda:
-                torch.cuda.current_stream(self.device).wait_stream(self.codec_stream)
-            taken |= decoder_rows(self.frame_decoder.state, rows_d)
+        if cuda and self.frame_codec:
+            torch.cuda.current_stream(self.device).wait_stream(self.codec_stream)
+        layout, tensors = self._row_layout()
+        flats = [torch.empty(layout.row_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in rows]
         if cuda:
-            taken = {name: _to_host(t) for name, t in taken.items()}
+            for at in range(0, len(rows), len(self._staging)):
+                part = rows[at:at + len(self._staging)]
+                layout.copy(self._staging_rows[:len(part)], [layout.slot(tensors, r) for r in part])
+                for i in range(len(part)):
+                    flats[at + i].copy_(self._staging[i], non_blocking=True)
             timer.mark()
-            copied = timer.marks[-1]
+        else:
+            layout.copy([layout.packed(flat) for flat in flats], [layout.slot(tensors, r) for r in rows])
         for i, (u, _) in enumerate(parks):
-            u.parked.add({name: t[i:i + 1] for name, t in taken.items()})
+            u.parked.add_packed(flats[i], layout)
             if self.frame_codec:
                 u.parked.add({"outbox": torch.from_numpy(self.outbox.audio[rows[i]:rows[i] + 1].copy())})
-                u.parked.copied = copied if cuda else None
+                u.parked.copied = timer.marks[-1] if cuda else None
                 u.parked.captured.set()
             self.store.put(u.parked)
         if not self.frame_codec:
@@ -673,39 +718,71 @@ class Engine:
             if u.detach is not None:
                 self._finish_detach(u)
 
-    def _restore_rows(self, restores: list[tuple[Utterance, dict]]) -> list[int]:
-        """Put parked states into their new slots: the voices' prefixes as at a start, then every row."""
+    def _restore_rows(self, restores: list[tuple[Utterance, Parked]]) -> list[int]:
+        """Put parked states into their new slots, every row (the voice prefix too) in packed form: on a GPU one
+        copy each into the staging buffer, then one batched scatter."""
         started, timer = time.perf_counter(), _Timer(self.device.type == "cuda")
+        cuda = self.device.type == "cuda"
         rows = [u.slot for u, _ in restores]
-        rows_d = self._upload(rows)
-        self._start_caches(rows_d, [u for u, _ in restores])
-        states = [state for _, state in restores]
-        targets = self.caches.rows() | self.slots.rows()
-        if self.frame_codec:  # with the CPU codec worker the decoder's rows may still be on their way: it restores them
-            targets |= {name: None for name in states[0] if name.startswith("codec.")}
-        stacked = {name: torch.cat([state[name] for state in states]) for name in targets}
-        if self.device.type == "cuda":
-            stacked = {name: t.pin_memory().to(self.device, non_blocking=True) for name, t in stacked.items()}
-        for name, tensor in targets.items():
-            if tensor is not None:
-                tensor[rows_d] = stacked[name]
+        layout, tensors = self._row_layout()  # the voice prefix (sinks) included: no `_start_caches`
+        parked = [p for _, p in restores]
+        flats = [p.flat if p.flat is not None and p.layout is layout else layout.flatten(p.rows, pin=cuda)
+                 for p in parked]
+        if cuda:
+            for at in range(0, len(rows), len(self._staging)):
+                part = flats[at:at + len(self._staging)]
+                for i, flat in enumerate(part):
+                    self._staging[i].copy_(flat, non_blocking=flat.is_pinned())
+                layout.copy([layout.slot(tensors, r) for r in rows[at:at + len(part)]],
+                            self._staging_rows[:len(part)])
+        else:
+            layout.copy([layout.slot(tensors, r) for r in rows], [layout.packed(flat) for flat in flats])
         if self.frame_codec:
-            put_decoder_rows(self.frame_decoder.state, rows_d, stacked)
-            self.outbox.audio[rows] = torch.cat([state["outbox"] for state in states]).numpy()
+            self.outbox.audio[rows] = torch.cat([p.loose["outbox"] for p in parked]).numpy()
             self._codec_resets = [r for r in self._codec_resets if r not in rows]
         else:
-            self.codec_worker.restore(rows, states)
-        if self.device.type == "cuda":
+            self.codec_worker.restore(rows, [p.rows for p in parked])
+        if cuda:
             timer.mark()
         self._note("restore", started, timer, len(restores))
         return rows
 
+    def _row_tensors(self) -> dict[str, torch.Tensor]:
+        """Every (B, ...) tensor of a slot's state by name: caches (the voice prefix too, so that a restore
+        needs no `_start_caches`), slots and, with the frame codec, its decoder state."""
+        tensors = self.caches.rows() | {f"sinks.{layer}.{part}": pair[i] for layer, pair in enumerate(self.caches.sinks)
+                                        for i, part in enumerate(("keys", "values"))}
+        tensors |= self.slots.rows()
+        if self.frame_codec:
+            tensors |= decoder_row_tensors(self.frame_decoder.state)
+        return tensors
+
+    def _row_layout(self) -> tuple[RowLayout, dict[str, torch.Tensor]]:
+        """The packed layout of a slot's state and the (B, ...) tensors it covers: caches, slots and, with the
+        frame codec, its decoder state (the CPU codec worker's is captured on its own thread). On a GPU also a
+        staging buffer for the packed rows of up to STAGING_ROWS streams at a time, and pinned host memory for
+        as many parked rows made ready (the first cudaHostAlloc of each costs milliseconds)."""
+        if self._layout is None:
+            tensors = self._row_tensors()
+            layout = RowLayout(tensors)
+            self._layout = (layout, tensors)
+            if self.device.type == "cuda":
+                staging = min(STAGING_ROWS, self.max_streams)
+                self._staging = torch.empty(staging, layout.row_bytes, dtype=torch.uint8, device=self.device)
+                self._staging_rows = [layout.packed(row) for row in self._staging]
+                warm = [torch.empty(layout.row_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(staging)]
+                del warm  # back to PyTorch's pinned-memory cache, for the first parks to take
+        return self._layout
+
     def _note(self, kind: str, started: float, timer: "_Timer", count: int) -> None:
-        """Park/restore time per stream: on a GPU the device's (CUDA events, read later), else the clock's."""
+        """Park/restore time per stream: on a GPU the device's (CUDA events, read later), else the clock's;
+        and the engine thread's time (``park_host``, ``restore_host``) either way."""
+        host_ms = (time.perf_counter() - started) * 1000
         if timer.cuda:
             self.store.note_device(kind, timer.marks[0], timer.marks[-1], count)
         else:
-            self.store.note(kind, (time.perf_counter() - started) * 1000, count)
+            self.store.note(kind, host_ms, count)
+        self.store.note(f"{kind}_host", host_ms, count)
 
     # -- detach: park at once, then hand the state to the caller --
     def _start_detach(self, u: Utterance) -> None:
@@ -748,12 +825,14 @@ class Engine:
         """Slots whose encoded lead over their aligned unit ran low and that have units to encode: encode up
         to the ring's limit (`Slots.encode_limit`). Urgent ones (a first prefill, or a lead of at most
         URGENT_LEAD units) go now; routine top-ups (a lead of at most half the ring) every ROUTINE_TICKS ticks,
-        many slots in one call. Example, ring 32, behind 3: at unit 20 with 33 encoded (lead 13) and 80
+        many slots in one call; at most PREFILL_ROWS slots a tick, the lowest leads first. Example, ring 32, behind 3: at unit 20 with 33 encoded (lead 13) and 80
         received, a routine top-up encodes units 33..48 (up to 20 + 32 - 3 = 49, exclusive)."""
         unit = np.maximum(self._unit, 0)
         lead = self._encoded - unit
         low = self.slots.encode_limit(0) // 2 if self._ticks % ROUTINE_TICKS == 0 else URGENT_LEAD
         need = np.flatnonzero((self._encodable > self._encoded) & ((lead <= low) | (self._encoded == 0)))
+        if len(need) > PREFILL_ROWS:  # the lowest leads now, the rest next tick
+            need = np.sort(need[np.argsort(lead[need], kind="stable")[:PREFILL_ROWS]])
         chosen = []
         for slot in need:
             stop = min(int(self._encodable[slot]), self.slots.encode_limit(int(unit[slot])),
@@ -841,7 +920,8 @@ class Engine:
         units, rows, offsets, counts, firsts, voices, rates = self._prefill_windows(chosen)
         upload = self._upload
         rows_d, counts_d, first_d = upload(rows), upload(counts), upload(firsts)
-        states, log_dur = self.model.text(upload(units), upload(voices, torch.float32))  # (M, L, C), (M, L)
+        with exact_convolutions(benchmark=False):  # (M, L, C), (M, L)
+            states, log_dur = self.model.text(upload(units), upload(voices, torch.float32))
         at = torch.arange(max(counts), device=self.device)  # (E,)
         keep = at < counts_d[:, None]  # (M, E)
         columns = (upload(offsets)[:, None] + at).clamp(max=units.shape[1] - 1)
@@ -884,48 +964,108 @@ class Engine:
 
     # -- the batched tick --
     def _launch(self, n: int) -> None:
-        """Step the ready slots among the first ``n``; decode completed frames; queue the results for the host."""
+        """Step the ready slots among the first ``n``; decode completed frames; queue the results for the host.
+        On a GPU with graphs the step is one `TickGraph` launch and the codec one more on its own stream."""
         launched_at = time.perf_counter()
         cuda = self.device.type == "cuda"
-        step = self._step_for(n)
-        slots = self.slots
         timer = _Timer(cuda)
+        graph = self._graph_for(n)
+        if graph is not None:
+            meta, codes = graph()
+            timer.mark()
+        else:
+            meta, codes = self._eager_tick(n, timer)
+        tick = _Tick(n, list(self.utterances[:n]), self._generation[:n].copy(), self._schedules, timer,
+                     self._ticks, launched_at)
+        self._schedules = []
+        if not self.frame_codec:
+            tick.meta = meta
+        elif cuda:
+            self._decode_frames_cuda(tick, meta, codes)
+        else:
+            reset = self._take_codec_resets()
+            timer.mark()
+            tick.audio = self.frame_decoder.run(n, codes, meta[:, COMPLETED].bool(), reset).numpy().copy()
+            timer.mark()
+            tick.meta = meta
+        self._inflight.append(tick)
+
+    def _eager_tick(self, n: int, timer: "_Timer") -> tuple[torch.Tensor, torch.Tensor]:
+        """`tick_step` op by op, with the step factory's step (the CPU path, and a GPU without graphs)."""
+        slots = self.slots
+        step = self._step_for(n)
         unit, ready = slots.plan(n, self.caches.text[0].positions[:n])
         logits = step(self.model, self._view(n), slots.tokens[:n], slots.step[:n], unit.clamp(min=0), ready)
         temperature = slots.temperature[:n] if self.sampling.temperature > 0 else 0.0  # 0: greedy, for tests
         sampled = sample(logits, temperature, self.sampling.top_k, key=slots.key[:n], step=slots.step[:n])
-        timer.mark()
-        meta, codes = slots.advance(sampled, ready, unit, keep_codes=not self.frame_codec)
-        tick = _Tick(n, list(self.utterances[:n]), self._generation[:n].copy(), self._schedules, timer,
-                     self._ticks, launched_at)
-        self._schedules = []
-        if self.frame_codec:
-            resets, self._codec_resets = self._codec_resets, []
-            reset = self._row_mask(resets) if resets else None
-            if cuda:
-                self.codec_stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(self.codec_stream):
-                    for t in (meta, codes) + ((reset,) if reset is not None else ()):
-                        t.record_stream(self.codec_stream)
-                    timer.mark()
-                    audio = self.frame_decoder.run(n, codes, meta[:, COMPLETED].bool(), reset)
-                    timer.mark()
-                    tick.meta, tick.audio = _to_host(meta), _to_host(audio)
-                    tick.ready = torch.cuda.Event()
-                    tick.ready.record()
-            else:
-                timer.mark()
-                tick.audio = self.frame_decoder.run(n, codes, meta[:, COMPLETED].bool(), reset).numpy().copy()
-                timer.mark()
-                tick.meta = meta
-        else:
-            tick.meta = meta
-        self._inflight.append(tick)
+        timer.mark()  # the step's time: AR step and sampling
+        return slots.advance(sampled, ready, unit, keep_codes=not self.frame_codec)
+
+    def _decode_frames_cuda(self, tick: "_Tick", meta: torch.Tensor, codes: torch.Tensor) -> None:
+        """The codec on its own CUDA stream, overlapping the next tick's step: it first copies what it reads of
+        this tick's outputs (which the next tick's graph rewrites; the main stream waits for that copy only),
+        then decodes and copies the audio to a pinned buffer of a small ring (no allocation per tick)."""
+        n, timer = tick.n, tick.timer
+        reset = self._take_codec_resets()
+        main = torch.cuda.current_stream(self.device)
+        self.codec_stream.wait_stream(main)
+        with torch.cuda.stream(self.codec_stream):
+            if reset is not None:
+                reset.record_stream(self.codec_stream)
+            if self._graphs is None:  # eager outputs: fresh tensors, kept alive for the codec stream
+                for t in (meta, codes):
+                    t.record_stream(self.codec_stream)
+            self.frame_decoder.take(n, codes, meta[:, COMPLETED].bool(), reset)
+            host_meta, host_audio = self._pinned[self._ticks % len(self._pinned)]
+            host_meta[:n].copy_(meta, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            timer.mark()
+            audio = self.frame_decoder.decode(n)
+            timer.mark()
+            host_audio[:n].copy_(audio, non_blocking=True)
+            tick.ready = torch.cuda.Event()
+            tick.ready.record()
+        main.wait_event(copied)
+        tick.meta, tick.audio = host_meta[:n], host_audio[:n]
+
+    def _tick_graphs(self) -> dict | None:
+        """Captured ticks by bucket when they can serve: a GPU with the frame codec, graphs not switched off
+        (TTS_NO_GRAPH=1), and a step factory (None asks for the eager step). They step with `decode_step`
+        itself, captured inside the tick, in place of the factory's step (on a GPU that is the same step)."""
+        wanted = (self.device.type == "cuda" and self.frame_codec and self._factory is not None
+                  and fast_path_enabled("graph"))
+        return {} if wanted else None
+
+    def _take_codec_resets(self) -> torch.Tensor | None:
+        resets, self._codec_resets = self._codec_resets, []
+        return self._row_mask(resets) if resets else None
+
+    def _graph_for(self, n: int) -> "TickGraph | None":
+        """The captured tick of bucket ``n`` (built on first use), or None: no CUDA graphs here (the CPU, no
+        step factory, TTS_NO_GRAPH=1) or the capture failed (then the eager tick serves, with a warning)."""
+        if self._graphs is None:
+            return None
+        graph = self._graphs.get(n)
+        if graph is None:
+            try:
+                graph = TickGraph(self.model, self._view(n), self.slots, n, self.sampling.temperature,
+                                  self.sampling.top_k)
+            except Exception as err:
+                warnings.warn(f"tick CUDA graph for {n} slots unavailable, stepping eagerly: {err}")
+                self._graphs = None
+                self.step_kind = "eager"
+                return None
+            self._graphs[n] = graph
+            self.step_kind = TickGraph.kind
+        return graph
 
     def _collect(self, tick: "_Tick") -> None:
         """Results of a launched tick: hand out due chunks, end finished streams, note each slot's unit."""
         if tick.ready is not None:
+            waiting = time.perf_counter()
             tick.ready.synchronize()  # the one host sync of a GPU tick
+            self._waited += time.perf_counter() - waiting
         meta = tick.meta.numpy() if isinstance(tick.meta, torch.Tensor) else tick.meta
         n = tick.n
         same = tick.generation == self._generation[:n]  # rows still held by the stream that was stepped
@@ -1035,7 +1175,7 @@ class _DeviceUpdates:
     flags: list[Utterance] = field(default_factory=list)  # closed/ended to recompute
     paused: list[tuple[Utterance, bool]] = field(default_factory=list)
     parks: list[tuple[Utterance, int]] = field(default_factory=list)  # (stream, the slot it leaves)
-    restores: list[tuple[Utterance, dict]] = field(default_factory=list)  # (stream in its new slot, its rows)
+    restores: list[tuple[Utterance, Parked]] = field(default_factory=list)  # (stream in its new slot, its state)
 
     def any(self) -> bool:
         return bool(self.frees or self.starts or self.flags or self.paused or self.parks or self.restores)

@@ -1,9 +1,9 @@
 """Parked streams: a stream that waits (its text ran dry, or its reader is behind) gives its slot back, and its
 slot state waits here, in tiers, until it can go on.
 
-A parked stream's state is its row of every batched slot tensor (`Slots.rows`), of the KV rings
-(`StepCaches.rows`; the voice-prefix sink rows are rebuilt from the voice's prefix on restore) and of the codec
-decoder state (`codec_worker.decoder_rows`), as named (1, ...) tensors, plus the engine's host bookkeeping
+A parked stream's state is its row of every batched slot tensor (`Slots.rows`), of the KV rings and the voice
+prefix (`StepCaches.rows`, the sinks) and of the codec decoder state (`codec_worker.decoder_rows`), packed into
+one byte row (`RowLayout`; named (1, ...) views of it in `Parked.rows`), plus the engine's host bookkeeping
 (kept by the engine, small). Tiers: when parked the rows are copied to host memory (on a GPU into pinned
 memory, asynchronously; on the CPU they are host memory already). After ``disk_after_s`` idle, or at once
 while the host tier holds more than ``max_host_bytes``, a spill thread writes them to one file each (safetensors)
@@ -51,13 +51,85 @@ class ParkingConfig:
     max_disk_bytes: int = 4 << 30  # past this nothing more spills (states stay in memory)
 
 
+class RowLayout:
+    """One slot's rows of many batched tensors packed into one contiguous byte row, so that parking a stream
+    is one batched gather into a staging buffer and one device -> host copy, and restoring it one host ->
+    device copy and one batched scatter, instead of a gather, an allocation and a copy per tensor (~70).
+
+    Each named (B, ...) tensor's row takes ``row.nbytes`` bytes at an offset aligned to 16 bytes. Worked
+    example, {"keys": (B, 2, 3) float32, "step": (B,) int64, "live": (B,) bool}: keys at bytes 0..23, step at
+    32..39, live at 48; a row is 64 bytes, and slot s's state is row s of each tensor, copied to bytes
+    [0, 24), [32, 40), [48, 49) of its packed row. The copies go through `torch._foreach_copy_`, one call per
+    dtype: a few kernel launches for any number of tensors and streams on a GPU, and little Python (the views
+    of a slot's rows and of a staging row are built once)."""
+    ALIGN = 16
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.entries = []  # (name, offset, nbytes, dtype, row shape)
+        offset = 0
+        for name, tensor in tensors.items():
+            row = tensor[0]
+            nbytes = row.numel() * row.element_size()
+            self.entries.append((name, offset, nbytes, tensor.dtype, tuple(row.shape)))
+            offset += -(-nbytes // self.ALIGN) * self.ALIGN
+        self.row_bytes = offset
+        self._slots: dict[tuple[int, int], dict] = {}
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The named rows inside ``flat`` (row_bytes,) uint8, as (1, ...) views."""
+        return {name: flat[offset:offset + nbytes].view(dtype).view((1,) + shape)
+                for name, offset, nbytes, dtype, shape in self.entries}
+
+    def packed(self, flat: torch.Tensor) -> dict[torch.dtype, list[torch.Tensor]]:
+        """The rows inside ``flat`` as views without the batch dimension, grouped by dtype in entry order: one
+        side of `copy` (build once for a buffer that is used again, such as a staging row)."""
+        groups: dict[torch.dtype, list] = {}
+        for name, offset, nbytes, dtype, shape in self.entries:
+            groups.setdefault(dtype, []).append(flat[offset:offset + nbytes].view(dtype).view(shape))
+        return groups
+
+    def slot(self, tensors: dict[str, torch.Tensor], slot: int) -> dict[torch.dtype, list[torch.Tensor]]:
+        """Row ``slot`` of every tensor, grouped as in `packed` (kept: a slot's rows are views that never change)."""
+        key = (id(tensors), slot)
+        if key not in self._slots:
+            groups: dict[torch.dtype, list] = {}
+            for name, _, _, dtype, _ in self.entries:
+                groups.setdefault(dtype, []).append(tensors[name].select(0, slot))
+            self._slots[key] = groups
+        return self._slots[key]
+
+    def flatten(self, rows: dict[str, torch.Tensor], pin: bool = False) -> torch.Tensor:
+        """Named (1, ...) rows (a parked state from disk or another engine) packed into one (row_bytes,) row
+        (in pinned memory with ``pin``: its copy to the GPU is then asynchronous)."""
+        flat = torch.zeros(self.row_bytes, dtype=torch.uint8, pin_memory=pin)
+        for name, view in self.views(flat).items():
+            view.copy_(rows[name])
+        return flat
+
+    @staticmethod
+    def copy(targets: list[dict], sources: list[dict]) -> None:
+        """Copy grouped rows (`packed`, `slot`) ``sources[i]`` into ``targets[i]``: one `torch._foreach_copy_`
+        per dtype for all of them."""
+        pairs: dict[torch.dtype, tuple[list, list]] = {}
+        for target, source in zip(targets, sources):
+            for dtype, views in target.items():
+                dst, src = pairs.setdefault(dtype, ([], []))
+                dst += views
+                src += source[dtype]
+        for dst, src in pairs.values():
+            torch._foreach_copy_(dst, src)
+
+
 class Parked:
-    """One parked stream's slot state: named (1, ...) tensors in host memory, or a file."""
+    """One parked stream's slot state in host memory (or a file): a packed row of a `RowLayout` (``flat``),
+    and named (1, ...) tensors beside it; `rows` names them all."""
     _ids = itertools.count()
 
     def __init__(self):
         self.id = next(Parked._ids)
-        self.rows: dict[str, torch.Tensor] = {}
+        self.loose: dict[str, torch.Tensor] = {}  # rows outside the layout (the CPU codec worker's, the outbox)
+        self.flat: torch.Tensor | None = None  # (row_bytes,) uint8, pinned on a GPU
+        self.layout: RowLayout | None = None
         self.captured = threading.Event()  # every row is in `rows` (the CPU codec worker adds the decoder's later)
         self.copied = None  # a CUDA event: the device -> pinned host copies are done
         self.path: str | None = None
@@ -67,12 +139,24 @@ class Parked:
         self.nbytes = 0
 
     @property
+    def rows(self) -> dict[str, torch.Tensor]:
+        packed = {} if self.flat is None else self.layout.views(self.flat)
+        return packed | self.loose
+
+    @property
     def tier(self) -> str:
-        return "disk" if self.path is not None and not self.rows else "host"
+        return "disk" if self.path is not None and self.flat is None and not self.loose else "host"
 
     def add(self, rows: dict[str, torch.Tensor]) -> None:
-        self.rows.update(rows)
-        self.nbytes = sum(t.nbytes for t in self.rows.values())
+        self.loose.update(rows)
+        self._count()
+
+    def add_packed(self, flat: torch.Tensor, layout: RowLayout) -> None:
+        self.flat, self.layout = flat, layout
+        self._count()
+
+    def _count(self) -> None:
+        self.nbytes = sum(t.nbytes for t in self.loose.values()) + (0 if self.flat is None else self.flat.nbytes)
 
 
 class ParkingStore:
@@ -87,7 +171,8 @@ class ParkingStore:
         self._dir: str | None = None
         self._closing = False
         self.host_bytes = self.disk_bytes = 0
-        self.times: dict[str, deque] = {kind: deque(maxlen=100_000) for kind in ("park", "restore", "spill", "load")}
+        self.times: dict[str, deque] = {kind: deque(maxlen=100_000) for kind in
+                                        ("park", "restore", "spill", "load", "park_host", "restore_host")}
         self._thread: threading.Thread | None = None
         self._device_times: deque = deque()
 
@@ -199,13 +284,13 @@ class ParkingStore:
         if self._dir is None:
             self._dir = tempfile.mkdtemp(prefix="tts-parked-", dir=self.config.directory)
         path = os.path.join(self._dir, f"{parked.id}.safetensors")
-        save_file({name: t.contiguous() for name, t in parked.rows.items()}, path)
+        save_file({name: t.clone() for name, t in parked.rows.items()}, path)  # views of one packed row: copies
         with self._cond:
             parked.loading = False
             if parked not in self._entries or parked.wanted:  # restored or wanted meanwhile: keep it in memory
                 _remove(path)
                 return
-            parked.path, parked.rows = path, {}
+            parked.path, parked.loose, parked.flat = path, {}, None
             self.host_bytes -= self._entries[parked]
             self.disk_bytes += parked.nbytes
             self._entries[parked] = 0
@@ -219,7 +304,7 @@ class ParkingStore:
             _remove(parked.path)
             if parked not in self._entries:
                 return  # discarded meanwhile
-            parked.rows, parked.path = rows, None
+            parked.loose, parked.path = rows, None  # the disk's copy keeps its byte count (`nbytes`)
             self.disk_bytes -= parked.nbytes
             self.host_bytes += parked.nbytes
             self._entries[parked] = parked.nbytes
@@ -241,7 +326,7 @@ def pack(host: dict, rows: dict[str, torch.Tensor], unread: list[np.ndarray], fi
     its ``unread`` audio, and the ``fingerprint`` of the weights it needs."""
     buffer = io.BytesIO()
     torch.save({"format": BLOB_FORMAT, "fingerprint": fingerprint, "host": host,
-                "rows": {name: t.contiguous().cpu() for name, t in rows.items()},
+                "rows": {name: t.cpu().clone() for name, t in rows.items()},  # views of a packed row: copies
                 "unread": [torch.from_numpy(np.ascontiguousarray(c)) for c in unread]}, buffer)
     return buffer.getvalue()
 

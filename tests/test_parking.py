@@ -246,6 +246,38 @@ def test_attach_refuses_what_is_not_a_state_of_the_same_weights():
     other.close()
 
 
+def test_attach_refuses_a_state_that_lacks_rows():
+    here = tiny_random(max_streams=1)
+    stream = here.open(seed=1)
+    stream.push_text(TEXT[:CUT])
+    host, rows, unread = unpack(here.detach(stream), here.fingerprint)
+    del rows["step"]
+    with pytest.raises(BadState):
+        here.attach(pack(host, rows, unread, here.fingerprint))
+    here.close()
+
+
+def test_packed_rows_hold_each_tensor_row_at_its_offset():
+    """The worked example of `RowLayout`: offsets, and a gather/scatter round trip between slots."""
+    import torch
+
+    from streaming.parking import RowLayout
+    tensors = {"keys": torch.randn(4, 2, 3), "step": torch.arange(4) * 7, "live": torch.tensor([1, 0, 1, 0]).bool()}
+    layout = RowLayout(tensors)
+    assert [(name, offset, nbytes) for name, offset, nbytes, _, _ in layout.entries] == \
+        [("keys", 0, 24), ("step", 32, 8), ("live", 48, 1)] and layout.row_bytes == 64
+    flats = [torch.zeros(64, dtype=torch.uint8) for _ in range(2)]
+    layout.copy([layout.packed(f) for f in flats], [layout.slot(tensors, r) for r in (2, 1)])
+    assert torch.equal(layout.views(flats[0])["keys"], tensors["keys"][2:3])
+    assert layout.views(flats[1])["step"].item() == 7
+    before = {name: t.clone() for name, t in tensors.items()}
+    layout.copy([layout.slot(tensors, r) for r in (0, 3)], [layout.packed(f) for f in flats])  # 2 -> 0, 1 -> 3
+    for name, t in tensors.items():
+        assert torch.equal(t[0], before[name][2]) and torch.equal(t[3], before[name][1])
+        assert torch.equal(t[1:3], before[name][1:3])
+    assert torch.equal(layout.flatten(layout.views(flats[0])), flats[0])
+
+
 def test_pack_round_trips_and_reads_no_code():
     import torch
     rows = {"a": torch.arange(6).view(1, 2, 3), "b": torch.ones(1, 4)}
