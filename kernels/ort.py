@@ -9,8 +9,15 @@ a step writes come back in small output buffers and `kernels.lean.write_rings` s
 Weights in int8 (the default): the step reads its weights once per frame, 34 MB in fp32, and on two cores
 that read is most of its time. `quantize` turns the export's 33 weight MatMuls into ONNX Runtime's
 ``MatMulNBits`` (8-bit weights, symmetric, one scale per ``block_size`` rows; ``accuracy_level`` 4: the
-activations are quantised per block to int8 too, so the products run as int8 dot products). Measured
-(``python -m bench.steps --quality``): see `INT8`. TTS_NO_QUANT=1 keeps the fp32 step.
+activations are quantised per block to int8 too, so the products run as int8 dot products). Measured on
+the shipped model (2-core AMD EPYC, one thread, shared machine): step CPU time p50 3.97 -> 2.38 ms at batch
+1 and 7.58 -> 6.04 ms at batch 8 (``python -m bench.steps --kinds onnxruntime onnxruntime-int8``); largest
+logit difference from fp32 0.64 (logits' std ~4.8); on 40 Harvard sentences (101-140, 4 voices, the same
+seeds; ``python -m bench.steps --quality 40``) Whisper WER 8.05 -> 8.27 % (+0.22 +- 1.62 points) and
+DNSMOS OVRL 2.797 -> 2.854 (+0.057 +- 0.036), both within what two samplings of the fp32 step differ by
+(-1.06 +- 1.85 points, +0.035 +- 0.034). Rejected: 8-bit weights with fp32 arithmetic (accuracy level 0:
+no fast kernel, 18 ms), 4-bit weights (largest logit difference 3-4), ``quantize_dynamic`` (slower than
+MatMulNBits at batch 1). TTS_NO_QUANT=1 keeps the fp32 step.
 
 Cache: ``$TTS_CACHE_DIR`` (default ``~/.cache/tts``) ``/kernels/step-<key>.onnx`` (fp32) and
 ``step-int8-<key>.onnx``, the key hashing the weights, the model config, this step's source, the
@@ -49,7 +56,7 @@ _sessions: dict[Path, object] = {}
 _keys: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 # MatMulNBits settings of the int8 step. Block 128 against 32: 0.55 against 0.33 largest logit difference
-# from fp32 (logits' std ~4.8), 10-20 % less step time (bench.steps); quality: see the module docstring.
+# from fp32 over 20 steps (logits' std ~4.8), 10-20 % less step time; quality: see the module docstring.
 INT8 = {"bits": 8, "block_size": 128, "is_symmetric": True, "accuracy_level": 4}
 
 
