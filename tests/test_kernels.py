@@ -294,12 +294,12 @@ def test_corrupted_cache_file_is_rebuilt(model, cache_dir, exported):
 
 
 def test_failed_build_warns_and_stays_eager_and_correct(model, cache_dir, monkeypatch):
-    def broken(module, path):
+    def broken(module, path, runner, *more):
         raise RuntimeError("no exporter here")
     monkeypatch.setattr(ort, "export_in_background_process", broken)
     monkeypatch.setattr(ort, "available", lambda: True)
     factory = auto.DefaultStepFactory()
-    with pytest.warns(UserWarning, match="staying on the step in use"):
+    with pytest.warns(UserWarning, match="staying on the step in use: no exporter here"):
         step = factory(model, StepCaches.empty(model.cfg, 2), 2, "cpu")
         assert factory.faster.result(timeout=60) is None
     assert factory.kind == "lean" and run_side_by_side(model, step, 2, steps=30) < 1e-4
