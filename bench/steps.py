@@ -4,6 +4,7 @@
     python -m bench.steps --quick          # fewer steps, no inductor compile
     python -m bench.steps --threads 4      # more intra-op threads, where the machine has the cores
     python -m bench.steps --codec-only     # only the codec rows (below)
+    python -m bench.steps --quality 40     # int8 step against fp32: WER and DNSMOS on 40 sentences (`quality`)
 
 For each kind and batch size: step time p50/p99 (wall clock and the thread's CPU time, which is less
 disturbed by other processes on a shared machine) after warm-up, with full rings and every slot active;
@@ -33,7 +34,7 @@ import time
 import numpy as np
 import torch
 
-KINDS = ("eager", "lean", "onnxruntime", "compiled")  # also "aot_inductor", on request: minutes to build
+KINDS = ("eager", "lean", "onnxruntime", "onnxruntime-int8", "compiled")  # also "aot_inductor", on request: minutes to build
 
 
 def aot_inductor_factory(model):
@@ -69,19 +70,29 @@ def factory(kind: str, model):
     if kind == "lean":
         from kernels.lean import lean_factory
         return lean_factory
-    if kind == "onnxruntime":
-        from kernels import ort
-        path = ort.load(model)
-        if path is None:
-            path = ort.onnx_path(model)
-            ort.export(model, path)
-        return ort.factory(path)
+    if kind.startswith("onnxruntime"):
+        return ort_factory(model, kind.endswith("int8"))
     if kind == "compiled":
         from kernels.compiled import CompiledStep
         return CompiledStep
     if kind == "aot_inductor":
         return aot_inductor_factory(model)
     raise ValueError(kind)
+
+
+def ort_factory(model, int8: bool):
+    """The ONNX Runtime step factory, fp32 or int8, exported (and quantised) now if not cached. The
+    quantiser runs in a child process as in `kernels.auto` (importing it sets INFO logging)."""
+    from kernels import ort
+    path = ort.load(model, int8)
+    if path is None:
+        path = ort.onnx_path(model, int8)
+        fp32 = ort.onnx_path(model)
+        if int8:
+            ort.export_in_background_process(model, fp32, "kernels.ort", path)
+        else:
+            ort.export(model, fp32)
+    return ort.factory(path)
 
 
 def full_caches(cfg, batch: int, seed: int = 0):
@@ -224,6 +235,8 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="*", default=None, help=f"default: {' '.join(KINDS)} (--quick: no compiled)")
     parser.add_argument("--chunks", type=int, nargs="*", default=[2, 4, 8, 16], help="codec chunk lengths (frames)")
     parser.add_argument("--codec-only", action="store_true", help="only the codec decoder rows")
+    parser.add_argument("--quality", type=int, metavar="N", help="only the int8-against-fp32 quality rows, N sentences")
+    parser.add_argument("--skip", type=int, default=100, help="--quality: Harvard sentences to skip (bench.wer uses the first 100)")
     parser.add_argument("--build-only", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -231,6 +244,8 @@ def main() -> None:
     torch.set_grad_enabled(False)
     if args.build_only:
         return build_only(args.build_only)
+    if args.quality:
+        return print(json.dumps(quality(args.quality, args.skip), indent=1))
     rounds, per_round = (3, 50) if args.quick else (6, 100)
     if args.codec_only:
         return print(json.dumps(codec_report(args, rounds, per_round // 5), indent=1))
@@ -257,6 +272,47 @@ def main() -> None:
     except ImportError:
         pass
     print(json.dumps(result, indent=1))
+
+
+def quality(n: int, skip: int) -> dict:
+    """The int8 step against the fp32 one on the shipped model, in one run: ``n`` Harvard sentences from
+    ``skip`` on (every voice in turn), each spoken with a fixed seed by an engine on the fp32 step, on the
+    int8 step, and on the fp32 step with other seeds (``fp32_reseeded``: how far two samplings of the same
+    step differ, the yardstick a gap is judged against). Whisper tiny.en WER and DNSMOS OVRL per sentence
+    (`bench.quality`'s trim and normalisation); ``*_minus_fp32``: paired mean differences with their
+    standard errors. Largest logit difference from fp32 over 100 steps of steady speech, too."""
+    from bench.common import harvard
+    from bench.quality import corpus_form, dnsmos
+    from kernels.auto import faster_codec_step
+    from streaming.engine import Engine
+    from tts import SAMPLE_RATE
+    from tts.api import synthesize
+    from tts.asr import transcribe, wer
+    from tts.voices import load_shipped
+    model, codec, presets = load_shipped()
+    texts, voices = harvard(skip + n)[skip:], list(presets)
+    codec_step = faster_codec_step(codec).result(timeout=900)
+    runs = {"fp32": (False, 0), "int8": (True, 0), "fp32_reseeded": (False, 100_000)}
+    rows = {}
+    for name, (int8, seeds) in runs.items():
+        engine = Engine(model, codec, presets, max_streams=1, step_factory=ort_factory(model, int8))
+        engine.set_codec_step(codec_step)
+        rows[name] = []
+        for i, text in enumerate(texts):
+            audio = synthesize(text, voice=voices[i % len(voices)], engine=engine, seed=seeds + i)
+            rows[name].append({"wer": wer(text, transcribe(audio, SAMPLE_RATE)),
+                               "ovrl": dnsmos(corpus_form(audio, SAMPLE_RATE))["ovrl"]})
+        engine.close()
+    report = {"sentences": n, "skip": skip, "voices": voices,
+              "logit_diff_int8": logit_diff(model, {"int8": ort_factory(model, True)}, steps=100)["int8"]}
+    for name in runs:
+        report[name] = {key: round(float(np.mean([r[key] for r in rows[name]])), 4) for key in ("wer", "ovrl")}
+    for name in ("int8", "fp32_reseeded"):
+        for key in ("wer", "ovrl"):
+            gaps = np.array([a[key] - b[key] for a, b in zip(rows[name], rows["fp32"])])
+            report[f"{name}_minus_fp32_{key}"] = {"mean": round(float(gaps.mean()), 4),
+                                                  "sem": round(float(gaps.std(ddof=1) / np.sqrt(len(gaps))), 4)}
+    return report
 
 
 def codec_report(args, rounds: int, per_round: int) -> dict:

@@ -1,6 +1,7 @@
 """Fast paths for the decode step, as step factories for `Engine(step_factory=...)` and
 `Engine.set_step_factory` (`factory(model, caches, batch, device) -> step`). Kill switches:
-TTS_NO_GRAPH=1 (no CUDA graph), TTS_NO_COMPILE=1 (no compiled step), TTS_NO_ORT=1 (no ONNX Runtime step)."""
+TTS_NO_GRAPH=1 (no CUDA graph), TTS_NO_COMPILE=1 (no compiled step), TTS_NO_ORT=1 (no ONNX Runtime step),
+TTS_NO_QUANT=1 (the ONNX Runtime step keeps fp32 weights instead of int8)."""
 from __future__ import annotations
 
 from streaming.codec_worker import fast_path_enabled as enabled

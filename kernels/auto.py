@@ -1,10 +1,12 @@
 """The CPU step every path gets by default, with no build wait anyone can see.
 
 `default_step_factory()` returns a factory that, for a model:
-  1. runs ONNX Runtime at once if the model's export is in the disk cache (`kernels.ort`);
-  2. otherwise runs the lean eager step (`kernels.lean`; nothing to build) and starts the export in a
-     background process; when it is ready, the callbacks given to ``when_faster`` get the ONNX Runtime
-     factory (the engine's ``set_step_factory`` swaps it in at a tick boundary);
+  1. runs ONNX Runtime at once if the model's int8 export is in the disk cache (`kernels.ort`; with
+     TTS_NO_QUANT=1 the fp32 export);
+  2. otherwise runs the fp32 export if that is cached, else the lean eager step (`kernels.lean`; nothing to
+     build), and starts the export (and quantisation) in a background process; when it is ready, the
+     callbacks given to ``when_faster`` get the ONNX Runtime factory (the engine's ``set_step_factory``
+     swaps it in at a tick boundary);
   3. if ONNX Runtime cannot be used (TTS_NO_ORT=1, not installed, the export fails) it warns once and stays
      on the lean eager step, which computes the same logits.
 `faster_codec_step(codec)` does the same for the CPU codec worker's decoder (`kernels.ort_codec`): a Future
@@ -39,13 +41,17 @@ class DefaultStepFactory:
             return self._cuda(model, caches, batch, device)
         if ort.available():
             try:
-                path = ort.load(model)
+                int8 = ort.int8_wanted()
+                path = ort.load(model, int8)
+                if path is None:
+                    path = ort.load(model) if int8 else None  # the fp32 step, while the int8 one is made
+                    self._build(model, int8)  # after: a broken fp32 file is gone, so the build remakes it
+                elif not self._building:
+                    self._resolve(None)  # the fastest step is already here: nothing better will come
                 if path is not None:
                     step = ort.OrtStep(model, caches, batch, path)
-                    self._resolve(None)  # the fast step is already here: nothing better will come
-                    self.kind = ort.OrtStep.kind
+                    self.kind = step.kind
                     return step
-                self._build(model)
             except Exception as err:  # an unreadable cache, say: serve on rather than fail the engine
                 warnings.warn(f"ONNX Runtime step unavailable, staying on the lean eager step: {err}")
                 self._resolve(None)
@@ -77,21 +83,26 @@ class DefaultStepFactory:
             if not self.faster.done():
                 self.faster.set_result(value)
 
-    def _build(self, model) -> None:
+    def _build(self, model, int8: bool) -> None:
+        """Export the fp32 step (unless cached) and, with ``int8``, quantise it, in a background process."""
         with self._lock:
             if self._building or self.faster.done():
                 return
             self._building = True
-        build_in_background(model, ort.onnx_path(model), "kernels.ort", ort.factory, self._resolve,
-                            "ONNX Runtime step unavailable, staying on the lean eager step")
+        paths = [ort.onnx_path(model)] + ([ort.onnx_path(model, int8=True)] if int8 else [])
+        build_in_background(model, paths, "kernels.ort", ort.factory, self._resolve,
+                            "ONNX Runtime step unavailable, staying on the step in use")
 
 
-def build_in_background(module, path: Path, runner: str, make, resolve, failure: str) -> None:
-    """On a thread: export ``module`` to ``path`` in a child process (``python -m runner``), open its
-    session, then ``resolve(make(path))``; on any failure warn ``failure: error`` and ``resolve(None)``."""
+def build_in_background(module, paths: list[Path], runner: str, make, resolve, failure: str) -> None:
+    """On a thread: export ``module`` to ``paths[0]`` (unless there) and derive the rest from it in a child
+    process (``python -m runner``), open the last one's session, then ``resolve(make(paths[-1]))``; on any
+    failure warn ``failure: error`` and ``resolve(None)``."""
+    path = paths[-1]
+
     def run():
         try:
-            ort.export_in_background_process(module, path, runner)
+            ort.export_in_background_process(module, paths[0], runner, *paths[1:])
             ort.session(path)
             resolve(make(path))
         except Exception as err:  # no compiler needed, but onnx may be missing or the export may fail
@@ -140,7 +151,7 @@ def faster_codec_step(codec, device="cpu") -> Future:
         if path is not None:
             resolve(make(path))
         else:
-            build_in_background(codec, ort_codec.onnx_path(codec), "kernels.ort_codec", make, resolve, failure)
+            build_in_background(codec, [ort_codec.onnx_path(codec)], "kernels.ort_codec", make, resolve, failure)
     except Exception as err:  # an unreadable cache, say: decode on with torch rather than fail
         warnings.warn(f"{failure}: {err}")
         resolve(None)

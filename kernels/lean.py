@@ -84,7 +84,7 @@ class LeanStep(nn.Module):
         for i in range(cfg.layers):
             sink_k, sink_v, text_k, text_v, audio_k, audio_v = kv[6 * i:6 * i + 6]
             h = F.layer_norm(x, (dim,), getattr(self, f"ln1w{i}"), getattr(self, f"ln1b{i}"))
-            qk, v = (h @ getattr(self, f"qkv{i}")).split([2 * dim, dim], dim=1)  # (B, 2C), (B, C)
+            qk, v = self.linear(h, f"qkv{i}").split([2 * dim, dim], dim=1)  # (B, 2C), (B, C)
             plain_q = qk[:, :dim].reshape(-1, heads, head_dim, 1)  # (B, H, D, 1), scored against the sinks
             # rotate_half per head is [-x2, x1]: flip the halves here, the signs are in ``sin``. Example, a
             # head of D=4 [a, b, c, d]: flipped [c, d, a, b] * [-s0, -s1, s0, s1] = [-c s0, -d s1, a s0, b s1]
@@ -96,17 +96,21 @@ class LeanStep(nn.Module):
                                 (q * k).sum(-1)[..., None, None]], dim=2)[..., 0] + bias  # (B, H, sum(sizes))
             p_sink, p_text, p_audio, p_new = torch.softmax(scores, dim=-1)[:, :, None].split(sizes, dim=-1)
             out = p_sink @ sink_v + p_text @ text_v + p_audio @ audio_v + p_new * v[:, :, None]  # (B, H, 1, D)
-            x = x + out.reshape(-1, dim) @ getattr(self, f"wo{i}")
+            x = x + self.linear(out.reshape(-1, dim), f"wo{i}")
             h = F.layer_norm(x, (dim,), getattr(self, f"ln2w{i}"), getattr(self, f"ln2b{i}"))
-            # matmul + bias rather than addmm: ONNX MatMul nodes, which weight quantizers recognise
-            h = F.gelu(h @ getattr(self, f"fc1_{i}") + getattr(self, f"fc1b{i}"))
-            x = x + (h @ getattr(self, f"fc2_{i}") + getattr(self, f"fc2b{i}"))
+            h = F.gelu(self.linear(h, f"fc1_{i}") + getattr(self, f"fc1b{i}"))
+            x = x + (self.linear(h, f"fc2_{i}") + getattr(self, f"fc2b{i}"))
             new_keys.append(torch.where(keep, k, audio_k.gather(2, at_slot)[:, :, 0]))
             new_values.append(torch.where(keep, v, audio_v.gather(2, at_slot)[:, :, 0]))
         x = F.layer_norm(x, (dim,), self.lnw, self.lnb)
-        logits = (x @ self.head + self.headb).view(-1, cfg.codebooks, cfg.codebook_size)
+        logits = (self.linear(x, "head") + self.headb).view(-1, cfg.codebooks, cfg.codebook_size)
         new_pos = torch.where(active, frame, audio_pos.gather(1, slot[:, None])[:, 0])
         return logits, torch.stack(new_keys), torch.stack(new_values), new_pos, slot
+
+    def linear(self, x: torch.Tensor, weight: str) -> torch.Tensor:
+        """``x`` (B, C_in) times the weight buffer named ``weight`` (C_in, C_out). A plain matmul, bias added
+        after (not addmm): the ONNX MatMul node whose weight `kernels.ort.quantize` turns into int8."""
+        return x @ getattr(self, weight)
 
     def _bias(self, frame, unit, active, text_pos, audio_pos, slot, sinks):
         """Additive attention bias (B, 1, S + Tt + Ta + 1): 0 where visible, -inf elsewhere. Same rules

@@ -6,10 +6,24 @@ PyTorch's is tens, so the step costs about what its matrix products cost. The ri
 in place with IOBinding (ONNX Runtime reads the torch tensors' memory: no copies); the few keys and values
 a step writes come back in small output buffers and `kernels.lean.write_rings` stores them.
 
-Cache: ``$TTS_CACHE_DIR`` (default ``~/.cache/tts``) ``/kernels/step-<key>.onnx``, the key hashing the
-weights, the model config, this step's source, and the torch and onnxruntime versions. A file that
-does not load is deleted and rebuilt. Exporting takes a few seconds (TorchScript exporter; the dynamo
-exporter took 18-60 s here for the same graph), so `kernels.auto` runs it in a background process.
+Weights in int8 (the default): the step reads its weights once per frame, 34 MB in fp32, and on two cores
+that read is most of its time. `quantize` turns the export's 33 weight MatMuls into ONNX Runtime's
+``MatMulNBits`` (8-bit weights, symmetric, one scale per ``block_size`` rows; ``accuracy_level`` 4: the
+activations are quantised per block to int8 too, so the products run as int8 dot products). Measured on
+the shipped model (2-core AMD EPYC, one thread, shared machine): step CPU time p50 3.97 -> 2.38 ms at batch
+1 and 7.58 -> 6.04 ms at batch 8 (``python -m bench.steps --kinds onnxruntime onnxruntime-int8``); largest
+logit difference from fp32 0.64 (logits' std ~4.8); on 40 Harvard sentences (101-140, 4 voices, the same
+seeds; ``python -m bench.steps --quality 40``) Whisper WER 8.05 -> 8.27 % (+0.22 +- 1.62 points) and
+DNSMOS OVRL 2.797 -> 2.854 (+0.057 +- 0.036), both within what two samplings of the fp32 step differ by
+(-1.06 +- 1.85 points, +0.035 +- 0.034). Rejected: 8-bit weights with fp32 arithmetic (accuracy level 0:
+no fast kernel, 18 ms), 4-bit weights (largest logit difference 3-4), ``quantize_dynamic`` (slower than
+MatMulNBits at batch 1). TTS_NO_QUANT=1 keeps the fp32 step.
+
+Cache: ``$TTS_CACHE_DIR`` (default ``~/.cache/tts``) ``/kernels/step-<key>.onnx`` (fp32) and
+``step-int8-<key>.onnx``, the key hashing the weights, the model config, this step's source, the
+quantiser's settings and the torch and onnxruntime versions. A file that does not load is deleted and
+rebuilt. Exporting takes a few seconds (TorchScript exporter; the dynamo exporter took 18-60 s here for
+the same graph) and quantising about one more, so `kernels.auto` runs both in a background process.
 Kill switch: TTS_NO_ORT=1. The cache, export and session helpers here also serve `kernels.ort_codec`.
 """
 from __future__ import annotations
@@ -41,11 +55,27 @@ _NUMPY = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_
 _sessions: dict[Path, object] = {}
 _keys: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+# MatMulNBits settings of the int8 step. Block 128 against 32: 0.55 against 0.33 largest logit difference
+# from fp32 over 20 steps (logits' std ~4.8), 10-20 % less step time; quality: see the module docstring.
+INT8 = {"bits": 8, "block_size": 128, "is_symmetric": True, "accuracy_level": 4}
 
 
 def available() -> bool:
     """ONNX Runtime and the ONNX exporter's dependency are installed and TTS_NO_ORT is not set."""
     return enabled("ort") and all(importlib.util.find_spec(m) for m in ("onnxruntime", "onnx"))
+
+
+def int8_wanted() -> bool:
+    """Whether the default step is the int8 one (TTS_NO_QUANT=1: keep fp32 weights)."""
+    return enabled("quant")
+
+
+def threads() -> int:
+    """Intra-op threads of every session: half the cores, the engine's share for the step (the codec worker
+    has the other half), whichever thread makes the session and whenever. Taken from torch's thread count
+    instead, a session made before the engine split the cores had two threads on a 2-core machine, and the
+    second one took 1.6 ms of CPU a frame from the codec's core (one stream, measured here)."""
+    return max(1, (os.cpu_count() or 2) // 2)
 
 
 def cache_dir() -> Path:
@@ -73,12 +103,14 @@ def cached_path(kind: str, module: torch.nn.Module, *parts: str) -> Path:
     return cache_dir() / f"{kind}-{keys[kind]}.onnx"
 
 
-def onnx_path(model: TTSModel) -> Path:
-    """Where the export of ``model``'s step lives. The key changes with the weights, the config, the
-    graph's source, torch, onnxruntime and the ring capacities (baked into the graph's shapes)."""
+def onnx_path(model: TTSModel, int8: bool = False) -> Path:
+    """Where the export of ``model``'s step lives (``int8``: its quantised form). The key changes with the
+    weights, the config, the graph's source, torch, onnxruntime, the ring capacities (baked into the graph's
+    shapes) and, for int8, the quantiser's settings."""
     rings = StepCaches.empty(model.cfg, 1)
-    return cached_path("step", model, repr(model.cfg), inspect.getsource(lean), *versions(),
-                       f"rings {rings.text[0].capacity} {rings.audio[0].capacity}")
+    return cached_path("step-int8" if int8 else "step", model, repr(model.cfg), inspect.getsource(lean),
+                       *versions(), f"rings {rings.text[0].capacity} {rings.audio[0].capacity}",
+                       *([repr(INT8)] if int8 else []))
 
 
 def write_atomically(path: Path, write) -> None:
@@ -121,16 +153,26 @@ def export(model: TTSModel, path: Path) -> None:
     write_atomically(path, write)
 
 
-def export_in_background_process(module: torch.nn.Module, path: Path, runner: str = "kernels.ort") -> None:
-    """Export in a child process (``python -m runner MODULE.pt OUT.onnx``, see `export_child`) at low
-    priority: the export is seconds of Python that would otherwise hold this process's GIL and stall the
-    engine thread. Raises if the child fails."""
+def quantize(source: Path, path: Path) -> None:
+    """Write the int8 form (`INT8`) of the step export ``source`` to ``path`` atomically."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer  # logs at INFO on import:
+    quantizer = MatMulNBitsQuantizer(onnx.load(str(source)), **INT8)  # run it in the build's child process
+    quantizer.process()
+    write_atomically(path, lambda tmp: quantizer.model.save_model_to_file(tmp, False))
+
+
+def export_in_background_process(module: torch.nn.Module, path: Path, runner: str = "kernels.ort",
+                                 *more: Path) -> None:
+    """Export in a child process (``python -m runner MODULE.pt OUT.onnx [MORE.onnx ...]``, see `export_child`)
+    at low priority: the export is seconds of Python that would otherwise hold this process's GIL and stall
+    the engine thread. Raises if the child fails."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, saved = tempfile.mkstemp(suffix=".pt.tmp", dir=path.parent)
     os.close(fd)
     try:
         torch.save(module, saved)
-        done = subprocess.run([sys.executable, "-m", runner, saved, str(path)], capture_output=True,
+        done = subprocess.run([sys.executable, "-m", runner, saved, str(path), *map(str, more)], capture_output=True,
                               text=True, cwd=Path(__file__).resolve().parent.parent)
         if done.returncode:
             raise RuntimeError(f"ONNX export failed: {done.stderr.strip()[-2000:]}")
@@ -138,24 +180,28 @@ def export_in_background_process(module: torch.nn.Module, path: Path, runner: st
         Path(saved).unlink(missing_ok=True)
 
 
-def export_child(export) -> None:
-    """The child's side of `export_in_background_process`: ``export(module, path)`` at low priority."""
+def export_child(export, derive=None) -> None:
+    """The child's side of `export_in_background_process`: ``export(module, OUT)`` at low priority (unless
+    OUT is already there), then ``derive(OUT, MORE)`` for each further path (the int8 step from the fp32 one)."""
     os.nice(10)  # behind the engine and the codec, which are serving meanwhile
     torch.set_num_threads(1)
     module = torch.load(sys.argv[1], weights_only=False)
     os.unlink(sys.argv[1])  # ours now: if the parent has exited meanwhile, nothing is left behind
-    export(module, Path(sys.argv[2]))
+    path = Path(sys.argv[2])
+    if not path.exists():
+        export(module, path)
+    for more in sys.argv[3:]:
+        derive(path, Path(more))
 
 
 def session(path: Path):
-    """The ONNX Runtime session of ``path``, created once per process; one intra-op thread per torch
-    thread (the engine gives the step half the cores and the codec worker the rest). Raises if the file
-    does not load (corrupted or truncated)."""
+    """The ONNX Runtime session of ``path``, created once per process, on `threads` intra-op threads.
+    Raises if the file does not load (corrupted or truncated)."""
     import onnxruntime as ort
     with _lock:
         if path not in _sessions:
             options = ort.SessionOptions()
-            options.intra_op_num_threads = torch.get_num_threads()
+            options.intra_op_num_threads = threads()
             options.inter_op_num_threads = 1
             options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # leave idle cores to the codec
@@ -164,9 +210,9 @@ def session(path: Path):
         return _sessions[path]
 
 
-def load(model: TTSModel) -> Path | None:
-    """The cached export of ``model``'s step if one exists and loads (see `load_file`)."""
-    return load_file(onnx_path(model))
+def load(model: TTSModel, int8: bool = False) -> Path | None:
+    """The cached export of ``model``'s step (``int8``: its quantised form) if it exists and loads (see `load_file`)."""
+    return load_file(onnx_path(model, int8))
 
 
 def load_file(path: Path) -> Path | None:
@@ -182,13 +228,19 @@ def load_file(path: Path) -> Path | None:
         return None
 
 
+def kind_of(path: Path) -> str:
+    """The step kind an export runs as: "onnxruntime" (fp32) or "onnxruntime-int8"."""
+    return "onnxruntime-int8" if path.name.startswith("step-int8") else "onnxruntime"
+
+
 class OrtStep:
     """`decode_step` run by ONNX Runtime over ``caches`` bound in place. Inputs are copied into fixed
-    buffers (tens of bytes); logits come back in one fixed (B, K, N) buffer, valid until the next call."""
-    kind = "onnxruntime"
+    buffers (tens of bytes); logits come back in one fixed (B, K, N) buffer, valid until the next call.
+    ``kind`` says whether the weights are fp32 or int8 (`kind_of`)."""
 
     def __init__(self, model: TTSModel, caches: StepCaches, batch: int, path: Path):
         cfg = model.cfg
+        self.kind = kind_of(path)
         self.session = session(path)
         self.inputs = [torch.zeros(batch, cfg.codebooks, dtype=torch.long), torch.zeros(batch, dtype=torch.long),
                        torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.bool)]
@@ -231,9 +283,9 @@ def factory(path: Path):
     """A step factory over the export at ``path`` (cheap to call: the session is shared)."""
     def build(model, caches, batch, device):
         return OrtStep(model, caches, batch, path)
-    build.kind = OrtStep.kind
+    build.kind = kind_of(path)
     return build
 
 
-if __name__ == "__main__":  # the background export: python -m kernels.ort MODEL.pt OUT.onnx
-    export_child(export)
+if __name__ == "__main__":  # the background build: python -m kernels.ort MODEL.pt FP32.onnx [INT8.onnx]
+    export_child(export, quantize)

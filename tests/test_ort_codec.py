@@ -109,7 +109,7 @@ def test_corrupted_cache_file_is_rebuilt(codec, cache_dir, step):
 
 
 def test_failed_build_warns_and_resolves_to_none(codec, cache_dir, monkeypatch):
-    def broken(module, path, runner):
+    def broken(module, path, runner, *more):
         raise RuntimeError("no exporter here")
     monkeypatch.setattr(ort, "export_in_background_process", broken)
     with pytest.warns(UserWarning, match="staying on the torch decoder"):

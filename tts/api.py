@@ -61,14 +61,14 @@ class Chunk(np.ndarray):
 def get_engine(max_streams: int | None = None, compile: bool = True, max_open: int | None = None) -> Engine:
     """The process-wide engine on the shipped voices, loaded on first use (about a second).
 
-    Its decode step is the fastest one ready now (`kernels.auto`: ONNX Runtime when its export is cached,
-    else the lean eager step while the export is built in a background process, swapped in when ready,
-    without dropping a stream); the codec decoder likewise runs in ONNX Runtime once its export is ready
+    Its decode step is the fastest one ready now (`kernels.auto`: ONNX Runtime with int8 weights when that
+    export is cached, else the fp32 export or the lean eager step while it is built in a background
+    process, swapped in when ready, without dropping a stream); the codec decoder likewise runs in ONNX Runtime once its export is ready
     (`kernels.auto.faster_codec_step`). A step costs what its active slots cost, so ``max_streams`` (default:
     the engine's, 8 on a CPU) only bounds how many callers can speak at once; ``max_open`` (default: as many)
     how many streams may be open, those waiting for text or for their reader parked without a slot.
     ``compile=False`` (or TTS_NO_COMPILE=1) keeps the plain eager step and the torch decoder; TTS_NO_ORT=1 the
-    lean step and the torch decoder."""
+    lean step and the torch decoder; TTS_NO_QUANT=1 the fp32 ONNX Runtime step."""
     global _engine
     with _engine_lock:
         if _engine is None:
