@@ -5,6 +5,7 @@ sent whole. One JSON object.
     python -m bench.incremental --lookahead 0 1 2   # one block per lookahead ("auto" waits for sentence ends)
     python -m bench.incremental --server            # through the real server on loopback, a WebSocket client
     python -m bench.incremental --units             # no model: units word by word against whole sentences
+    python -m bench.incremental --simulate          # no timing noise: the engine's rules on a virtual clock
     python -m bench.incremental --pauses            # no text timing: silence a <break> gives, per length
     python -m bench.incremental --quick             # 8 sentences, 10 words/s, no DNSMOS
     python -m bench.incremental --burst 64 128      # N streams start at once (tiny engine): the text front end's
@@ -14,7 +15,8 @@ Words go out as an LLM client sends them, each with its trailing space ("The ", 
 i / rate seconds; the last word is followed by `end`. Per rate: ``first_audio_ms`` from the first word sent to
 the first audio chunk (p50/p99); ``stalls_per_min``: underruns of a player that starts at the first chunk
 and plays every chunk as it comes (a chunk later than the audio before it ran out, by more than 20 ms), per
-minute of audio; ``wer`` (Whisper tiny.en, `tts.asr`) and ``dnsmos`` (speechmos OVRL) of the audio, with the
+minute of audio; ``demo_player``: the same for the demo's player, which (re)starts once 100 ms of audio wait
+(``first_sound_ms``: when it first sounds); ``wer`` (Whisper tiny.en, `tts.asr`) and ``dnsmos`` (speechmos OVRL) of the audio, with the
 same for the sentences sent whole. Each sentence is spoken with the same seed both ways, so word by word and
 whole differ only where their units or holds differ. ``1.2x`` is 1.2 times the speaking rate of the whole
 sentences (words per second of their audio), the slowest text the targets promise no stall for.
@@ -36,6 +38,7 @@ from tts import SAMPLE_RATE
 from tts.asr import transcribe, wer
 
 STALL_S = 0.02
+DEMO_PREBUFFER_S = 0.1  # the demo's player (demo/player-worklet.js PREBUFFER)
 
 
 def words_of(sentence: str) -> list[str]:
@@ -120,18 +123,29 @@ def speak_server(url: str, sentence: str, rate: float | None, clock: TextClock |
     return audio, arrivals, clock and clock.since(started)
 
 
+def play(arrivals: list, prebuffer_s: float = 0.0) -> tuple[float, int, float]:
+    """A player fed these (seconds, samples) chunks: (when it first sounds, underruns, seconds of silence they
+    add). It starts, and after running dry restarts, once ``prebuffer_s`` of audio wait or the last chunk came;
+    it ran dry when a chunk comes more than STALL_S after the audio before it ran out. prebuffer_s 0 starts at
+    the first chunk; 0.1 is the demo's AudioWorklet (`demo/player-worklet.js`: PREBUFFER, 100 ms)."""
+    first, count, silent, play_end, queued, dry_at = None, 0, 0.0, None, 0.0, None
+    for k, (at, samples) in enumerate(arrivals):
+        seconds = samples / SAMPLE_RATE
+        if play_end is not None and at > play_end + STALL_S:
+            count, dry_at, play_end, queued = count + 1, play_end, None, 0.0
+        if play_end is not None:
+            play_end = max(play_end, at) + seconds
+            continue
+        queued += seconds
+        if queued >= prebuffer_s - 1e-9 or k == len(arrivals) - 1:
+            first = at if first is None else first
+            silent, dry_at, play_end = silent + (at - dry_at if dry_at is not None else 0.0), None, at + queued
+    return first, count, silent
+
+
 def stalls(arrivals: list) -> tuple[int, float]:
     """Underruns of a player that starts at the first chunk: (count, seconds of silence they add)."""
-    count, silent, play_end = 0, 0.0, None
-    for at, samples in arrivals:
-        seconds = samples / SAMPLE_RATE
-        if play_end is None:
-            play_end = at + seconds
-        elif at > play_end + STALL_S:
-            count, silent, play_end = count + 1, silent + at - play_end, at + seconds
-        else:
-            play_end = max(play_end, at) + seconds
-    return count, silent
+    return play(arrivals)[1:]
 
 
 def dnsmos(audio: np.ndarray) -> float:
@@ -190,6 +204,9 @@ def summary(audios: list, scores: list, runs: list | None) -> dict:
             out["engine_ms"] = percentiles([(arrivals[0][0] - ready) * 1000 for _, arrivals, ready in runs])
         out["stalls_per_min"] = round(sum(c for c, _ in counted) / minutes, 2)
         out["stall_seconds"] = round(sum(s for _, s in counted), 3)
+        demo = [play(arrivals, DEMO_PREBUFFER_S) for _, arrivals, _ in runs]
+        out["demo_player"] = {"first_sound_ms": percentiles([first * 1000 for first, _, _ in demo]),
+                              "stalls_per_min": round(sum(c for _, c, _ in demo) / minutes, 2)}
     return out
 
 
@@ -309,6 +326,98 @@ def _burst_engine(n: int, shipped: bool):
     return Engine(model, codec, presets, max_streams=n, step_factory=kernels.default_step_factory("cpu", True))
 
 
+def simulate_report(sentences: list[str], rates: list) -> dict:
+    """Without timing noise: the text front end driven on a virtual clock (word i at i / rate, `end` after the
+    last) and the engine's rules for when it may step, each unit's frames from the shipped model's durations
+    (default voice), fixed costs for the work (SIM_COSTS_S: a first prefill, an AR step, a codec call; about
+    the idle slower 2-core machine) and a player that starts at the first chunk. Per rate: first audio and
+    stalls as the timed run reports them, and ``stall_free_start_ms``: the earliest start of the player that
+    never runs dry. Rules: units are encoded once ``text_lookahead`` more arrived (all once the text ended), a
+    step at unit p needs units to p + ahead encoded (`Slots.plan`), frame f completes at step f + K - 1, chunks
+    go out by `CHUNK_SCHEDULE`. On the idle machine (last session, 20 sentences, this front end then) it gave
+    5 / 10 / 20 words/s and 1.2x: 460 / 260 / 160 / 587 ms p50 and 34.6 / 8.4 / 0 / 44.2 stalls a minute,
+    against 451 / 254 / 145 / 581 ms and 37.0 / 9.6 / 0 / 44.2 measured."""
+    import torch
+    from streaming.slots import CHUNK_SCHEDULE
+    from streaming.textstream import TextStream
+    from tts.alignment import predicted_frames
+    from tts.voices import blend_preset, load_shipped
+    model, _, presets = load_shipped()
+    cfg = model.cfg
+    preset = blend_preset(next(n for n, p in presets.items() if p.get("default")), presets, 0.7)
+    weights = torch.zeros(1, cfg.voices)
+    for row, weight in preset["mix"].items():
+        weights[0, row] = weight
+    clock = [0.0]
+
+    class Virtual(TextStream):
+        clock = staticmethod(lambda: clock[0])
+
+    def frames(units):
+        with torch.no_grad():
+            return predicted_frames(model.text(torch.tensor([units]), weights)[1][0], preset["pace"]).tolist()
+
+    def chunks(sentence, rate):
+        text, units, arrived = Virtual(hold_start=True), [], []  # (seconds, units so far, ended)
+        for i, piece in enumerate(words_of(sentence)):
+            clock[0] = i / rate
+            text.push(piece)
+            units += text.take()[0]
+            arrived.append((clock[0], len(units), False))
+        text.end()
+        units += text.take()[0]
+        arrived.append((clock[0], len(units), True))
+        return _simulated_chunks(arrived, frames(units), cfg, CHUNK_SCHEDULE)
+
+    whole = [chunks(s, 1e9) for s in sentences]
+    speech_rate = sum(len(s.split()) for s in sentences) / sum(n for c in whole for _, n in c) * SAMPLE_RATE
+    report = {"speaking_rate_wps": round(speech_rate, 2)}
+    for rate in rates:
+        wps = 1.2 * speech_rate if rate == "1.2x" else float(rate)
+        runs = [chunks(s, wps) for s in sentences]
+        minutes = sum(n for c in runs for _, n in c) / SAMPLE_RATE / 60
+        start = [max(at - played for (at, _), played in zip(c, np.cumsum([0] + [n for _, n in c[:-1]]) / SAMPLE_RATE))
+                 for c in runs]
+        report[str(rate)] = {"words_per_s": round(wps, 2), "first_audio_ms": percentiles([c[0][0] * 1000 for c in runs]),
+                             "stalls_per_min": round(sum(stalls(c)[0] for c in runs) / minutes, 2),
+                             "stall_free_start_ms": percentiles([1000 * t for t in start])}
+        demo = [play(c, DEMO_PREBUFFER_S) for c in runs]
+        report[str(rate)]["demo_player"] = {"first_sound_ms": percentiles([first * 1000 for first, _, _ in demo]),
+                                            "stalls_per_min": round(sum(n for _, n, _ in demo) / minutes, 2)}
+    return report
+
+
+SIM_COSTS_S = (0.02, 0.006, 0.008)  # a first prefill, an AR step, a codec call
+
+
+def _simulated_chunks(arrived: list, durations: list[int], cfg, schedule: tuple) -> list:
+    """(seconds, samples) of each chunk, given when units arrived (seconds, units so far, ended)."""
+    first_cost, step_cost, codec_cost = SIM_COSTS_S
+    ends = np.cumsum(durations)
+    starts, total = ends - durations, len(durations)
+    steps, k, last = [], 0, None
+    for step in range(int(ends[-1]) + cfg.codebooks - 1):
+        while True:  # the first arrival after which this step may run
+            at, received, ended = arrived[k]
+            ended = ended and received == total
+            encoded = received if ended else max(0, received - cfg.text_lookahead)
+            known = int(ends[encoded - 1]) if encoded else 0
+            frame = min(step, known - 1)
+            owners = [u for u in range(encoded) if starts[u] <= frame and durations[u] > 0]
+            if known and (ended or (step < known and owners and owners[-1] + cfg.ahead < encoded)):
+                break
+            k += 1
+        last = max(at, (at + first_cost if last is None else last) + step_cost)
+        steps.append(last)
+    out, begin, size, free = [], 0, iter(schedule), 0.0
+    while begin < ends[-1]:
+        stop = min(int(ends[-1]), begin + next(size, schedule[-1]))
+        free = max(free, steps[stop - 1 + cfg.codebooks - 1]) + codec_cost
+        out.append((free, (stop - begin) * 480))
+        begin = stop
+    return out
+
+
 def pauses_report(engine, lengths_ms: list[int]) -> dict:
     """For <break time=...> between two words: the longest silence inside the utterance (20 ms frames
     40 dB under the peak) and the ASR's WER against the words (no babble in the pause), 3 seeds each."""
@@ -342,6 +451,7 @@ def main() -> None:
     parser.add_argument("--burst", type=int, nargs="+", help="N streams starting at once, per N (no model quality)")
     parser.add_argument("--sentences", type=int, default=4, help="--burst: Harvard sentences each stream speaks")
     parser.add_argument("--shipped", action="store_true", help="--burst: the shipped model, not the tiny one")
+    parser.add_argument("--simulate", action="store_true", help="no timing: the engine's rules on a virtual clock")
     parser.add_argument("--no-dnsmos", action="store_true")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
@@ -352,6 +462,9 @@ def main() -> None:
         print(json.dumps(burst_report(args.burst, args.sentences, args.shipped), indent=1))
         return
     sentences = harvard(args.n)
+    if args.simulate:
+        print(json.dumps(simulate_report(sentences, args.rates), indent=1))
+        return
     if args.units:
         rates = [float(r) for r in args.rates if r != "1.2x"]
         print(json.dumps(units_report(harvard(max(args.n, 200)), lookaheads if lookaheads != [None] else

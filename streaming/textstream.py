@@ -11,7 +11,9 @@ sentence's ``$`` comes when its end is known. ``lookahead_words="auto"`` waits f
 speak whatever is buffered. Until something is spoken a take reads one sentence: when many streams start at
 once, the text thread hands each its first sentence before it reads anyone's second. A stream's first
 `START_UNITS` units come sooner: they wait for a next word that changes the words, not for one that changes
-only the sounds, so the engine can start speaking a word or so earlier.
+only the sounds, so the engine can start speaking a word or so earlier. An engine's stream (``hold_start``)
+holds its first units until a player starting at the first chunk would not run dry at the text's pace so far
+(`TextStream._may_start`): slow text starts later, fast text as soon as the engine can.
 
 Example, lookahead 1, pieces "The ", "birch ", "canoe ", "slid." then end (units shown apart, "␣" a space):
   after "birch ": "The" is followed by one complete word -> ^ ð ə  (its space waits for the next word)
@@ -25,8 +27,10 @@ the engine's schedule of units into start/end seconds per word.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable
 
+from streaming.slots import CHUNK_SCHEDULE
 from tts.normalize import (Token, complete_length, reads_by_next, sentence_end, sounds_by_next, speak,
                            split_sentences, tokenize)
 from tts.text import MAX_TEXT_CHARS, SYMBOL_ID, TextError, sentence_units
@@ -50,6 +54,20 @@ START_UNITS = 16
 # the rest differ by a linking glide, a stress mark or a first word's sound. Each word of lookahead costs a
 # word's time before the first sound (100 ms at 10 words/s).
 DEFAULT_LOOKAHEAD = 0
+# A stream's first units are handed on only once a player starting at the first chunk is predicted never to run
+# dry at the text's pace so far (`TextStream._may_start`). Why: the engine speaks a frame once ENGINE_UNITS follow
+# its unit (text encoder +6, AR step +4, and itself) and completes it DELAY_FRAMES steps later (delay pattern),
+# and hands out chunks of 2, 4, 8, then 16 frames (`CHUNK_SCHEDULE`), so the text it needs runs ahead of the player
+# by 8 frames + 11 units at the first chunk and 22 frames + 11 units from the 4th. Text 1.2 times faster than
+# speech closes only a fifth of that gap per second: slow text must be waited for before the start, fast text
+# not (at 10 words/s the units of the first chunk are about enough).
+SPEECH_UNITS_PER_S = 17.4  # the shipped voices at speed 1: 3.16 words/s, 5.47 units a word (Harvard sentences)
+UNITS_PER_CHAR = 1.08  # units per character of English text, spaces included (720 Harvard sentences)
+ENGINE_UNITS, DELAY_FRAMES, FRAME_S = 11, 7, 0.02  # the shipped model (text_lookahead + ahead + 1, codebooks - 1)
+START_MARGIN_UNITS = 2  # for speech faster than the average and the front end's own holds (modelled: 2 units cut
+# the stalls at 1.2x from 9.8 to 4.9 a minute for a start 0-70 ms later; 4 units: 2.0 a minute, 260 ms later)
+START_LATENCY_S = 0.07  # from the start to the first chunk on 2 cores (`bench.incremental`'s engine_ms, whole text)
+HOLD_HORIZON_FRAMES = 150  # the prediction looks 3 s ahead: text slower than speech waits that long, then stalls
 
 
 def read_sentence(tokens: list[Token], first: int, closed: bool) -> tuple[list[str], list[int]]:
@@ -67,8 +85,12 @@ def read_sentence(tokens: list[Token], first: int, closed: bool) -> tuple[list[s
 class TextStream:
     # How a sentence is read: `read_sentence` here, or a text worker's processes running it (set per stream)
     reader: Callable[[list[Token], int, bool], tuple[list[str], list[int]]] = staticmethod(read_sentence)
+    clock: Callable[[], float] = staticmethod(time.perf_counter)  # when text arrives (`_may_start`)
 
-    def __init__(self, max_chars: int = MAX_TEXT_CHARS, lookahead_words: int | str | None = None):
+    def __init__(self, max_chars: int = MAX_TEXT_CHARS, lookahead_words: int | str | None = None,
+                 hold_start: bool = False):
+        """``hold_start``: hold the first units until a player starting at the first chunk would not run dry
+        (`_may_start`; what an engine's stream asks for)."""
         if lookahead_words is None:
             lookahead_words = DEFAULT_LOOKAHEAD
         if lookahead_words != "auto" and (not isinstance(lookahead_words, int) or isinstance(lookahead_words, bool)
@@ -83,6 +105,10 @@ class TextStream:
         self._partial = 0  # units of token _done already taken (espeak joined it to the next word)
         self._gap_taken = False  # the gap after the last unit taken was taken (`_first_gap`)
         self._units_taken = 0
+        self._held: list[int] | None = [] if hold_start else None  # units held before the start (None: started)
+        self._pushes: list[float] = []  # when the first text came, and the latest (perf_counter seconds)
+        self._first_chars = 0  # characters of the first piece
+        self._pieces = 0
         self._lock = threading.Lock()
         self.spoken_any = False
         self._timings = _WordTimings()
@@ -99,6 +125,10 @@ class TextStream:
                                 f"the limit is {self.max_chars}")
             self._chars += len(text)
             self._text += text
+            now = self.clock()
+            self._pushes = [self._pushes[0], now] if self._pushes else [now]
+            self._first_chars = self._first_chars or self._chars
+            self._pieces += 1
             self._dirty = True
 
     def flush(self) -> None:
@@ -125,27 +155,72 @@ class TextStream:
         then nothing more follows them for now, so they are spoken to the last unit. Raises TextError
         for bad markup."""
         with self._lock:
-            if not self._dirty:
-                return [], False
-            text, final = self._text, self._final
-            ready = len(text) if final else complete_length(text)
-            usable = complete_length(text[:TAKE_CHARS]) if ready > TAKE_CHARS else ready
-            usable = usable or ready  # one token longer than TAKE_CHARS: all of it
-            closes = final and usable == len(text)
-            tokens = tokenize(text[:usable])
-            spans = split_sentences(tokens, closes)
-            later = not self.spoken_any and len(spans) > 1  # a first take reads the first sentence alone
-            if later:
-                spans, closes = spans[:1], False
-            units, consumed = [], 0
-            for start, stop, closed in spans:
-                sentence = tokens[start:stop]
-                units += self._speak(sentence, len(sentence) if closed else self._ready(sentence), closed)
-                consumed = sentence[-1].end if closed else self._forget_spoken(sentence, consumed)
-            self._text = "" if closes and not text[consumed:].strip() else text[consumed:]
-            self._dirty = usable < ready or later  # the rest comes in the next takes
-            self._final = final and not closes
-        return [SYMBOL_ID[u] for u in units], closes
+            ids, closes = self._take()
+            while not ids and self._held is not None and self._dirty:  # held: read on now, as a take that
+                ids, closes = self._take()  # returned nothing is not taken again before new text
+            return ids, closes
+
+    def _take(self) -> tuple[list[int], bool]:
+        """One take under the lock (`take`)."""
+        if not self._dirty:
+            return [], False
+        text, final = self._text, self._final
+        ready = len(text) if final else complete_length(text)
+        usable = complete_length(text[:TAKE_CHARS]) if ready > TAKE_CHARS else ready
+        usable = usable or ready  # one token longer than TAKE_CHARS: all of it
+        closes = final and usable == len(text)
+        tokens = tokenize(text[:usable])
+        spans = split_sentences(tokens, closes)
+        later = not self.spoken_any and len(spans) > 1  # a first take reads the first sentence alone
+        if later:
+            spans, closes = spans[:1], False
+        units, consumed = [], 0
+        for start, stop, closed in spans:
+            sentence = tokens[start:stop]
+            units += self._speak(sentence, len(sentence) if closed else self._ready(sentence), closed)
+            consumed = sentence[-1].end if closed else self._forget_spoken(sentence, consumed)
+        self._text = "" if closes and not text[consumed:].strip() else text[consumed:]
+        self._dirty = usable < ready or later  # the rest comes in the next takes
+        self._final = final and not closes
+        return self._start([SYMBOL_ID[u] for u in units], closes)
+
+    def _start(self, ids: list[int], closes: bool) -> tuple[list[int], bool]:
+        """Hold a stream's first units until `_may_start` (or a flush or the end closes them); then hand them
+        on, and every later take's units at once."""
+        if self._held is None:
+            return ids, closes
+        self._held += ids
+        if not closes and not self._may_start(len(self._held)):
+            return [], False
+        ids, self._held = self._held, None
+        return ids, closes
+
+    def _may_start(self, units: int) -> bool:
+        """Whether the engine, given ``units`` now and the rest at the text's pace so far (a piece of the mean
+        size every mean interval), would hand out every chunk before a player that starts at the first one (about
+        START_LATENCY_S from now) reaches it. A chunk ending at frame E goes out once frame E - 1 is complete, i.e.
+        step E + 6 ran, whose unit needs ENGINE_UNITS - 1 after it: ``(E + 6) * 0.348 + 11`` units (17.4 units/s
+        of speech), plus the margin; it is due when the player reaches its first frame. Example, 1.2x ("birch ",
+        ... : 6.5 units every 263 ms): 14 units wait (the first chunk needs 8 * 0.348 + 13 = 15.8); 22 start:
+        the 4th chunk (frames 14-29, due at 0.28 s + 0.07, one more piece by then) needs 36 * 0.348 + 13 = 25.5
+        <= 28.5, and each later chunk 5.6 units more per 7.9 that arrive. Text in one piece so far (no pace
+        known: a text sent whole, or a client's first batch of words) starts once the first chunk's 15.8 are
+        there (the engine waits for about that many anyway)."""
+        per_frame = SPEECH_UNITS_PER_S * FRAME_S
+        if len(self._pushes) < 2 or self._pushes[1] <= self._pushes[0]:  # no pace known: the first chunk's units
+            return units >= (CHUNK_SCHEDULE[0] + DELAY_FRAMES - 1) * per_frame + ENGINE_UNITS + START_MARGIN_UNITS
+        first, last = self._pushes
+        every = (last - first) / (self._pieces - 1)  # seconds between pieces
+        piece = UNITS_PER_CHAR * (self._chars - self._first_chars) / (self._pieces - 1)  # units a piece
+        since = self.clock() - last + START_LATENCY_S  # from the last piece to the first chunk playing
+        played, end, sizes = 0, 0, iter(CHUNK_SCHEDULE)
+        while played < HOLD_HORIZON_FRAMES:  # chunk by chunk: due when the player reaches its first frame
+            played, end = end, end + next(sizes, CHUNK_SCHEDULE[-1])
+            needed = (end + DELAY_FRAMES - 1) * per_frame + ENGINE_UNITS + START_MARGIN_UNITS
+            pieces = (played * FRAME_S + since) // every  # to come by then
+            if units + piece * pieces < needed:
+                return False
+        return True
 
     def _ready(self, tokens: list[Token]) -> int:
         """How many of an open sentence's complete tokens may be spoken now."""

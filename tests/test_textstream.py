@@ -232,3 +232,47 @@ def test_a_first_take_reads_one_sentence(end):
         taken.append(stream.take()[0])
     assert stream.ended and spell([u for ids in taken for u in ids]) == whole(text)
     assert len(taken) <= 4  # after the first sentence, the rest in one take
+
+
+class _Clocked(TextStream):
+    """A stream on a clock the test moves (`TextStream.clock`)."""
+    now = 0.0
+    clock = staticmethod(lambda: _Clocked.now)
+
+
+def _speak(pieces: list[str], rate: float, hold: bool = True) -> tuple[int | None, list[int]]:
+    """Pieces pushed at ``rate`` a second, then the end: (index of the piece whose take first gave units, or
+    None if only the end did; all units)."""
+    stream, got, first = _Clocked(hold_start=hold), [], None
+    for i, piece in enumerate(pieces):
+        _Clocked.now = i / rate
+        stream.push(piece)
+        got += stream.take()[0]
+        first = i if first is None and got else first
+    stream.end()
+    return first, got + stream.take()[0]
+
+
+WORDS = [w + " " for w in "The birch canoe slid on the smooth planks and the ducks swam by".split()]
+
+
+def test_a_stream_starts_later_when_its_text_comes_slower_and_then_speaks_every_unit():
+    """The first units wait until a player starting at the first chunk would not run dry at the text's pace:
+    the slower the text, the more words first; nothing is lost or changed by the wait."""
+    slow, fast, unheld = _speak(WORDS, 3.8), _speak(WORDS, 20.0), _speak(WORDS, 3.8, hold=False)
+    assert slow[0] > fast[0] > unheld[0]  # 1.2x the speaking rate waits for more words than 20 words/s
+    assert slow[1] == fast[1] == unheld[1]
+
+
+def test_a_held_start_ends_with_a_flush_or_the_end_and_one_piece_starts_once_the_first_chunk_is_there():
+    assert _speak(WORDS[:2], 3.8) == (None, _speak(WORDS[:2], 3.8, hold=False)[1])  # the end hands all on
+    stream = _Clocked(hold_start=True)
+    stream.push("The birch ")
+    stream.flush()
+    assert spell(stream.take()[0]) == whole("The birch")
+    stream = _Clocked(hold_start=True)
+    stream.push("The birch canoe slid on the smooth planks and the ducks ")  # one piece: no pace to wait for
+    assert len(stream.take()[0]) >= 16
+    unheld = _Clocked()
+    unheld.push("The ")
+    assert spell(unheld.take()[0]) == "^ðə "  # without hold_start (the default) take is as before
