@@ -43,7 +43,7 @@ class CodecWorker:
         self.state = codec.init_state(max_streams, device)
         self.device = device
         self.jobs: queue.Queue = queue.Queue(maxsize=depth)
-        self.codec_ms: deque[tuple[float, int]] = deque(maxlen=200_000)  # (ms, frames) per decode call
+        self.codec_ms: deque[tuple[float, int]] = deque(maxlen=40_000)  # (ms, frames) per decode call, bounded
         self.decode_step = codec.decode_step  # (M, K, T) codes, state -> (M, T*hop) audio; see set_decode_step
         self._thread = threading.Thread(target=self._run, name="tts-codec", daemon=True)
         self._thread.start()

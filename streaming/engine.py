@@ -63,6 +63,7 @@ from tts.voices import blend_preset
 StepFactory = Callable[..., Callable]  # factory(model, caches, batch, device) -> step (see COMMON contracts)
 UNIT, READY, COMPLETED, PENDING, DUE, DONE = range(len(META))
 URGENT_LEAD = 8  # units encoded ahead of a slot's aligned unit below which its next units are encoded at once
+FIGURES_KEPT = 40_000  # ticks of live figures kept (13 min of one stream's 50 ticks a second; benches clear them per load)
 ROUTINE_TICKS = 8  # otherwise top-ups wait for every 8th tick, so one text-encoder call serves many slots
 # A burst (hundreds of streams starting in one instant) is spread over ticks, so that no tick stalls the
 # streams already speaking for long: at most this many slots granted, and rows prefilled, per tick.
@@ -158,10 +159,12 @@ class Engine:
         if self.device.type == "cuda":
             sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._build_device_state(self.max_streams)
-        self.step_ms: deque[float] = deque(maxlen=200_000)  # AR step + sampling, per tick
-        self.tick_ms: deque[float] = deque(maxlen=200_000)  # a whole tick: events, prefill, step, codec, hand-out
+        # Live figures of the last FIGURES_KEPT ticks: bounded small, so a server's memory stays flat (a tick's
+        # entries take about 250 B: kept for 200,000 ticks they grew a server by ~50 MB over its first hour)
+        self.step_ms: deque[float] = deque(maxlen=FIGURES_KEPT)  # AR step + sampling, per tick
+        self.tick_ms: deque[float] = deque(maxlen=FIGURES_KEPT)  # a whole tick: events, prefill, step, codec, hand-out
         # its parts (s): events and prefill, launch, waiting for the device, handing out the previous tick's audio
-        self.tick_phases: deque[tuple[float, float, float, float]] = deque(maxlen=200_000)
+        self.tick_phases: deque[tuple[float, float, float, float]] = deque(maxlen=FIGURES_KEPT)
         self._waited = 0.0
         self._factory, self._next_factory = step_factory, None
         self._steps: dict[int, Callable] = {}
@@ -197,7 +200,7 @@ class Engine:
             if self.device.type == "cuda":  # where each tick's table and audio reach the host, in turn
                 self._pinned = [(torch.zeros(batch, len(META), dtype=torch.long, pin_memory=True),
                                  torch.zeros(batch, self.codec.cfg.hop, pin_memory=True)) for _ in range(4)]
-            self.codec_ms: deque = deque(maxlen=200_000)  # (ms, frames) per codec call
+            self.codec_ms: deque = deque(maxlen=FIGURES_KEPT)  # (ms, frames) per codec call
         else:
             self.codec_worker = CodecWorker(self.codec, batch, self.device)
             self.codec_ms = self.codec_worker.codec_ms
