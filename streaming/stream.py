@@ -35,7 +35,7 @@ class Stream:
     def __init__(self, engine: "Engine", voice: str, speed: float, max_chars: int, seed: int,
                  lookahead_words: int | None = None):
         self.engine, self.voice, self.speed, self.seed = engine, voice, speed, seed
-        self.text = TextStream(max_chars, lookahead_words=lookahead_words, hold_start=True)
+        self.text = TextStream(max_chars, lookahead_words=lookahead_words, hold_start=engine.model.cfg)
         self._chunks: deque[np.ndarray] = deque()  # audio not yet read
         self._audio = threading.Condition()  # guards _chunks, queued_samples, _closed and moved
         self._closed = False  # no audio comes after what is queued (finished or cancelled)

@@ -33,6 +33,7 @@ from typing import Callable
 from streaming.slots import CHUNK_SCHEDULE
 from tts.normalize import (Token, complete_length, reads_by_next, sentence_end, sounds_by_next, speak,
                            split_sentences, tokenize)
+from tts.model import ModelConfig
 from tts.text import MAX_TEXT_CHARS, SYMBOL_ID, TextError, sentence_units
 
 TAKE_CHARS = 600  # text phonemised in one take at most: a long text reaches the engine a few sentences a tick
@@ -63,11 +64,18 @@ DEFAULT_LOOKAHEAD = 0
 # not (at 10 words/s the units of the first chunk are about enough).
 SPEECH_UNITS_PER_S = 17.4  # the shipped voices at speed 1: 3.16 words/s, 5.47 units a word (Harvard sentences)
 UNITS_PER_CHAR = 1.08  # units per character of English text, spaces included (720 Harvard sentences)
-ENGINE_UNITS, DELAY_FRAMES, FRAME_S = 11, 7, 0.02  # the shipped model (text_lookahead + ahead + 1, codebooks - 1)
+FRAME_S = 0.02  # ENGINE_UNITS and DELAY_FRAMES come from the model's config (`engine_lookahead`)
 START_MARGIN_UNITS = 2  # for speech faster than the average and the front end's own holds (modelled: 2 units cut
 # the stalls at 1.2x from 9.8 to 4.9 a minute for a start 0-70 ms later; 4 units: 2.0 a minute, 260 ms later)
 START_LATENCY_S = 0.07  # from the start to the first chunk on 2 cores (`bench.incremental`'s engine_ms, whole text)
 HOLD_HORIZON_FRAMES = 150  # the prediction looks 3 s ahead: text slower than speech waits that long, then stalls
+
+
+def engine_lookahead(cfg: ModelConfig) -> tuple[int, int]:
+    """(ENGINE_UNITS, DELAY_FRAMES) of a model: the units a frame needs from its own on (text encoder's right
+    context + the AR step's + itself) and the steps from a frame's start to its completion (codebooks - 1).
+    Example, the shipped shapes (text_lookahead 6, ahead 4, 8 codebooks): (11, 7)."""
+    return cfg.text_lookahead + cfg.ahead + 1, cfg.codebooks - 1
 
 
 def read_sentence(tokens: list[Token], first: int, closed: bool) -> tuple[list[str], list[int]]:
@@ -88,9 +96,9 @@ class TextStream:
     clock: Callable[[], float] = staticmethod(time.perf_counter)  # when text arrives (`_may_start`)
 
     def __init__(self, max_chars: int = MAX_TEXT_CHARS, lookahead_words: int | str | None = None,
-                 hold_start: bool = False):
+                 hold_start: bool | ModelConfig = False):
         """``hold_start``: hold the first units until a player starting at the first chunk would not run dry
-        (`_may_start`; what an engine's stream asks for)."""
+        (`_may_start`; what an engine's stream asks for, with its model's config; True: the default shapes)."""
         if lookahead_words is None:
             lookahead_words = DEFAULT_LOOKAHEAD
         if lookahead_words != "auto" and (not isinstance(lookahead_words, int) or isinstance(lookahead_words, bool)
@@ -106,6 +114,8 @@ class TextStream:
         self._gap_taken = False  # the gap after the last unit taken was taken (`_first_gap`)
         self._units_taken = 0
         self._held: list[int] | None = [] if hold_start else None  # units held before the start (None: started)
+        self._engine_units, self._delay_frames = engine_lookahead(
+            hold_start if isinstance(hold_start, ModelConfig) else ModelConfig())
         self._pushes: list[float] = []  # when the first text came, and the latest (perf_counter seconds)
         self._first_chars = 0  # characters of the first piece
         self._pieces = 0
@@ -208,7 +218,7 @@ class TextStream:
         there (the engine waits for about that many anyway)."""
         per_frame = SPEECH_UNITS_PER_S * FRAME_S
         if len(self._pushes) < 2 or self._pushes[1] <= self._pushes[0]:  # no pace known: the first chunk's units
-            return units >= (CHUNK_SCHEDULE[0] + DELAY_FRAMES - 1) * per_frame + ENGINE_UNITS + START_MARGIN_UNITS
+            return units >= (CHUNK_SCHEDULE[0] + self._delay_frames - 1) * per_frame + self._engine_units + START_MARGIN_UNITS
         first, last = self._pushes
         every = (last - first) / (self._pieces - 1)  # seconds between pieces
         piece = UNITS_PER_CHAR * (self._chars - self._first_chars) / (self._pieces - 1)  # units a piece
@@ -216,7 +226,7 @@ class TextStream:
         played, end, sizes = 0, 0, iter(CHUNK_SCHEDULE)
         while played < HOLD_HORIZON_FRAMES:  # chunk by chunk: due when the player reaches its first frame
             played, end = end, end + next(sizes, CHUNK_SCHEDULE[-1])
-            needed = (end + DELAY_FRAMES - 1) * per_frame + ENGINE_UNITS + START_MARGIN_UNITS
+            needed = (end + self._delay_frames - 1) * per_frame + self._engine_units + START_MARGIN_UNITS
             pieces = (played * FRAME_S + since) // every  # to come by then
             if units + piece * pieces < needed:
                 return False
