@@ -250,6 +250,7 @@ def test_attach_refuses_a_state_that_lacks_rows():
     here = tiny_random(max_streams=1)
     stream = here.open(seed=1)
     stream.push_text(TEXT[:CUT])
+    assert stream.read(timeout=30) is not None  # it holds a slot, so its state has rows
     host, rows, unread = unpack(here.detach(stream), here.fingerprint)
     del rows["step"]
     with pytest.raises(BadState):
