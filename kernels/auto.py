@@ -1,16 +1,19 @@
 """The CPU step every path gets by default, with no build wait anyone can see.
 
 `default_step_factory()` returns a factory that, for a model:
-  1. runs ONNX Runtime at once if the model's int8 export is in the disk cache (`kernels.ort`; with
-     TTS_NO_QUANT=1 the fp32 export);
-  2. otherwise runs the fp32 export if that is cached, else the lean eager step (`kernels.lean`; nothing to
+  1. runs ONNX Runtime at once from the graph shipped for the model's config (`kernels.weightless`: the
+     int8 step, or with TTS_NO_QUANT=1 the fp32 one, its weights made from the model at load);
+  2. else at once if the model's int8 export is in the disk cache (`kernels.ort`; with TTS_NO_QUANT=1 the
+     fp32 export);
+  3. otherwise runs the fp32 export if that is cached, else the lean eager step (`kernels.lean`; nothing to
      build), and starts the export (and quantisation) in a background process; when it is ready, the
      callbacks given to ``when_faster`` get the ONNX Runtime factory (the engine's ``set_step_factory``
      swaps it in at a tick boundary);
-  3. if ONNX Runtime cannot be used (TTS_NO_ORT=1, not installed, the export fails) it warns once and stays
+  4. if ONNX Runtime cannot be used (TTS_NO_ORT=1, not installed, the export fails) it warns once and stays
      on the lean eager step, which computes the same logits.
 `faster_codec_step(codec)` does the same for the CPU codec worker's decoder (`kernels.ort_codec`): a Future
-of the ONNX Runtime decode step, at once from the disk cache or after a background export, for
+of the ONNX Runtime decode step, at once from the shipped graph or the disk cache, else after a background
+export, for
 `Engine.set_codec_step`; meanwhile, and whenever it cannot be had, the torch decoder decodes.
 Measured choices (2-core machine, one thread): see ``python -m bench.steps`` (``--codec-only``: the decoder).
 """
@@ -21,7 +24,7 @@ import warnings
 from concurrent.futures import Future
 from pathlib import Path
 
-from kernels import ort
+from kernels import ort, weightless
 from kernels.lean import EagerLeanStep
 
 
@@ -40,6 +43,9 @@ class DefaultStepFactory:
             self._resolve(None)
             return self._cuda(model, caches, batch, device)
         if ort.available():
+            step = self._shipped(model, caches, batch)
+            if step is not None:
+                return step
             try:
                 int8 = ort.int8_wanted()
                 path = ort.load(model, int8)
@@ -49,7 +55,7 @@ class DefaultStepFactory:
                 elif not self._building:
                     self._resolve(None)  # the fastest step is already here: nothing better will come
                 if path is not None:
-                    step = ort.OrtStep(model, caches, batch, path)
+                    step = ort.factory(path)(model, caches, batch, device)
                     self.kind = step.kind
                     return step
             except Exception as err:  # an unreadable cache, say: serve on rather than fail the engine
@@ -59,6 +65,18 @@ class DefaultStepFactory:
             self._resolve(None)
         self.kind = EagerLeanStep.kind
         return EagerLeanStep(model, caches, batch, device)
+
+    def _shipped(self, model, caches, batch):
+        """The step from the model's shipped weightless graph (`kernels.weightless`), None if there is none
+        for its key or it cannot be used (then with a warning: the disk cache or a build serves instead)."""
+        int8 = ort.int8_wanted()
+        shared = shipped_session(model, weightless.step_kind(int8), "step")
+        if shared is None:
+            return None
+        self._resolve(None)  # the fastest step, at once: nothing better will come
+        step = ort.session_factory(shared, "onnxruntime-int8" if int8 else "onnxruntime")(model, caches, batch, "cpu")
+        self.kind = step.kind
+        return step
 
     def _cuda(self, model, caches, batch, device):
         from kernels import enabled
@@ -94,6 +112,16 @@ class DefaultStepFactory:
                             "ONNX Runtime step unavailable, staying on the step in use")
 
 
+def shipped_session(module, kind: str, what: str):
+    """`kernels.weightless.session` of ``module``'s graph ``kind``: None when none ships for its key, or
+    (with a warning naming ``what``) when ONNX Runtime cannot use it; the caller then builds instead."""
+    try:
+        return weightless.session(module, kind)
+    except Exception as err:  # a graph this ONNX Runtime cannot load, say
+        warnings.warn(f"shipped {what} graph unusable, building the {what} instead: {err}")
+        return None
+
+
 def build_in_background(module, paths: list[Path], runner: str, make, resolve, failure: str) -> None:
     """On a thread: export ``module`` to ``paths[0]`` (unless there) and derive the rest from it in a child
     process (``python -m runner``), open the last one's session, then ``resolve(make(paths[-1]))``; on any
@@ -125,8 +153,9 @@ def default_step_factory(device="cpu") -> DefaultStepFactory:
 
 def faster_codec_step(codec, device="cpu") -> Future:
     """A Future of the CPU codec worker's fastest decode step for ``codec`` (for `Engine.set_codec_step`):
-    the ONNX Runtime one (`kernels.ort_codec`), resolved at once when its export is in the disk cache, else
-    once a background process has exported it (meanwhile the engine decodes with the torch decoder). It
+    the ONNX Runtime one (`kernels.ort_codec`), resolved at once from the graph shipped for the codec's
+    config (`kernels.weightless`) or the export in the disk cache, else once a background process has
+    exported it (meanwhile the engine decodes with the torch decoder). It
     resolves to None when nothing faster will come: a GPU (its frame codec runs a CUDA graph), TTS_NO_ORT=1,
     onnxruntime missing, or a failed export or unreadable cache (with a warning). Typical::
 
@@ -139,13 +168,17 @@ def faster_codec_step(codec, device="cpu") -> Future:
         return faster
     lstm = codec.decoder.lstm is not None
 
-    def make(path: Path):
-        return ort_codec.OrtCodecStep(path, lstm)
+    def make(source):
+        return ort_codec.OrtCodecStep(source, lstm)
 
     def resolve(value) -> None:
         if not faster.done():
             faster.set_result(value)
     failure = "ONNX Runtime codec decoder unavailable, staying on the torch decoder"
+    shared = shipped_session(codec, "codec", "codec decoder")
+    if shared is not None:
+        resolve(make(shared))
+        return faster
     try:
         path = ort_codec.load(codec)
         if path is not None:

@@ -28,6 +28,8 @@ Kill switch: TTS_NO_ORT=1. The cache, export and session helpers here also serve
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import inspect
@@ -163,10 +165,11 @@ def quantize(source: Path, path: Path) -> None:
 
 
 def export_in_background_process(module: torch.nn.Module, path: Path, runner: str = "kernels.ort",
-                                 *more: Path) -> None:
+                                 *more: Path) -> list[Path]:
     """Export in a child process (``python -m runner MODULE.pt OUT.onnx [MORE.onnx ...]``, see `export_child`)
     at low priority: the export is seconds of Python that would otherwise hold this process's GIL and stall
-    the engine thread. Raises if the child fails."""
+    the engine thread. Returns the paths the child wrote (none if another process had made them all
+    meanwhile); raises if the child fails."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, saved = tempfile.mkstemp(suffix=".pt.tmp", dir=path.parent)
     os.close(fd)
@@ -176,37 +179,61 @@ def export_in_background_process(module: torch.nn.Module, path: Path, runner: st
                               text=True, cwd=Path(__file__).resolve().parent.parent)
         if done.returncode:
             raise RuntimeError(f"ONNX export failed: {done.stderr.strip()[-2000:]}")
+        return [Path(line) for line in done.stdout.splitlines() if line.startswith(str(path.parent))]
     finally:
         Path(saved).unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def build_lock(path: Path):
+    """Hold an exclusive lock on ``path``'s build (``path.lock`` beside it) across processes: a second
+    process that wants the same file waits here, then finds it made instead of making it again."""
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def export_child(export, derive=None) -> None:
-    """The child's side of `export_in_background_process`: ``export(module, OUT)`` at low priority (unless
-    OUT is already there), then ``derive(OUT, MORE)`` for each further path (the int8 step from the fp32 one)."""
+    """The child's side of `export_in_background_process`: under `build_lock`, ``export(module, OUT)`` at low
+    priority (unless OUT is already there), then ``derive(OUT, MORE)`` for each further path not there yet
+    (the int8 step from the fp32 one). Prints each path it wrote."""
     os.nice(10)  # behind the engine and the codec, which are serving meanwhile
     torch.set_num_threads(1)
     module = torch.load(sys.argv[1], weights_only=False)
     os.unlink(sys.argv[1])  # ours now: if the parent has exited meanwhile, nothing is left behind
     path = Path(sys.argv[2])
-    if not path.exists():
-        export(module, path)
-    for more in sys.argv[3:]:
-        derive(path, Path(more))
+    with build_lock(path):
+        if not path.exists():
+            export(module, path)
+            print(path, flush=True)
+        for more in map(Path, sys.argv[3:]):
+            if not more.exists():
+                derive(path, more)
+                print(more, flush=True)
+
+
+def session_options():
+    """Every session's options: `threads` intra-op threads, sequential, no spinning (idle cores go to the codec)."""
+    import onnxruntime as ort
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads()
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # leave idle cores to the codec
+    options.log_severity_level = 3
+    return options
 
 
 def session(path: Path):
-    """The ONNX Runtime session of ``path``, created once per process, on `threads` intra-op threads.
+    """The ONNX Runtime session of ``path``, created once per process (`session_options`).
     Raises if the file does not load (corrupted or truncated)."""
     import onnxruntime as ort
     with _lock:
         if path not in _sessions:
-            options = ort.SessionOptions()
-            options.intra_op_num_threads = threads()
-            options.inter_op_num_threads = 1
-            options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # leave idle cores to the codec
-            options.log_severity_level = 3
-            _sessions[path] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            _sessions[path] = ort.InferenceSession(str(path), session_options(), providers=["CPUExecutionProvider"])
         return _sessions[path]
 
 
@@ -234,14 +261,13 @@ def kind_of(path: Path) -> str:
 
 
 class OrtStep:
-    """`decode_step` run by ONNX Runtime over ``caches`` bound in place. Inputs are copied into fixed
-    buffers (tens of bytes); logits come back in one fixed (B, K, N) buffer, valid until the next call.
-    ``kind`` says whether the weights are fp32 or int8 (`kind_of`)."""
+    """`decode_step` run by ONNX Runtime ``session`` (of a `LeanStep` graph) over ``caches`` bound in place.
+    Inputs are copied into fixed buffers (tens of bytes); logits come back in one fixed (B, K, N) buffer,
+    valid until the next call. ``kind`` says whether the weights are fp32 or int8 (`kind_of`)."""
 
-    def __init__(self, model: TTSModel, caches: StepCaches, batch: int, path: Path):
+    def __init__(self, model: TTSModel, caches: StepCaches, batch: int, session, kind: str):
         cfg = model.cfg
-        self.kind = kind_of(path)
-        self.session = session(path)
+        self.kind, self.session = kind, session
         self.inputs = [torch.zeros(batch, cfg.codebooks, dtype=torch.long), torch.zeros(batch, dtype=torch.long),
                        torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.bool)]
         rows = (cfg.layers, batch, cfg.heads, cfg.head_dim)
@@ -281,9 +307,14 @@ class OrtStep:
 
 def factory(path: Path):
     """A step factory over the export at ``path`` (cheap to call: the session is shared)."""
+    return session_factory(session(path), kind_of(path))
+
+
+def session_factory(shared, kind: str):
+    """A step factory over the ONNX Runtime session ``shared``, which every step it builds shares."""
     def build(model, caches, batch, device):
-        return OrtStep(model, caches, batch, path)
-    build.kind = kind_of(path)
+        return OrtStep(model, caches, batch, shared, kind)
+    build.kind = kind
     return build
 
 

@@ -114,8 +114,10 @@ class OrtCodecStep:
     streams) in place, as `Codec.decode_step` does: the callable `Engine.set_codec_step` takes."""
     kind = "onnxruntime"
 
-    def __init__(self, path: Path, lstm: bool):
-        self.session, self.lstm = ort.session(path), lstm
+    def __init__(self, source, lstm: bool):
+        """``source``: the export's path, or an ONNX Runtime session of it (`kernels.weightless`)."""
+        self.session = ort.session(source) if isinstance(source, Path) else source
+        self.lstm = lstm
         self.names = [node.name for node in self.session.get_inputs()]
 
     def __call__(self, codes: torch.Tensor, state: DecoderState) -> torch.Tensor:
