@@ -9,7 +9,8 @@ install: ``TTS_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR`` and ``XDG_CACHE_HOME`` i
 then where it matters again with the caches that first run left (every later start).
 
 * ``api``: ``synthesize_stream()`` with the default engine. ``first_chunk_s``: from the call to the first
-  chunk, the model load included; ``process_to_first_chunk_s`` adds starting Python and importing. Then
+  chunk, the model load included; ``process_to_first_chunk_s`` adds starting Python and importing;
+  ``timeline``: import, load, first chunk and when each final step was in use, in seconds since launch. Then
   after that first call, each of ``sentences`` Harvard sentences is spoken on its own: ``rtf`` is the total
   wall time over the total audio (``cpu_s_per_audio_s``: the process's CPU seconds per second of audio, both
   its busy threads together: an idle 2-core machine's RTF lies between half this and this),
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import resource
 import socket
@@ -56,11 +58,31 @@ def child_env(cache: Path) -> dict:
 
 
 # ---- the API, inside a fresh process ----------------------------------------------------------------
+class Timeline(logging.Handler):
+    """What the ``tts`` logger says (engine ready, step and codec decoder in use), stamped with seconds
+    since the process was launched."""
+
+    def __init__(self, launched: float):
+        super().__init__()
+        self.launched, self.lines = launched, []
+
+    def emit(self, record) -> None:
+        self.lines.append(f"{time.time() - self.launched:7.2f} s  {record.getMessage()}")
+
+    def mark(self, what: str) -> None:
+        self.lines.append(f"{time.time() - self.launched:7.2f} s  {what}")
+
+
 def api_child(sentences: int, launched: float) -> dict:
     """Runs in the child: import, one first call, then ``sentences`` calls one after another."""
+    timeline = Timeline(launched)
+    logging.getLogger("tts").addHandler(timeline)
+    logging.getLogger("tts").setLevel(logging.INFO)
     row, imported = {}, time.time()
+    timeline.mark("python started, importing tts.api")
     from tts.api import get_engine, synthesize_stream
     imported = time.time() - imported
+    timeline.mark("imported; first call (loads the engine)")
 
     def speak(text: str, cpu: bool = False) -> tuple[float, float, float]:
         start = time.perf_counter()
@@ -68,6 +90,7 @@ def api_child(sentences: int, launched: float) -> dict:
         for chunk in synthesize_stream(text):
             if first is None and cpu:
                 row["process_cpu_to_first_chunk_s"] = round(time.process_time(), 3)  # all threads, since start
+                timeline.mark(f"first chunk (step {get_engine().step_kind})")
             first = first or time.perf_counter() - start
             samples += len(chunk)
         return first, time.perf_counter() - start, samples / chunk.sample_rate
@@ -87,7 +110,7 @@ def api_child(sentences: int, launched: float) -> dict:
         row["step_kinds"].append(get_engine().step_kind)
     row.update(sentences=sentences, rtf=round(sum(walls) / sum(audios), 3), first_chunk_ms=percentiles(firsts),
                cpu_s_per_audio_s=round((time.process_time() - cpu) / sum(audios), 3),
-               audio_s=round(sum(audios), 2))
+               audio_s=round(sum(audios), 2), timeline=timeline.lines)
     return row
 
 

@@ -83,6 +83,8 @@ def get_engine(max_streams: int | None = None, compile: bool = True, max_open: i
             model, codec, presets = load_shipped()
             front_end.join()  # before the engine's text thread can use espeak, which is not thread-safe
             factory = default_step_factory() if compile and enabled("compile") else None
+            if factory is not None:
+                factory.prepare(model)  # the shipped graph's step, opened now rather than on the first tick
             _engine = Engine(model, codec, presets, max_streams=max_streams, step_factory=factory,
                              max_open=max_open)
             log.info("engine ready in %.2f s: %d slots, step %s", time.perf_counter() - started,
@@ -91,17 +93,18 @@ def get_engine(max_streams: int | None = None, compile: bool = True, max_open: i
             if faster is None:
                 log.info("step in use: %s", _engine.step_kind)
             else:
-                faster.add_done_callback(_swap_in(_engine, started))
+                faster.add_done_callback(_swap_in(_engine, factory, started))
                 faster_codec_step(codec).add_done_callback(_swap_in_codec(_engine, started))
         return _engine
 
 
-def _swap_in(engine: Engine, started: float):
+def _swap_in(engine: Engine, factory, started: float):
     """A callback for the future of a faster step factory: hand it to the engine, which switches at a tick
     boundary without dropping a stream. Logs the step that is then final, for the start-up timeline."""
     def swap(faster) -> None:
-        if faster.result() is None:
-            log.info("step in use: the fastest there is (nothing faster to build)")
+        if faster.result() is None:  # resolved when the engine's first tick built its step
+            log.info("step in use: %s, the fastest there is (%.2f s after loading began)", factory.kind,
+                     time.perf_counter() - started)
             return
         engine.set_step_factory(faster.result())
         log.info("step in use: %s (built in the background, swapped in %.2f s after loading began)",

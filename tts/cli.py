@@ -186,8 +186,9 @@ def cmd_voices(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    """Loads the engine (about a second: its step is the fastest one ready, a faster one is built in the
-    background and swapped in), then listens."""
+    """Loads the engine (about a second: its step and codec decoder run ONNX Runtime from the graphs shipped
+    for the model, `kernels.weightless`; a model without them starts on the fastest step ready while a
+    faster one is built in the background and swapped in), then listens."""
     if args.ray:
         return serve_on_ray(args)
     import logging
