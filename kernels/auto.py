@@ -13,8 +13,7 @@
      on the lean eager step, which computes the same logits.
 `faster_codec_step(codec)` does the same for the CPU codec worker's decoder (`kernels.ort_codec`): a Future
 of the ONNX Runtime decode step, at once from the shipped graph or the disk cache, else after a background
-export, for
-`Engine.set_codec_step`; meanwhile, and whenever it cannot be had, the torch decoder decodes.
+export, for `Engine.set_codec_step`; meanwhile, and whenever it cannot be had, the torch decoder decodes.
 Measured choices (2-core machine, one thread): see ``python -m bench.steps`` (``--codec-only``: the decoder).
 """
 from __future__ import annotations

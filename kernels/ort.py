@@ -23,7 +23,9 @@ Cache: ``$TTS_CACHE_DIR`` (default ``~/.cache/tts``) ``/kernels/step-<key>.onnx`
 ``step-int8-<key>.onnx``, the key hashing the weights, the model config, this step's source, the
 quantiser's settings and the torch and onnxruntime versions. A file that does not load is deleted and
 rebuilt. Exporting takes a few seconds (TorchScript exporter; the dynamo exporter took 18-60 s here for
-the same graph) and quantising about one more, so `kernels.auto` runs both in a background process.
+the same graph) and quantising about one more, so `kernels.auto` runs both in a background process, under
+a file lock (`build_lock`: a second process waits, then finds the files made), for a model whose graph
+does not ship; the shipped model's graphs ship without weights (`kernels.weightless`) and need neither.
 Kill switch: TTS_NO_ORT=1. The cache, export and session helpers here also serve `kernels.ort_codec`.
 """
 from __future__ import annotations
@@ -129,7 +131,8 @@ def write_atomically(path: Path, write) -> None:
             os.unlink(tmp)
 
 
-def _names(layers: int) -> list[str]:
+def input_names(layers: int) -> list[str]:
+    """The graph's inputs: `INPUTS`, then per layer the six ring tensors of `kernels.lean.ring_tensors`."""
     rings = ("sink_k", "sink_v", "text_k", "text_v", "audio_k", "audio_v")
     return INPUTS + [f"{name}{i}" for i in range(layers) for name in rings]
 
@@ -143,7 +146,7 @@ def export(model: TTSModel, path: Path) -> None:
     args = (torch.zeros(batch, cfg.codebooks, dtype=torch.long), zeros, zeros.clone(),
             torch.zeros(batch, dtype=torch.bool), caches.text[0].positions, caches.audio[0].positions,
             *ring_tensors(caches))
-    names = _names(cfg.layers)
+    names = input_names(cfg.layers)
     axes = {name: {0: "batch"} for name in names + ["logits", "new_pos", "slot"]}
     axes.update(new_keys={1: "batch"}, new_values={1: "batch"})
 
@@ -292,7 +295,7 @@ class OrtStep:
         where = [(t.data_ptr(), t.shape) for t in tensors]
         if where == self.bound:
             return
-        for name, tensor in zip(_names(len(caches.audio))[len(self.inputs):], tensors):
+        for name, tensor in zip(input_names(len(caches.audio))[len(self.inputs):], tensors):
             self._bind(self.binding.bind_input, name, tensor)
         self.bound = where
 

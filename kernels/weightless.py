@@ -64,7 +64,7 @@ def key(module: torch.nn.Module, kind: str) -> str:
     else:
         rings = StepCaches.empty(module.cfg, 1)
         parts = [repr(module.cfg), f"rings {rings.text[0].capacity} {rings.audio[0].capacity}",
-                 inspect.getsource(lean), inspect.getsource(ort.export), inspect.getsource(ort._names),
+                 inspect.getsource(lean), inspect.getsource(ort.export), inspect.getsource(ort.input_names),
                  repr(ort.INPUTS), repr(ort.OUTPUTS), *([repr(ort.INT8)] if kind == "step-int8" else [])]
     return hashlib.sha256("\n".join([kind, *parts]).encode()).hexdigest()[:24]
 
