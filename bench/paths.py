@@ -5,8 +5,9 @@
     python -m bench.paths --only server    # one path (api, cli, server)
 
 Each path runs in a subprocess of this checkout's code, first with empty compile/export caches (a fresh
-install: ``TTS_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR`` and ``XDG_CACHE_HOME`` in a new temporary folder),
-then where it matters again with the caches that first run left (every later start).
+install: ``TTS_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR`` and ``XDG_CACHE_HOME`` in a new temporary folder;
+the weightless graphs in kernels/graphs/ ship with the code, as they do with an install), then where it
+matters again with the caches that first run left (every later start).
 
 * ``api``: ``synthesize_stream()`` with the default engine. ``first_chunk_s``: from the call to the first
   chunk, the model load included; ``process_to_first_chunk_s`` adds starting Python and importing;
