@@ -69,6 +69,10 @@ class Start(_Strict):
     seed: Seed | None = None  # same seed, same request -> the same audio, whatever else runs
     timings: bool = False  # also send {"type": "timing", "phonemes": [[unit, start_s, end_s], ...]} events
     word_timings: bool = False  # also send {"type": "timing", "words": [{"word", "start", "end"}, ...]} events
+    # Start hold: the first audio waits until text arriving at its pace so far would keep a player that starts
+    # then from running dry (`streaming.textstream.TextStream._may_start`). false: speak as soon as the engine
+    # can (earliest first audio; text slower than speech then stalls: ~40 stalls/min at 5 words/s, 9 at 10).
+    hold: bool = True
 
 
 class Text(_Strict):

@@ -114,6 +114,7 @@ class TextStream:
         self._gap_taken = False  # the gap after the last unit taken was taken (`_first_gap`)
         self._units_taken = 0
         self._held: list[int] | None = [] if hold_start else None  # units held before the start (None: started)
+        self._may_hold = True  # False: held units go with the next take (`hold_off`)
         self._engine_units, self._delay_frames = engine_lookahead(
             hold_start if isinstance(hold_start, ModelConfig) else ModelConfig())
         self._pushes: list[float] = []  # when the first text came, and the latest (perf_counter seconds)
@@ -148,6 +149,13 @@ class TextStream:
     def end(self) -> None:
         with self._lock:
             self._final = self._closed = self._dirty = True
+
+    def hold_off(self) -> None:
+        """No start hold for this stream: units go to the engine as soon as they are read (a request's
+        ``hold: false``: the earliest first audio, at the price of stalls when text comes slower than speech).
+        Called before the first text (units already held would go with the next take after new text)."""
+        with self._lock:
+            self._may_hold = False
 
     @property
     def pending(self) -> bool:
@@ -200,7 +208,7 @@ class TextStream:
         if self._held is None:
             return ids, closes
         self._held += ids
-        if not closes and not self._may_start(len(self._held)):
+        if not closes and self._may_hold and not self._may_start(len(self._held)):
             return [], False
         ids, self._held = self._held, None
         return ids, closes

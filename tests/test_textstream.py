@@ -276,3 +276,15 @@ def test_a_held_start_ends_with_a_flush_or_the_end_and_one_piece_starts_once_the
     unheld = _Clocked()
     unheld.push("The ")
     assert spell(unheld.take()[0]) == "^ðə "  # without hold_start (the default) take is as before
+
+
+def test_hold_off_hands_units_on_as_a_stream_without_the_hold_does():
+    held, off = _Clocked(hold_start=True), _Clocked(hold_start=True)
+    off.hold_off()
+    unheld = _Clocked()
+    for i, piece in enumerate(WORDS[:3]):
+        _Clocked.now = i / 3.8
+        for stream in (held, off, unheld):
+            stream.push(piece)
+        assert off.take() == unheld.take()
+        assert held.take()[0] == []  # 1.2x the speaking rate: still held
