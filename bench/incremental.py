@@ -8,6 +8,7 @@ sent whole. One JSON object.
     python -m bench.incremental --simulate          # no timing noise: the engine's rules on a virtual clock
     python -m bench.incremental --pauses            # no text timing: silence a <break> gives, per length
     python -m bench.incremental --quick             # 8 sentences, 10 words/s, no DNSMOS
+    python -m bench.incremental --no-hold           # streams without the start hold (a request's hold: false)
     python -m bench.incremental --burst 64 128      # N streams start at once (tiny engine): the text front end's
                                                     # cost per stream
 
@@ -72,10 +73,14 @@ class TextClock:
         return None if ready is None else ready - started
 
 
-def speak_engine(engine, sentence: str, rate: float | None, lookahead, seed: int, clock: TextClock | None = None):
+def speak_engine(engine, sentence: str, rate: float | None, lookahead, seed: int, clock: TextClock | None = None,
+                 hold: bool = True):
     """Audio of ``sentence`` pushed word by word at ``rate`` words/s (None: whole), (seconds since the first
-    word, samples) per chunk, and the seconds until the engine had its first step's units (with a clock)."""
+    word, samples) per chunk, and the seconds until the engine had its first step's units (with a clock).
+    ``hold=False``: without the start hold (a request's ``hold: false``)."""
     stream = engine.open(seed=seed, lookahead_words=lookahead)
+    if not hold:
+        stream.text.hold_off()
     pieces = words_of(sentence) if rate else [sentence]
     started = time.perf_counter()
 
@@ -326,7 +331,7 @@ def _burst_engine(n: int, shipped: bool):
     return Engine(model, codec, presets, max_streams=n, step_factory=kernels.default_step_factory("cpu", True))
 
 
-def simulate_report(sentences: list[str], rates: list) -> dict:
+def simulate_report(sentences: list[str], rates: list, hold: bool = True) -> dict:
     """Without timing noise: the text front end driven on a virtual clock (word i at i / rate, `end` after the
     last) and the engine's rules for when it may step, each unit's frames from the shipped model's durations
     (default voice), fixed costs for the work (SIM_COSTS_S: a first prefill, an AR step, a codec call; about
@@ -358,12 +363,16 @@ def simulate_report(sentences: list[str], rates: list) -> dict:
             return predicted_frames(model.text(torch.tensor([units]), weights)[1][0], preset["pace"]).tolist()
 
     def chunks(sentence, rate):
-        text, units, arrived = Virtual(hold_start=True), [], []  # (seconds, units so far, ended)
+        text, units, arrived = Virtual(hold_start=cfg if hold else False), [], []  # (seconds, units so far, ended)
         for i, piece in enumerate(words_of(sentence)):
             clock[0] = i / rate
             text.push(piece)
             units += text.take()[0]
             arrived.append((clock[0], len(units), False))
+            if (at := text.release_at()) is not None:  # the text thread takes again then (`TextWorker`)
+                clock[0] = at
+                units += text.take()[0]
+                arrived.append((clock[0], len(units), False))
         text.end()
         units += text.take()[0]
         arrived.append((clock[0], len(units), True))
@@ -453,6 +462,7 @@ def main() -> None:
     parser.add_argument("--shipped", action="store_true", help="--burst: the shipped model, not the tiny one")
     parser.add_argument("--simulate", action="store_true", help="no timing: the engine's rules on a virtual clock")
     parser.add_argument("--no-dnsmos", action="store_true")
+    parser.add_argument("--no-hold", action="store_true", help="streams without the start hold (engine path, --simulate)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     lookaheads = [None if a in (None, "default") else a if a == "auto" else int(a) for a in args.lookahead]
@@ -463,7 +473,7 @@ def main() -> None:
         return
     sentences = harvard(args.n)
     if args.simulate:
-        print(json.dumps(simulate_report(sentences, args.rates), indent=1))
+        print(json.dumps(simulate_report(sentences, args.rates, not args.no_hold), indent=1))
         return
     if args.units:
         rates = [float(r) for r in args.rates if r != "1.2x"]
@@ -478,15 +488,16 @@ def main() -> None:
     score = Scorer(not args.no_dnsmos)
     speak_engine(engine, sentences[0], 10, None, 0)  # warm-up, not counted
     clock = TextClock(engine)
-    report = {"sentences": "harvard", "path": "server" if args.server else "engine"}
+    report = {"sentences": "harvard", "path": "server" if args.server else "engine", "hold": not args.no_hold}
     if args.server:
         from server import ServerThread
         with ServerThread(engine) as server:
             report.update(measure(lambda s, r, _, k: speak_server(server.ws_url, s, r, clock), sentences, args.rates,
                                   [None], score))
     else:
-        report.update(measure(lambda s, r, lookahead, k: speak_engine(engine, s, r, lookahead, k, clock), sentences,
-                              args.rates, lookaheads, score))
+        hold = not args.no_hold
+        report.update(measure(lambda s, r, lookahead, k: speak_engine(engine, s, r, lookahead, k, clock, hold),
+                              sentences, args.rates, lookaheads, score))
     print(json.dumps(report, indent=1))
 
 

@@ -1,5 +1,7 @@
 """Incremental text: words spoken as they arrive, the same units as whole sentences, holds, sentence ends,
 flush/end, markup split across pieces, word timings."""
+import time
+
 import pytest
 
 from streaming.textstream import PARTIAL_WORDS, TextStream
@@ -288,3 +290,34 @@ def test_hold_off_hands_units_on_as_a_stream_without_the_hold_does():
             stream.push(piece)
         assert off.take() == unheld.take()
         assert held.take()[0] == []  # 1.2x the speaking rate: still held
+
+
+def test_a_held_start_ends_between_pieces_at_release_at_without_more_text():
+    stream, unheld, units = _Clocked(hold_start=True), _Clocked(), []
+    for i, piece in enumerate(WORDS[:3]):
+        _Clocked.now = i / 5
+        stream.push(piece)
+        unheld.push(piece)
+        assert stream.take()[0] == []
+        units += unheld.take()[0]
+    at = stream.release_at()
+    assert 0.4 < at < 0.6  # before the next piece is due
+    _Clocked.now = at - 0.006
+    assert stream.take()[0] == []  # a little sooner: still held
+    _Clocked.now = at
+    assert stream.take() == (units, False)  # what the words gave, unchanged
+    assert stream.release_at() is None  # started
+
+
+def test_the_text_thread_ends_a_held_start_between_pieces(tiny_engine):
+    """Three words at 6 a second, then nothing: the hold ends about 70 ms after the third (`release_at`, for
+    this model) and the text thread hands the units on then, so audio comes without more text or an end."""
+    stream = tiny_engine.open(seed=1)
+    try:
+        started = time.perf_counter()
+        for i, piece in enumerate(WORDS[:3]):
+            time.sleep(max(0.0, started + i / 6 - time.perf_counter()))
+            stream.push_text(piece)
+        assert stream.read(timeout=10) is not None
+    finally:
+        stream.cancel()
