@@ -462,7 +462,7 @@ def main() -> None:
     parser.add_argument("--shipped", action="store_true", help="--burst: the shipped model, not the tiny one")
     parser.add_argument("--simulate", action="store_true", help="no timing: the engine's rules on a virtual clock")
     parser.add_argument("--no-dnsmos", action="store_true")
-    parser.add_argument("--no-hold", action="store_true", help="streams without the start hold (engine path, --simulate)")
+    parser.add_argument("--no-hold", action="store_true", help="no start hold (the engine path, --simulate)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     lookaheads = [None if a in (None, "default") else a if a == "auto" else int(a) for a in args.lookahead]
