@@ -9,6 +9,7 @@ sent whole. One JSON object.
     python -m bench.incremental --pauses            # no text timing: silence a <break> gives, per length
     python -m bench.incremental --quick             # 8 sentences, 10 words/s, no DNSMOS
     python -m bench.incremental --no-hold           # streams without the start hold (a request's hold: false)
+    python -m bench.incremental --stalls --n 20     # whose stalls: the text's (replayed on an idle engine) or the CPU's
     python -m bench.incremental --burst 64 128      # N streams start at once (tiny engine): the text front end's
                                                     # cost per stream
 
@@ -342,25 +343,15 @@ def simulate_report(sentences: list[str], rates: list, hold: bool = True) -> dic
     go out by `CHUNK_SCHEDULE`. On the idle machine (last session, 20 sentences, this front end then) it gave
     5 / 10 / 20 words/s and 1.2x: 460 / 260 / 160 / 587 ms p50 and 34.6 / 8.4 / 0 / 44.2 stalls a minute,
     against 451 / 254 / 145 / 581 ms and 37.0 / 9.6 / 0 / 44.2 measured."""
-    import torch
     from streaming.slots import CHUNK_SCHEDULE
     from streaming.textstream import TextStream
-    from tts.alignment import predicted_frames
-    from tts.voices import blend_preset, load_shipped
+    from tts.voices import load_shipped
     model, _, presets = load_shipped()
-    cfg = model.cfg
-    preset = blend_preset(next(n for n, p in presets.items() if p.get("default")), presets, 0.7)
-    weights = torch.zeros(1, cfg.voices)
-    for row, weight in preset["mix"].items():
-        weights[0, row] = weight
+    cfg, frames = model.cfg, _durations(model, presets)
     clock = [0.0]
 
     class Virtual(TextStream):
         clock = staticmethod(lambda: clock[0])
-
-    def frames(units):
-        with torch.no_grad():
-            return predicted_frames(model.text(torch.tensor([units]), weights)[1][0], preset["pace"]).tolist()
 
     def chunks(sentence, rate):
         text, units, arrived = Virtual(hold_start=cfg if hold else False), [], []  # (seconds, units so far, ended)
@@ -397,6 +388,66 @@ def simulate_report(sentences: list[str], rates: list, hold: bool = True) -> dic
 
 
 SIM_COSTS_S = (0.02, 0.006, 0.008)  # a first prefill, an AR step, a codec call
+
+
+def _durations(model, presets):
+    """units -> frames of each (the model's durations, default voice, speed 1): what `_simulated_chunks` needs."""
+    import torch
+    from tts.alignment import predicted_frames
+    from tts.voices import blend_preset
+    preset = blend_preset(next(n for n, p in presets.items() if p.get("default")), presets, 0.7)
+    weights = torch.zeros(1, model.cfg.voices)
+    for row, weight in preset["mix"].items():
+        weights[0, row] = weight
+
+    def frames(units: list[int]) -> list[int]:
+        with torch.no_grad():
+            return predicted_frames(model.text(torch.tensor([units]), weights)[1][0], preset["pace"]).tolist()
+    return frames
+
+
+def stalls_report(engine, sentences: list[str], rates: list, hold: bool = True) -> dict:
+    """Whose stalls: each timed run's units, as and when the text thread handed them on, replayed on the
+    simulated idle engine (`_simulated_chunks`, SIM_COSTS_S). A stall that happens there too is the text's (it
+    came too late for a player that started at the first chunk: the start hold's or the text's own share); one
+    that does not is the engine's (its CPU: load, a slow tick). Per rate: ``stalls_per_min`` as the timed run
+    counts them, ``text_stalls_per_min`` (at most the real count, per run), ``engine_stalls_per_min``."""
+    from streaming.slots import CHUNK_SCHEDULE
+    frames = _durations(engine.model, engine.voices)
+    whole = [speak_engine(engine, s, None, None, k)[0] for k, s in enumerate(sentences)]
+    speech_rate = sum(len(s.split()) for s in sentences) / sum(len(a) / SAMPLE_RATE for a in whole)
+    handed: list = []  # (seconds, units so far, ended, unit ids) of the run under way
+    deliver = engine.text_worker.deliver
+
+    def spy(stream, news):
+        if isinstance(news, tuple):
+            total = (handed[-1][1] if handed else 0) + len(news[0])
+            handed.append((time.perf_counter(), total, bool(news[2]), list(news[0])))
+        deliver(stream, news)
+    engine.text_worker.deliver = spy
+    report = {}
+    try:
+        for rate in rates:
+            wps = 1.2 * speech_rate if rate == "1.2x" else float(rate)
+            real = text = minutes = 0.0
+            for k, sentence in enumerate(sentences):
+                handed.clear()
+                started = time.perf_counter()
+                audio, arrivals, _ = speak_engine(engine, sentence, wps, None, k, hold=hold)
+                units = [u for *_, ids in handed for u in ids]
+                replay = [(at - started, n, ended) for at, n, ended, _ in handed]
+                replay[-1] = (*replay[-1][:2], True)
+                simulated = _simulated_chunks(replay, frames(units), engine.model.cfg, CHUNK_SCHEDULE)
+                count = stalls(arrivals)[0]
+                real, text = real + count, text + min(count, stalls(simulated)[0])
+                minutes += len(audio) / SAMPLE_RATE / 60
+            report[str(rate)] = {"words_per_s": round(wps, 2), "stalls_per_min": round(real / minutes, 2),
+                                 "text_stalls_per_min": round(text / minutes, 2),
+                                 "engine_stalls_per_min": round((real - text) / minutes, 2)}
+            print(f"{rate}: {report[str(rate)]}", file=sys.stderr, flush=True)
+    finally:
+        engine.text_worker.deliver = deliver
+    return report
 
 
 def _simulated_chunks(arrived: list, durations: list[int], cfg, schedule: tuple) -> list:
@@ -462,7 +513,8 @@ def main() -> None:
     parser.add_argument("--shipped", action="store_true", help="--burst: the shipped model, not the tiny one")
     parser.add_argument("--simulate", action="store_true", help="no timing: the engine's rules on a virtual clock")
     parser.add_argument("--no-dnsmos", action="store_true")
-    parser.add_argument("--no-hold", action="store_true", help="no start hold (the engine path, --simulate)")
+    parser.add_argument("--stalls", action="store_true", help="whose stalls: the text's or the engine's")
+    parser.add_argument("--no-hold", action="store_true", help="no start hold (the engine path, --simulate, --stalls)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     lookaheads = [None if a in (None, "default") else a if a == "auto" else int(a) for a in args.lookahead]
@@ -484,6 +536,10 @@ def main() -> None:
     engine = get_engine(compile=True)  # as `tts serve` runs it
     if args.pauses:
         print(json.dumps(pauses_report(engine, [250, 500, 1000, 2000]), indent=1))
+        return
+    if args.stalls:
+        speak_engine(engine, sentences[0], 10, None, 0)  # warm-up, not counted
+        print(json.dumps(stalls_report(engine, sentences, args.rates, not args.no_hold), indent=1))
         return
     score = Scorer(not args.no_dnsmos)
     speak_engine(engine, sentences[0], 10, None, 0)  # warm-up, not counted
