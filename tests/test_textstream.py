@@ -321,3 +321,24 @@ def test_the_text_thread_ends_a_held_start_between_pieces(tiny_engine):
         assert stream.read(timeout=10) is not None
     finally:
         stream.cancel()
+
+
+def test_synthesize_stream_hold_false_speaks_slow_text_before_it_ends(tiny_engine):
+    """The API's ``hold=False``: words 0.4 s apart (slower than speech, which the default hold waits out) are
+    spoken before the text ends; the text ends only once audio came."""
+    import threading
+
+    from tts.api import synthesize_stream
+    heard = threading.Event()
+
+    def words():
+        for word in WORDS[:6]:
+            yield word
+            time.sleep(0.4)
+        assert heard.wait(30)  # no end before the first audio
+
+    chunks = synthesize_stream(words(), engine=tiny_engine, seed=1, hold=False)
+    assert len(next(chunks))
+    heard.set()
+    for _ in chunks:  # and on to the end, which the text source now gives
+        pass
