@@ -449,6 +449,8 @@ class Utterance:
         try:
             try:
                 _, self.stream = await self.opening
+                if not self.start.hold:
+                    self.stream.text.hold_off()
             except asyncio.CancelledError:
                 if not self.cancelled or asyncio.current_task().cancelling():
                     raise  # the connection is going

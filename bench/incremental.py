@@ -8,6 +8,8 @@ sent whole. One JSON object.
     python -m bench.incremental --simulate          # no timing noise: the engine's rules on a virtual clock
     python -m bench.incremental --pauses            # no text timing: silence a <break> gives, per length
     python -m bench.incremental --quick             # 8 sentences, 10 words/s, no DNSMOS
+    python -m bench.incremental --no-hold           # streams without the start hold (a request's hold: false)
+    python -m bench.incremental --stalls --n 20     # whose stalls: the text's (replayed on an idle engine) or the CPU's
     python -m bench.incremental --burst 64 128      # N streams start at once (tiny engine): the text front end's
                                                     # cost per stream
 
@@ -72,10 +74,14 @@ class TextClock:
         return None if ready is None else ready - started
 
 
-def speak_engine(engine, sentence: str, rate: float | None, lookahead, seed: int, clock: TextClock | None = None):
+def speak_engine(engine, sentence: str, rate: float | None, lookahead, seed: int, clock: TextClock | None = None,
+                 hold: bool = True):
     """Audio of ``sentence`` pushed word by word at ``rate`` words/s (None: whole), (seconds since the first
-    word, samples) per chunk, and the seconds until the engine had its first step's units (with a clock)."""
+    word, samples) per chunk, and the seconds until the engine had its first step's units (with a clock).
+    ``hold=False``: without the start hold (a request's ``hold: false``)."""
     stream = engine.open(seed=seed, lookahead_words=lookahead)
+    if not hold:
+        stream.text.hold_off()
     pieces = words_of(sentence) if rate else [sentence]
     started = time.perf_counter()
 
@@ -326,7 +332,7 @@ def _burst_engine(n: int, shipped: bool):
     return Engine(model, codec, presets, max_streams=n, step_factory=kernels.default_step_factory("cpu", True))
 
 
-def simulate_report(sentences: list[str], rates: list) -> dict:
+def simulate_report(sentences: list[str], rates: list, hold: bool = True) -> dict:
     """Without timing noise: the text front end driven on a virtual clock (word i at i / rate, `end` after the
     last) and the engine's rules for when it may step, each unit's frames from the shipped model's durations
     (default voice), fixed costs for the work (SIM_COSTS_S: a first prefill, an AR step, a codec call; about
@@ -337,33 +343,27 @@ def simulate_report(sentences: list[str], rates: list) -> dict:
     go out by `CHUNK_SCHEDULE`. On the idle machine (last session, 20 sentences, this front end then) it gave
     5 / 10 / 20 words/s and 1.2x: 460 / 260 / 160 / 587 ms p50 and 34.6 / 8.4 / 0 / 44.2 stalls a minute,
     against 451 / 254 / 145 / 581 ms and 37.0 / 9.6 / 0 / 44.2 measured."""
-    import torch
     from streaming.slots import CHUNK_SCHEDULE
     from streaming.textstream import TextStream
-    from tts.alignment import predicted_frames
-    from tts.voices import blend_preset, load_shipped
+    from tts.voices import load_shipped
     model, _, presets = load_shipped()
-    cfg = model.cfg
-    preset = blend_preset(next(n for n, p in presets.items() if p.get("default")), presets, 0.7)
-    weights = torch.zeros(1, cfg.voices)
-    for row, weight in preset["mix"].items():
-        weights[0, row] = weight
+    cfg, frames = model.cfg, _durations(model, presets)
     clock = [0.0]
 
     class Virtual(TextStream):
         clock = staticmethod(lambda: clock[0])
 
-    def frames(units):
-        with torch.no_grad():
-            return predicted_frames(model.text(torch.tensor([units]), weights)[1][0], preset["pace"]).tolist()
-
     def chunks(sentence, rate):
-        text, units, arrived = Virtual(hold_start=True), [], []  # (seconds, units so far, ended)
+        text, units, arrived = Virtual(hold_start=cfg if hold else False), [], []  # (seconds, units so far, ended)
         for i, piece in enumerate(words_of(sentence)):
             clock[0] = i / rate
             text.push(piece)
             units += text.take()[0]
             arrived.append((clock[0], len(units), False))
+            if (at := text.release_at()) is not None:  # the text thread takes again then (`TextWorker`)
+                clock[0] = at
+                units += text.take()[0]
+                arrived.append((clock[0], len(units), False))
         text.end()
         units += text.take()[0]
         arrived.append((clock[0], len(units), True))
@@ -388,6 +388,66 @@ def simulate_report(sentences: list[str], rates: list) -> dict:
 
 
 SIM_COSTS_S = (0.02, 0.006, 0.008)  # a first prefill, an AR step, a codec call
+
+
+def _durations(model, presets):
+    """units -> frames of each (the model's durations, default voice, speed 1): what `_simulated_chunks` needs."""
+    import torch
+    from tts.alignment import predicted_frames
+    from tts.voices import blend_preset
+    preset = blend_preset(next(n for n, p in presets.items() if p.get("default")), presets, 0.7)
+    weights = torch.zeros(1, model.cfg.voices)
+    for row, weight in preset["mix"].items():
+        weights[0, row] = weight
+
+    def frames(units: list[int]) -> list[int]:
+        with torch.no_grad():
+            return predicted_frames(model.text(torch.tensor([units]), weights)[1][0], preset["pace"]).tolist()
+    return frames
+
+
+def stalls_report(engine, sentences: list[str], rates: list, hold: bool = True) -> dict:
+    """Whose stalls: each timed run's units, as and when the text thread handed them on, replayed on the
+    simulated idle engine (`_simulated_chunks`, SIM_COSTS_S). A stall that happens there too is the text's (it
+    came too late for a player that started at the first chunk: the start hold's or the text's own share); one
+    that does not is the engine's (its CPU: load, a slow tick). Per rate: ``stalls_per_min`` as the timed run
+    counts them, ``text_stalls_per_min`` (at most the real count, per run), ``engine_stalls_per_min``."""
+    from streaming.slots import CHUNK_SCHEDULE
+    frames = _durations(engine.model, engine.voices)
+    whole = [speak_engine(engine, s, None, None, k)[0] for k, s in enumerate(sentences)]
+    speech_rate = sum(len(s.split()) for s in sentences) / sum(len(a) / SAMPLE_RATE for a in whole)
+    handed: list = []  # (seconds, units so far, ended, unit ids) of the run under way
+    deliver = engine.text_worker.deliver
+
+    def spy(stream, news):
+        if isinstance(news, tuple):
+            total = (handed[-1][1] if handed else 0) + len(news[0])
+            handed.append((time.perf_counter(), total, bool(news[2]), list(news[0])))
+        deliver(stream, news)
+    engine.text_worker.deliver = spy
+    report = {}
+    try:
+        for rate in rates:
+            wps = 1.2 * speech_rate if rate == "1.2x" else float(rate)
+            real = text = minutes = 0.0
+            for k, sentence in enumerate(sentences):
+                handed.clear()
+                started = time.perf_counter()
+                audio, arrivals, _ = speak_engine(engine, sentence, wps, None, k, hold=hold)
+                units = [u for *_, ids in handed for u in ids]
+                replay = [(at - started, n, ended) for at, n, ended, _ in handed]
+                replay[-1] = (*replay[-1][:2], True)
+                simulated = _simulated_chunks(replay, frames(units), engine.model.cfg, CHUNK_SCHEDULE)
+                count = stalls(arrivals)[0]
+                real, text = real + count, text + min(count, stalls(simulated)[0])
+                minutes += len(audio) / SAMPLE_RATE / 60
+            report[str(rate)] = {"words_per_s": round(wps, 2), "stalls_per_min": round(real / minutes, 2),
+                                 "text_stalls_per_min": round(text / minutes, 2),
+                                 "engine_stalls_per_min": round((real - text) / minutes, 2)}
+            print(f"{rate}: {report[str(rate)]}", file=sys.stderr, flush=True)
+    finally:
+        engine.text_worker.deliver = deliver
+    return report
 
 
 def _simulated_chunks(arrived: list, durations: list[int], cfg, schedule: tuple) -> list:
@@ -453,6 +513,8 @@ def main() -> None:
     parser.add_argument("--shipped", action="store_true", help="--burst: the shipped model, not the tiny one")
     parser.add_argument("--simulate", action="store_true", help="no timing: the engine's rules on a virtual clock")
     parser.add_argument("--no-dnsmos", action="store_true")
+    parser.add_argument("--stalls", action="store_true", help="whose stalls: the text's or the engine's")
+    parser.add_argument("--no-hold", action="store_true", help="no start hold (the engine path, --simulate, --stalls)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     lookaheads = [None if a in (None, "default") else a if a == "auto" else int(a) for a in args.lookahead]
@@ -463,7 +525,7 @@ def main() -> None:
         return
     sentences = harvard(args.n)
     if args.simulate:
-        print(json.dumps(simulate_report(sentences, args.rates), indent=1))
+        print(json.dumps(simulate_report(sentences, args.rates, not args.no_hold), indent=1))
         return
     if args.units:
         rates = [float(r) for r in args.rates if r != "1.2x"]
@@ -475,18 +537,23 @@ def main() -> None:
     if args.pauses:
         print(json.dumps(pauses_report(engine, [250, 500, 1000, 2000]), indent=1))
         return
+    if args.stalls:
+        speak_engine(engine, sentences[0], 10, None, 0)  # warm-up, not counted
+        print(json.dumps(stalls_report(engine, sentences, args.rates, not args.no_hold), indent=1))
+        return
     score = Scorer(not args.no_dnsmos)
     speak_engine(engine, sentences[0], 10, None, 0)  # warm-up, not counted
     clock = TextClock(engine)
-    report = {"sentences": "harvard", "path": "server" if args.server else "engine"}
+    report = {"sentences": "harvard", "path": "server" if args.server else "engine", "hold": not args.no_hold}
     if args.server:
         from server import ServerThread
         with ServerThread(engine) as server:
             report.update(measure(lambda s, r, _, k: speak_server(server.ws_url, s, r, clock), sentences, args.rates,
                                   [None], score))
     else:
-        report.update(measure(lambda s, r, lookahead, k: speak_engine(engine, s, r, lookahead, k, clock), sentences,
-                              args.rates, lookaheads, score))
+        hold = not args.no_hold
+        report.update(measure(lambda s, r, lookahead, k: speak_engine(engine, s, r, lookahead, k, clock, hold),
+                              sentences, args.rates, lookaheads, score))
     print(json.dumps(report, indent=1))
 
 

@@ -3,10 +3,14 @@ burst of new text never stalls a tick, and passes each result (or the error it r
 
 A take that returned units goes to the back of the queue to take again: a front end that hands out a long
 text a piece at a time is read to the end, and many streams arriving at once each get their first piece
-before any gets its second."""
+before any gets its second. A stream whose start is held takes again when its hold would end without more text
+(`TextStream.release_at`), not only when the next piece comes."""
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
+import time
 from collections import deque
 from typing import Callable
 
@@ -20,6 +24,8 @@ class TextWorker:
         self.deliver = deliver
         self._jobs: deque[Stream] = deque()
         self._queued: set[Stream] = set()  # a stream is queued once, however many pieces arrive meanwhile
+        self._timers: list[tuple[float, int, Stream]] = []  # (perf_counter, tie-break, stream): take again then
+        self._ties = itertools.count()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closing = False
@@ -41,7 +47,7 @@ class TextWorker:
 
     def _run(self) -> None:
         while not self._closing:
-            self._wake.wait()
+            self._wake.wait(self._due_in())
             while (stream := self._next()) is not None:
                 if stream.cancelled or stream.finished:
                     continue
@@ -54,6 +60,22 @@ class TextWorker:
                 self.deliver(stream, news)
                 if isinstance(news, tuple) and news[0]:
                     self.arrived(stream)  # there may be more: take again after the others
+                elif isinstance(news, tuple) and not stream.detaching and (at := stream.text.release_at()) is not None:
+                    with self._lock:
+                        heapq.heappush(self._timers, (at, next(self._ties), stream))
+
+    def _due_in(self) -> float | None:
+        """Seconds to the next timer (None: none), once those due are queued."""
+        now = time.perf_counter()
+        while True:
+            with self._lock:
+                if not self._timers:
+                    return None
+                if self._timers[0][0] > now:
+                    return self._timers[0][0] - now
+                stream = heapq.heappop(self._timers)[2]
+            if not stream.detaching:  # a detaching stream's text thread hands on one mark, on detach's call
+                self.arrived(stream)
 
     def _next(self) -> Stream | None:
         with self._lock:

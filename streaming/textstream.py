@@ -13,7 +13,9 @@ once, the text thread hands each its first sentence before it reads anyone's sec
 `START_UNITS` units come sooner: they wait for a next word that changes the words, not for one that changes
 only the sounds, so the engine can start speaking a word or so earlier. An engine's stream (``hold_start``)
 holds its first units until a player starting at the first chunk would not run dry at the text's pace so far
-(`TextStream._may_start`): slow text starts later, fast text as soon as the engine can.
+(`TextStream._may_start`): slow text starts later, fast text as soon as the engine can. The hold may also end
+between pieces (`TextStream.release_at`: waiting moves the player's deadlines later), and a text thread takes
+again then.
 
 Example, lookahead 1, pieces "The ", "birch ", "canoe ", "slid." then end (units shown apart, "␣" a space):
   after "birch ": "The" is followed by one complete word -> ^ ð ə  (its space waits for the next word)
@@ -65,8 +67,15 @@ DEFAULT_LOOKAHEAD = 0
 SPEECH_UNITS_PER_S = 17.4  # the shipped voices at speed 1: 3.16 words/s, 5.47 units a word (Harvard sentences)
 UNITS_PER_CHAR = 1.08  # units per character of English text, spaces included (720 Harvard sentences)
 FRAME_S = 0.02  # ENGINE_UNITS and DELAY_FRAMES come from the model's config (`engine_lookahead`)
-START_MARGIN_UNITS = 2  # for speech faster than the average and the front end's own holds (modelled: 2 units cut
-# the stalls at 1.2x from 9.8 to 4.9 a minute for a start 0-70 ms later; 4 units: 2.0 a minute, 260 ms later)
+# A piece's units are counted 1.5 pieces after it comes: a word that the next can change waits for it, and "on the"
+# waits for its noun ("The birch canoe slid on the smooth": 4, 7, 7, 5, 0, 0, 12 units a word); that is what made
+# the starts that stalled (modelled, every stall came at chunks 2-6 with the text mid-sentence). The hold may also
+# end between pieces (`release_at`). Modelled on Harvard sentences 100-299 (`bench.incremental --simulate`), mean
+# first audio and stalls/min at 5 / 10 / 20 w/s and 1.2x, before (pieces counted on arrival, 2 units of margin,
+# starts only when a piece comes) -> now: 819 / 316 / 161 / 1093 ms, 6.9 / 4.1 / 0.1 / 10.8 -> 831 / 341 / 188 /
+# 1285 ms, 4.6 / 1.2 / 0.1 / 2.6. Other points: lag 1 (317 ms and 2.4 stalls/min at 10 w/s, 13.0 at 1.2x); lag 2
+# (384 ms, 0.7; 0.9); lag 1.5 and a unit of margin (372 ms, 0.7; 1.1).
+PIECE_LAG = 1.5
 START_LATENCY_S = 0.07  # from the start to the first chunk on 2 cores (`bench.incremental`'s engine_ms, whole text)
 HOLD_HORIZON_FRAMES = 150  # the prediction looks 3 s ahead: text slower than speech waits that long, then stalls
 
@@ -114,6 +123,7 @@ class TextStream:
         self._gap_taken = False  # the gap after the last unit taken was taken (`_first_gap`)
         self._units_taken = 0
         self._held: list[int] | None = [] if hold_start else None  # units held before the start (None: started)
+        self._may_hold = True  # False: held units go with the next take (`hold_off`)
         self._engine_units, self._delay_frames = engine_lookahead(
             hold_start if isinstance(hold_start, ModelConfig) else ModelConfig())
         self._pushes: list[float] = []  # when the first text came, and the latest (perf_counter seconds)
@@ -149,6 +159,13 @@ class TextStream:
         with self._lock:
             self._final = self._closed = self._dirty = True
 
+    def hold_off(self) -> None:
+        """No start hold for this stream: units go to the engine as soon as they are read (a request's
+        ``hold: false``: the earliest first audio, at the price of stalls when text comes slower than speech).
+        Called before the first text (units already held would go with the next take after new text)."""
+        with self._lock:
+            self._may_hold = False
+
     @property
     def pending(self) -> bool:
         """Whether `take` has work: new text, a flush or the end, or the rest of a long text (a take reads
@@ -170,10 +187,29 @@ class TextStream:
                 ids, closes = self._take()  # returned nothing is not taken again before new text
             return ids, closes
 
+    def release_at(self) -> float | None:
+        """When (`clock` seconds) the held first units go on if no more text comes before the next piece is due:
+        waiting makes a start safer, as the player's deadlines move later while the text keeps its pace. None:
+        nothing held, or not before the next piece (whose take decides again). A text thread takes again then
+        (`take` re-checks the hold without new text). Example, 5 words/s, "The birch canoe " (18 units held at
+        0.4 s, short of what a start then needs): 0.552 s, before the 4th piece is due at 0.6 s (each chunk's
+        deadline is 152 ms later, so more of the pieces to come are counted against it)."""
+        with self._lock:
+            if not self._held or not self._may_hold or len(self._pushes) < 2:
+                return None
+            low, high = self.clock(), self._pushes[1] + self._every() - 1e-3
+            if high <= low or not self._may_start(len(self._held), high):
+                return None
+            # _may_start is monotonic in the start time (each chunk's deadline moves later): bisect to 5 ms
+            while high - low > 0.005:
+                middle = (low + high) / 2
+                low, high = (low, middle) if self._may_start(len(self._held), middle) else (middle, high)
+            return high
+
     def _take(self) -> tuple[list[int], bool]:
         """One take under the lock (`take`)."""
         if not self._dirty:
-            return [], False
+            return self._start([], False) if self._held else ([], False)  # `release_at` may have come
         text, final = self._text, self._final
         ready = len(text) if final else complete_length(text)
         usable = complete_length(text[:TAKE_CHARS]) if ready > TAKE_CHARS else ready
@@ -200,34 +236,38 @@ class TextStream:
         if self._held is None:
             return ids, closes
         self._held += ids
-        if not closes and not self._may_start(len(self._held)):
+        if not closes and self._may_hold and not self._may_start(len(self._held)):
             return [], False
         ids, self._held = self._held, None
         return ids, closes
 
-    def _may_start(self, units: int) -> bool:
+    def _every(self) -> float:
+        """Seconds between pieces so far (two pushes or more)."""
+        return (self._pushes[1] - self._pushes[0]) / (self._pieces - 1)
+
+    def _may_start(self, units: int, at: float | None = None) -> bool:
         """Whether the engine, given ``units`` now and the rest at the text's pace so far (a piece of the mean
-        size every mean interval), would hand out every chunk before a player that starts at the first one (about
-        START_LATENCY_S from now) reaches it. A chunk ending at frame E goes out once frame E - 1 is complete, i.e.
-        step E + 6 ran, whose unit needs ENGINE_UNITS - 1 after it: ``(E + 6) * 0.348 + 11`` units (17.4 units/s
-        of speech), plus the margin; it is due when the player reaches its first frame. Example, 1.2x ("birch ",
-        ... : 6.5 units every 263 ms): 14 units wait (the first chunk needs 8 * 0.348 + 13 = 15.8); 22 start:
-        the 4th chunk (frames 14-29, due at 0.28 s + 0.07, one more piece by then) needs 36 * 0.348 + 13 = 25.5
-        <= 28.5, and each later chunk 5.6 units more per 7.9 that arrive. Text in one piece so far (no pace
-        known: a text sent whole, or a client's first batch of words) starts once the first chunk's 15.8 are
-        there (the engine waits for about that many anyway)."""
+        size every mean interval, counted PIECE_LAG pieces late), would hand out every chunk before a player that
+        starts at the first one (START_LATENCY_S after ``at``, default now) reaches it. A chunk ending at frame E
+        goes out once frame E - 1 is complete, i.e. step E + 6 ran, whose unit needs ENGINE_UNITS - 1 after it:
+        ``(E + 6) * 0.348 + 11`` units (17.4 units/s of speech); it is due when the player reaches its first
+        frame. Example, 10 words/s ("The ", "birch ", "canoe ": 6.5 units a piece every 100 ms): after "birch "
+        11 units wait (the first chunk needs 8 * 0.348 + 11 = 13.8); after "canoe " 18 start: the 3rd chunk
+        (frames 6-13, due 0.19 s after the start, no piece counted by then) needs 20 * 0.348 + 11 = 18.0, the 4th
+        (frames 14-29, due 0.35 s after) 23.5 of the 24.5 or more there, and each later one 5.6 more per 16 frames
+        while 6.5 come every 5. Text in one piece so far (no pace known: a text sent whole, or a client's first
+        batch of words) starts once the first chunk's 13.8 are there (the engine waits for about that many)."""
         per_frame = SPEECH_UNITS_PER_S * FRAME_S
         if len(self._pushes) < 2 or self._pushes[1] <= self._pushes[0]:  # no pace known: the first chunk's units
-            return units >= (CHUNK_SCHEDULE[0] + self._delay_frames - 1) * per_frame + self._engine_units + START_MARGIN_UNITS
-        first, last = self._pushes
-        every = (last - first) / (self._pieces - 1)  # seconds between pieces
+            return units >= (CHUNK_SCHEDULE[0] + self._delay_frames - 1) * per_frame + self._engine_units
+        last, every = self._pushes[1], self._every()
         piece = UNITS_PER_CHAR * (self._chars - self._first_chars) / (self._pieces - 1)  # units a piece
-        since = self.clock() - last + START_LATENCY_S  # from the last piece to the first chunk playing
+        since = (self.clock() if at is None else at) - last + START_LATENCY_S  # last piece -> first chunk plays
         played, end, sizes = 0, 0, iter(CHUNK_SCHEDULE)
         while played < HOLD_HORIZON_FRAMES:  # chunk by chunk: due when the player reaches its first frame
             played, end = end, end + next(sizes, CHUNK_SCHEDULE[-1])
-            needed = (end + self._delay_frames - 1) * per_frame + self._engine_units + START_MARGIN_UNITS
-            pieces = (played * FRAME_S + since) // every  # to come by then
+            needed = (end + self._delay_frames - 1) * per_frame + self._engine_units
+            pieces = max(0.0, (played * FRAME_S + since - PIECE_LAG * every) // every)  # to come and be read by then
             if units + piece * pieces < needed:
                 return False
         return True

@@ -1,5 +1,7 @@
 """Incremental text: words spoken as they arrive, the same units as whole sentences, holds, sentence ends,
 flush/end, markup split across pieces, word timings."""
+import time
+
 import pytest
 
 from streaming.textstream import PARTIAL_WORDS, TextStream
@@ -276,3 +278,67 @@ def test_a_held_start_ends_with_a_flush_or_the_end_and_one_piece_starts_once_the
     unheld = _Clocked()
     unheld.push("The ")
     assert spell(unheld.take()[0]) == "^ðə "  # without hold_start (the default) take is as before
+
+
+def test_hold_off_hands_units_on_as_a_stream_without_the_hold_does():
+    held, off = _Clocked(hold_start=True), _Clocked(hold_start=True)
+    off.hold_off()
+    unheld = _Clocked()
+    for i, piece in enumerate(WORDS[:3]):
+        _Clocked.now = i / 3.8
+        for stream in (held, off, unheld):
+            stream.push(piece)
+        assert off.take() == unheld.take()
+        assert held.take()[0] == []  # 1.2x the speaking rate: still held
+
+
+def test_a_held_start_ends_between_pieces_at_release_at_without_more_text():
+    stream, unheld, units = _Clocked(hold_start=True), _Clocked(), []
+    for i, piece in enumerate(WORDS[:3]):
+        _Clocked.now = i / 5
+        stream.push(piece)
+        unheld.push(piece)
+        assert stream.take()[0] == []
+        units += unheld.take()[0]
+    at = stream.release_at()
+    assert 0.4 < at < 0.6  # before the next piece is due
+    _Clocked.now = at - 0.006
+    assert stream.take()[0] == []  # a little sooner: still held
+    _Clocked.now = at
+    assert stream.take() == (units, False)  # what the words gave, unchanged
+    assert stream.release_at() is None  # started
+
+
+def test_the_text_thread_ends_a_held_start_between_pieces(tiny_engine):
+    """Three words at 6 a second, then nothing: the hold ends about 70 ms after the third (`release_at`, for
+    this model) and the text thread hands the units on then, so audio comes without more text or an end."""
+    stream = tiny_engine.open(seed=1)
+    try:
+        started = time.perf_counter()
+        for i, piece in enumerate(WORDS[:3]):
+            time.sleep(max(0.0, started + i / 6 - time.perf_counter()))
+            stream.push_text(piece)
+        assert stream.read(timeout=10) is not None
+    finally:
+        stream.cancel()
+
+
+def test_synthesize_stream_hold_false_speaks_slow_text_before_it_ends(tiny_engine):
+    """The API's ``hold=False``: words 0.4 s apart (slower than speech, which the default hold waits out) are
+    spoken before the text ends; the text ends only once audio came."""
+    import threading
+
+    from tts.api import synthesize_stream
+    heard = threading.Event()
+
+    def words():
+        for word in WORDS[:6]:
+            yield word
+            time.sleep(0.4)
+        assert heard.wait(30)  # no end before the first audio
+
+    chunks = synthesize_stream(words(), engine=tiny_engine, seed=1, hold=False)
+    assert len(next(chunks))
+    heard.set()
+    for _ in chunks:  # and on to the end, which the text source now gives
+        pass

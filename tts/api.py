@@ -152,14 +152,16 @@ def _chunks(stream) -> Iterator[Chunk]:
 
 def synthesize_stream(text: str | Iterable[str], voice: str | None = None, speed: float = 1.0,
                       engine: Engine | None = None, *, seed: int | None = None,
-                      wait_s: float = WAIT_S) -> Iterator[Chunk]:
+                      wait_s: float = WAIT_S, hold: bool = True) -> Iterator[Chunk]:
     """Yield `Chunk`s (float32 mono numpy arrays with ``sample_rate``, ``start`` and ``words``) as they are
     decoded.
 
     ``text`` is a string, or an iterable of text pieces (an LLM's tokens): speaking starts once enough
     text has arrived, without waiting for the end. ``seed`` makes the speech repeatable (the same seed and
     text give the same audio). When every engine slot is busy (other threads speaking), the call waits up to
-    ``wait_s`` seconds for one, first come first served. Raises ``TextError`` for empty, unspeakable or too
+    ``wait_s`` seconds for one, first come first served. ``hold=False`` starts speaking as soon as the engine can,
+    without waiting until the text's pace so far would keep the audio from running dry (earlier first audio, more
+    stalls when text comes slower than speech). Raises ``TextError`` for empty, unspeakable or too
     long text, ``UnknownVoice`` for a voice that is not shipped, ``ValueError`` for a bad speed or seed,
     ``ServerFull`` when no slot freed in time.
     """
@@ -173,6 +175,8 @@ def synthesize_stream(text: str | Iterable[str], voice: str | None = None, speed
     else:
         pieces = text
     stream = engine.open(voice, speed, seed=seed, wait_s=wait_s)
+    if not hold:
+        stream.text.hold_off()
     feeder = threading.Thread(target=_feed, args=(stream, pieces), daemon=True)
     feeder.start()
     try:
