@@ -63,8 +63,9 @@ class Session:
 
     A session outlives its socket (streaming/resume.py). Everything it sends goes through `transmit`, which keeps
     it in the context's replay log until the client acknowledges it. When the socket drops without a clean close,
-    the pumps wait (their engine streams fill and pause), and a client that resumes within resume_window_s on a
-    new socket gets exactly the rest; otherwise the session expires and frees everything."""
+    the pumps wait and their engine streams are held (parked at once: their slots serve other clients), and a
+    client that resumes within resume_window_s on a new socket gets exactly the rest; otherwise the session
+    expires and frees everything."""
 
     def __init__(self, hub: Hub, clients: tuple):
         self.hub, self.limits, self.clients = hub, hub.limits, clients
@@ -108,6 +109,7 @@ class Session:
             self.link.cut(replaced=True)  # the server still thought the old socket alive: it is half-open
         self._unlink(self.link)
         self._stop_expiry()
+        self.hold_streams(False)
         link, moving = Link(ws, self.seq, self.limits.idle_timeout_s), None
         try:
             if resume is not None:
@@ -125,10 +127,22 @@ class Session:
         if resume is not None and not link.heard:  # dropped before the client said a word: it may not have
             self._accept_token(resume[1])  # had `resumed`, so the token it resumed with still works
         if link.dropped and moving is None and self.resumable and not self.closed:
+            self.hold_streams(True)
             self.expiry = asyncio.create_task(self._expire())
         else:
             await self.close()
         return moving
+
+    @property
+    def awaiting_resume(self) -> bool:
+        return self.expiry is not None
+
+    def hold_streams(self, held: bool) -> None:
+        """While the session waits for a resume its engine streams generate nothing and hold no slot
+        (`Stream.hold`); a resume releases them, to go on exactly where they stopped."""
+        for utterance in self.utterances.values():
+            if utterance.stream is not None:
+                utterance.stream.hold() if held else utterance.stream.release()
 
     async def close(self) -> None:
         """End the session: its utterances stop, and its slots, its place in the connection caps and its tokens
@@ -457,6 +471,8 @@ class Utterance:
                 return await self._finish()
             if self.state == "queued":
                 self.state = "open"
+            if self.session.awaiting_resume:  # the socket dropped while it waited for a slot
+                self.stream.hold()
             for kind, text in self.pending:
                 self._apply(kind, text)
             self.pending = []

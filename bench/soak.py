@@ -209,11 +209,39 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _serve(port: int, tiny: bool) -> None:
+def _trace_memory(every_s: float = 60.0, top: int = 12) -> None:
+    """Diagnosis of memory growth (--trace-memory): Python's allocations traced from now on; every ``every_s``
+    the RSS, the traced total and the source lines whose allocations grew most since the first report, as
+    JSON lines on stderr. Memory outside Python's allocator (torch tensors, ONNX Runtime) is RSS but untraced."""
+    import threading
+    import tracemalloc
+    tracemalloc.start(4)
+    me = psutil.Process()
+
+    def report() -> None:
+        first = None
+        while True:
+            time.sleep(every_s)
+            snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+            first = first or snapshot
+            grown = snapshot.compare_to(first, "traceback")[:top]
+            print(json.dumps({"rss_mb": round(me.memory_info().rss / 2**20, 1),
+                              "traced_mb": round(tracemalloc.get_traced_memory()[0] / 2**20, 1),
+                              "grown_since_first": [{"kb": round(s.size_diff / 1024, 1), "count": s.count_diff,
+                                                     "where": [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}"
+                                                               for f in s.traceback]} for s in grown]}),
+                  file=sys.stderr, flush=True)
+
+    threading.Thread(target=report, daemon=True, name="trace-memory").start()
+
+
+def _serve(port: int, tiny: bool, trace_memory: bool = False) -> None:
     """The child process: the server, as `tts serve` runs it (or on the tiny engine). Each full (generation 2)
     garbage collection is logged to stderr with its pause: one walks the whole heap with the GIL held."""
     import gc
     from server import serve
+    if trace_memory:
+        _trace_memory()
     started = {}
 
     def note(phase: str, info: dict) -> None:
@@ -246,13 +274,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=int, default=10)
     parser.add_argument("--tiny", action="store_true", help="the tiny random-weight engine, not the shipped voices")
+    parser.add_argument("--trace-memory", action="store_true",
+                        help="diagnosis: the server's Python allocations that grew, every minute on stderr (slower)")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the child process: serve on this port
     args = parser.parse_args()
     if args.serve:
-        return _serve(args.serve, args.tiny)
+        return _serve(args.serve, args.tiny, args.trace_memory)
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    child = subprocess.Popen([sys.executable, "-m", "bench.soak", "--serve", str(port)] + ["--tiny"] * args.tiny)
+    child = subprocess.Popen([sys.executable, "-m", "bench.soak", "--serve", str(port)] + ["--tiny"] * args.tiny
+                             + ["--trace-memory"] * args.trace_memory)
     try:
         slots = _wait_healthy(base, child)["slots"]
         report = asyncio.run(soak(base, args.minutes, slots, psutil.Process(child.pid)))
