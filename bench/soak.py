@@ -54,11 +54,15 @@ class Tally:
         self.first_audio_ms: list[float] = []
         self.utterances: list[dict] = []  # each served one: kind, sentence, first audio, when it was sent
 
-    def add(self, kind: str, text: str, sent: float, first: float) -> None:
+    def add(self, kind: str, text: str, sent: float, first: float, done: dict | None = None) -> None:
+        """``done``: a WebSocket utterance's done event, whose server-side first audio times (from its first
+        text: to the first audio sent, and to the engine's first chunk) tell where a slow one waited."""
         self.served += 1
         self.first_audio_ms.append((first - sent) * 1000)
+        server = {} if done is None else {"server_ttfa_ms": done.get("ttfa_ms"),
+                                          "engine_ttfa_ms": done.get("engine_ttfa_ms")}
         self.utterances.append({"kind": kind, "sentence": SENTENCES.index(text), "sent": sent,
-                                "first_audio_ms": round((first - sent) * 1000, 1)})
+                                "first_audio_ms": round((first - sent) * 1000, 1), **server})
 
     def report(self, rss_mb: float, sends: list[float], engine: dict) -> dict:
         ttfa = np.asarray(self.first_audio_ms) if self.first_audio_ms else np.zeros(1)
@@ -118,7 +122,7 @@ async def ws_utterance(url: str, text: str, abort: bool, slow: bool, tally: Tall
                 tally.errors[event["code"]] += 1
             elif event["type"] == "done":
                 if first is not None and not event["cancelled"]:
-                    tally.add("ws", text, sent, first)
+                    tally.add("ws", text, sent, first, event)
                 return
     finally:
         await ws.close()

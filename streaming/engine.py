@@ -876,12 +876,18 @@ class Engine:
         """Slots whose encoded lead over their aligned unit ran low and that have units to encode: encode up
         to the ring's limit (`Slots.encode_limit`). Urgent ones (a first prefill, or a lead of at most
         URGENT_LEAD units) go now; routine top-ups (a lead of at most half the ring) every ROUTINE_TICKS ticks,
-        many slots in one call; at most PREFILL_ROWS slots a tick, the lowest leads first. Example, ring 32, behind 3: at unit 20 with 33 encoded (lead 13) and 80
-        received, a routine top-up encodes units 33..48 (up to 20 + 32 - 3 = 49, exclusive)."""
+        many slots in one call; at most PREFILL_ROWS slots a tick, the lowest leads first. A slot that could not
+        step goes now whatever its lead: units without frames count in the lead but give it nothing to speak.
+        Example, ring 32, behind 3: at unit 20 with 33 encoded (lead 13) and 80 received, a routine top-up encodes
+        units 33..48 (up to 20 + 32 - 3 = 49, exclusive); at unit 11 with 29 encoded (lead 18) of which 12..28
+        have no frames, the slot cannot step, and units 29..39 are encoded at once."""
         unit = np.maximum(self._unit, 0)
         lead = self._encoded - unit
         low = self.slots.encode_limit(0) // 2 if self._ticks % ROUTINE_TICKS == 0 else URGENT_LEAD
-        need = np.flatnonzero((self._encodable > self._encoded) & ((lead <= low) | (self._encoded == 0)))
+        stalled = self._stalled_since < np.inf
+        room = self._encoded < self.slots.encode_limit(unit)
+        need = np.flatnonzero((self._encodable > self._encoded) & room
+                              & ((lead <= low) | (self._encoded == 0) | stalled))
         if len(need) > PREFILL_ROWS:  # the lowest leads now, the rest next tick
             need = np.sort(need[np.argsort(lead[need], kind="stable")[:PREFILL_ROWS]])
         chosen = []
@@ -978,6 +984,7 @@ class Engine:
         columns = (upload(offsets)[:, None] + at).clamp(max=units.shape[1] - 1)
         durations = predicted_frames(log_dur.gather(1, columns), upload(rates, torch.float32)[:, None]) * keep
         durations[:, 0] += (first_d == 0) & (durations.sum(1) == 0)  # an utterance has at least one frame
+        durations = self.slots.cap_silence(rows_d, durations, keep)  # never stuck behind silent units
         begin = self.slots.frames[rows_d][:, None] + start_frames(durations)  # (M, E) first frame of each unit
         states = states.gather(1, columns[:, :, None].expand(-1, -1, self.cfg.dim))
         positions = first_d[:, None] + at
