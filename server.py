@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import functools
 import gc
 import json
@@ -54,6 +55,7 @@ __all__ = ["Limits", "ServerThread", "create_app", "serve"]
 log = logging.getLogger("tts.server")
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 RESUME_GRACE_S = 5.0  # how long a connection over the caps has to say it resumes a waiting session
+TRIM_EVERY_S = 60.0  # how often the C heap's free pages go back to the system (`_trim_heap`)
 
 
 # ---- WebSocket sessions -------------------------------------------------------------------------
@@ -621,10 +623,28 @@ def create_app(engine=None, limits: Limits | None = None, *, api_keys=(), allow_
 
 @contextlib.asynccontextmanager
 async def _lifespan(hub: Hub, app: Starlette):
-    """At shutdown, end the sessions that wait for a resume (their engine streams would outlive the server)."""
+    """While serving, trim the C heap now and then (`_trim_heap`). At shutdown, end the sessions that wait for a
+    resume (their engine streams would outlive the server)."""
+    trimming = asyncio.create_task(_trim_heap(TRIM_EVERY_S))
     yield
+    trimming.cancel()
     for session in list(hub.sessions):
         await session.close()
+
+
+async def _trim_heap(every_s: float) -> None:
+    """Give the C heap's free pages back to the system every ``every_s`` (glibc's malloc_trim; elsewhere
+    nothing). Many threads allocate and free audio buffers and tensors of every size, and glibc keeps what they
+    free in its arenas: under the soak (`bench.soak`, loaded 2-core machine) untrimmed RSS crept up for good
+    (+8.6 MB in 5 minutes); trimmed, it rose a few MB between trims and fell back (sampled every 20 s: 736 MiB
+    after the first minute, 736 four minutes later, never above 742)."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return
+    while True:
+        await asyncio.sleep(every_s)
+        await asyncio.to_thread(trim, 0)
 
 
 # ---- running it -----------------------------------------------------------------------------------

@@ -116,7 +116,8 @@ class CodecWorker:
         groups: dict[tuple[int, int], list[int]] = {}
         for i, length in enumerate(lengths):
             groups.setdefault((length, i if streams[i].decode_alone else -1), []).append(i)
-        for (length, _), members in groups.items():
+        # short chunks first: a new stream's first audio does not wait for others' 16-frame chunks of this job
+        for (length, _), members in sorted(groups.items()):
             started = time.perf_counter()
             select = torch.tensor([rows[i] for i in members], device=self.device)
             sub = self.state.select(select)

@@ -551,7 +551,7 @@ class Engine:
         stream.paused = True  # before reading the count: a read after this sees the flag and tells us again
         if stream.queued_samples <= stream.resume_samples:
             stream.paused = False
-        if u.slot >= 0:
+        if u.slot >= 0 and u not in self._parking:  # (one that parks once the tick in flight is in stays paused)
             self._todo.paused.append((u, stream.paused))
             self._stalled_since[u.slot] = np.inf  # not parked in this tick: the event is not applied yet
         elif u.parked is not None and (u.parked_paused or u.news) and not stream.paused:
