@@ -54,11 +54,15 @@ class Tally:
         self.first_audio_ms: list[float] = []
         self.utterances: list[dict] = []  # each served one: kind, sentence, first audio, when it was sent
 
-    def add(self, kind: str, text: str, sent: float, first: float) -> None:
+    def add(self, kind: str, text: str, sent: float, first: float, done: dict | None = None) -> None:
+        """``done``: a WebSocket utterance's done event, whose server-side first audio times (from its first
+        text: to the first audio sent, and to the engine's first chunk) tell where a slow one waited."""
         self.served += 1
         self.first_audio_ms.append((first - sent) * 1000)
+        server = {} if done is None else {"server_ttfa_ms": done.get("ttfa_ms"),
+                                          "engine_ttfa_ms": done.get("engine_ttfa_ms")}
         self.utterances.append({"kind": kind, "sentence": SENTENCES.index(text), "sent": sent,
-                                "first_audio_ms": round((first - sent) * 1000, 1)})
+                                "first_audio_ms": round((first - sent) * 1000, 1), **server})
 
     def report(self, rss_mb: float, sends: list[float], engine: dict) -> dict:
         ttfa = np.asarray(self.first_audio_ms) if self.first_audio_ms else np.zeros(1)
@@ -118,7 +122,7 @@ async def ws_utterance(url: str, text: str, abort: bool, slow: bool, tally: Tall
                 tally.errors[event["code"]] += 1
             elif event["type"] == "done":
                 if first is not None and not event["cancelled"]:
-                    tally.add("ws", text, sent, first)
+                    tally.add("ws", text, sent, first, event)
                 return
     finally:
         await ws.close()
@@ -209,11 +213,39 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _serve(port: int, tiny: bool) -> None:
+def _trace_memory(every_s: float = 60.0, top: int = 12) -> None:
+    """Diagnosis of memory growth (--trace-memory): Python's allocations traced from now on; every ``every_s``
+    the RSS, the traced total and the source lines whose allocations grew most since the first report, as
+    JSON lines on stderr. Memory outside Python's allocator (torch tensors, ONNX Runtime) is RSS but untraced."""
+    import threading
+    import tracemalloc
+    tracemalloc.start(4)
+    me = psutil.Process()
+
+    def report() -> None:
+        first = None
+        while True:
+            time.sleep(every_s)
+            snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+            first = first or snapshot
+            grown = snapshot.compare_to(first, "traceback")[:top]
+            print(json.dumps({"rss_mb": round(me.memory_info().rss / 2**20, 1),
+                              "traced_mb": round(tracemalloc.get_traced_memory()[0] / 2**20, 1),
+                              "grown_since_first": [{"kb": round(s.size_diff / 1024, 1), "count": s.count_diff,
+                                                     "where": [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}"
+                                                               for f in s.traceback]} for s in grown]}),
+                  file=sys.stderr, flush=True)
+
+    threading.Thread(target=report, daemon=True, name="trace-memory").start()
+
+
+def _serve(port: int, tiny: bool, trace_memory: bool = False) -> None:
     """The child process: the server, as `tts serve` runs it (or on the tiny engine). Each full (generation 2)
     garbage collection is logged to stderr with its pause: one walks the whole heap with the GIL held."""
     import gc
     from server import serve
+    if trace_memory:
+        _trace_memory()
     started = {}
 
     def note(phase: str, info: dict) -> None:
@@ -246,13 +278,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=int, default=10)
     parser.add_argument("--tiny", action="store_true", help="the tiny random-weight engine, not the shipped voices")
+    parser.add_argument("--trace-memory", action="store_true",
+                        help="diagnosis: the server's Python allocations that grew, every minute on stderr (slower)")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the child process: serve on this port
     args = parser.parse_args()
     if args.serve:
-        return _serve(args.serve, args.tiny)
+        return _serve(args.serve, args.tiny, args.trace_memory)
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    child = subprocess.Popen([sys.executable, "-m", "bench.soak", "--serve", str(port)] + ["--tiny"] * args.tiny)
+    child = subprocess.Popen([sys.executable, "-m", "bench.soak", "--serve", str(port)] + ["--tiny"] * args.tiny
+                             + ["--trace-memory"] * args.trace_memory)
     try:
         slots = _wait_healthy(base, child)["slots"]
         report = asyncio.run(soak(base, args.minutes, slots, psutil.Process(child.pid)))

@@ -21,12 +21,12 @@ import threading
 import time
 import traceback
 import warnings
-from collections import deque
 from typing import Callable
 
 import numpy as np
 import torch
 
+from streaming.figures import Recent
 from streaming.masks import slot_mask
 from streaming.stream import Stream
 from tts.codec import Codec, DecoderState
@@ -43,7 +43,7 @@ class CodecWorker:
         self.state = codec.init_state(max_streams, device)
         self.device = device
         self.jobs: queue.Queue = queue.Queue(maxsize=depth)
-        self.codec_ms: deque[tuple[float, int]] = deque(maxlen=40_000)  # (ms, frames) per decode call, bounded
+        self.codec_ms = Recent(40_000, width=2)  # (ms, frames) per decode call
         self.decode_step = codec.decode_step  # (M, K, T) codes, state -> (M, T*hop) audio; see set_decode_step
         self._thread = threading.Thread(target=self._run, name="tts-codec", daemon=True)
         self._thread.start()
@@ -116,7 +116,8 @@ class CodecWorker:
         groups: dict[tuple[int, int], list[int]] = {}
         for i, length in enumerate(lengths):
             groups.setdefault((length, i if streams[i].decode_alone else -1), []).append(i)
-        for (length, _), members in groups.items():
+        # short chunks first: a new stream's first audio does not wait for others' 16-frame chunks of this job
+        for (length, _), members in sorted(groups.items()):
             started = time.perf_counter()
             select = torch.tensor([rows[i] for i in members], device=self.device)
             sub = self.state.select(select)

@@ -49,6 +49,7 @@ from streaming.admission import Admission, Full
 from streaming.codec_worker import (AudioOutbox, CodecWorker, FrameCodec, decoder_row_tensors, exact_convolutions,
                                     fast_path_enabled)
 from streaming.decode import TEXT_RING, StepCaches, TickGraph, decode_step
+from streaming.figures import Recent
 from streaming.parking import Parked, ParkingConfig, ParkingStore, RowLayout, pack, unpack
 from streaming.sampling import sample
 from streaming.slots import CHUNK_SCHEDULE, META, Slots
@@ -125,6 +126,7 @@ class Utterance:
     waiting: str | None = None  # "start" or "restore": queued for a slot
     waiting_since: float = 0.0
     detach: "_Detach | None" = None
+    park_after: int = 0  # parking with a tick in flight: once every tick launched before this one is collected
 
     @property
     def received(self) -> int:
@@ -159,12 +161,12 @@ class Engine:
         if self.device.type == "cuda":
             sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._build_device_state(self.max_streams)
-        # Live figures of the last FIGURES_KEPT ticks: bounded small, so a server's memory stays flat (a tick's
-        # entries take about 250 B: kept for 200,000 ticks they grew a server by ~50 MB over its first hour)
-        self.step_ms: deque[float] = deque(maxlen=FIGURES_KEPT)  # AR step + sampling, per tick
-        self.tick_ms: deque[float] = deque(maxlen=FIGURES_KEPT)  # a whole tick: events, prefill, step, codec, hand-out
+        # Live figures of the last FIGURES_KEPT ticks, in fixed memory (`Recent`: ~3 MB for all of them), so a
+        # server's memory stays flat (in deques a tick's entries took ~250 B: a server grew ~10 MB in 13 minutes)
+        self.step_ms = Recent(FIGURES_KEPT)  # AR step + sampling, per tick
+        self.tick_ms = Recent(FIGURES_KEPT)  # a whole tick: events, prefill, step, codec, hand-out
         # its parts (s): events and prefill, launch, waiting for the device, handing out the previous tick's audio
-        self.tick_phases: deque[tuple[float, float, float, float]] = deque(maxlen=FIGURES_KEPT)
+        self.tick_phases = Recent(FIGURES_KEPT, width=4)
         self._waited = 0.0
         self._factory, self._next_factory = step_factory, None
         self._steps: dict[int, Callable] = {}
@@ -200,7 +202,7 @@ class Engine:
             if self.device.type == "cuda":  # where each tick's table and audio reach the host, in turn
                 self._pinned = [(torch.zeros(batch, len(META), dtype=torch.long, pin_memory=True),
                                  torch.zeros(batch, self.codec.cfg.hop, pin_memory=True)) for _ in range(4)]
-            self.codec_ms: deque = deque(maxlen=FIGURES_KEPT)  # (ms, frames) per codec call
+            self.codec_ms = Recent(FIGURES_KEPT, width=2)  # (ms, frames) per codec call
         else:
             self.codec_worker = CodecWorker(self.codec, batch, self.device)
             self.codec_ms = self.codec_worker.codec_ms
@@ -221,9 +223,9 @@ class Engine:
         self._event_at = np.zeros(batch)  # when an event last changed the slot's device state
         self._restores: deque[Utterance] = deque()  # parked streams with work to do, waiting for a slot: first
         self._starts: deque[Utterance] = deque()  # new streams waiting for a slot
-        self._detaching: list[Utterance] = []  # detaches waiting for the tick in flight (frame codec)
+        self._parking: list[Utterance] = []  # holds and detaches waiting for the tick in flight (frame codec)
         self.counters = {"parks": 0, "restores": 0, "slot_waits": 0}
-        self.slot_wait_ms: deque[float] = deque(maxlen=100_000)
+        self.slot_wait_ms = Recent(FIGURES_KEPT)
         self._todo = _DeviceUpdates()  # event updates for the device, applied at the next tick
         self._codec_resets: list[int] = []  # slots whose frame decoder state restarts at the next tick
         self._schedules: list = []  # prefills of the coming tick, for the streams' timings
@@ -231,7 +233,8 @@ class Engine:
         self._ticks = 0
         self._inflight: deque = deque()
         self._handlers = {"start": self._on_start, "cancel": self._on_cancel, "text": self._on_text,
-                          "flow": self._on_flow, "warm": self._on_warm, "attach": self._on_attach}
+                          "flow": self._on_flow, "warm": self._on_warm, "attach": self._on_attach,
+                          "hold": self._on_hold}
 
     # ---- public API -------------------------------------------------------------------------
     def open(self, voice: str | None = None, speed: float = 1.0, *, seed: int | None = None,
@@ -297,16 +300,18 @@ class Engine:
 
     def stats(self) -> dict:
         """Live figures for a health endpoint: streams, the queue, and recent tick/step/codec times (ms)."""
-        def recent(values):
-            values = list(values)[-2000:]
-            if not values:
+        def recent(figure: Recent, column: int | None = None):
+            values = figure.values(last=2000)
+            values = values if column is None else values[:, column]
+            if not len(values):
                 return {"p50": None, "p99": None}
-            return {"p50": round(float(np.percentile(values, 50)), 3), "p99": round(float(np.percentile(values, 99)), 3)}
+            p50, p99 = np.nanpercentile(values, [50, 99])
+            return {"p50": round(float(p50), 3), "p99": round(float(p99), 3)}
         return {"active_streams": self.admission.held, "queued": self.admission.queued, "max_streams": self.max_streams,
                 "max_open": self.max_open, "slots_used": int(self._live.sum()), "waiting_for_slot":
                 len(self._starts) + len(self._restores), **self.counters, "slot_wait_ms": recent(self.slot_wait_ms),
                 "parking": self.store.stats(), "step_kind": self.step_kind, "tick_ms": recent(self.tick_ms),
-                "step_ms": recent(self.step_ms), "codec_ms": recent(ms for ms, _ in self.codec_ms)}
+                "step_ms": recent(self.step_ms), "codec_ms": recent(self.codec_ms, 0)}
 
     @property
     def active_streams(self) -> int:
@@ -398,6 +403,11 @@ class Engine:
         self._inbox.append(("cancel", stream, None))
         self.wake()
 
+    def hold_changed(self, stream: Stream) -> None:
+        """`Stream.hold` or `release`: park the stream at once and keep it parked, or let it go on."""
+        self._inbox.append(("hold", stream, None))
+        self.wake()
+
     def flow_changed(self, stream: Stream) -> None:
         """The reader fell behind (queued audio over the limit) or caught up: pause or resume the stream."""
         self._inbox.append(("flow", stream, None))
@@ -471,8 +481,8 @@ class Engine:
                 if stream is not None:
                     self._fail(stream, err if isinstance(err, (TextError, EngineError)) else
                                EngineError(f"internal error: {type(err).__name__}: {err}"))
-        if self._detaching:
-            self._continue_detaches()
+        if self._parking:
+            self._continue_parks()
         if self.parking.park_after_s > 0:
             self._choose_parks()
         if self._free and (self._starts or self._restores):
@@ -541,10 +551,34 @@ class Engine:
         stream.paused = True  # before reading the count: a read after this sees the flag and tells us again
         if stream.queued_samples <= stream.resume_samples:
             stream.paused = False
-        if u.slot >= 0:
+        if u.slot >= 0 and u not in self._parking:  # (one that parks once the tick in flight is in stays paused)
             self._todo.paused.append((u, stream.paused))
             self._stalled_since[u.slot] = np.inf  # not parked in this tick: the event is not applied yet
         elif u.parked is not None and (u.parked_paused or u.news) and not stream.paused:
+            self._wait_for_slot(u, "restore")
+
+    def _on_hold(self, stream: Stream, _) -> None:
+        """Held (`Stream.hold`): park now, without the grace, and take no slot until released; its text and its
+        reader's reads are kept meanwhile. Released: back in a slot (after the reader catches up, if it is behind);
+        one that has nothing to do parks again after the grace."""
+        u = self._by_stream.get(stream)
+        if u is None or u.detach is not None:
+            return
+        if stream.held:
+            if u.slot >= 0:
+                self._park_soon(u)
+            elif u.waiting is not None:
+                (self._starts if u.waiting == "start" else self._restores).remove(u)
+                u.waiting = None
+        elif u.slot >= 0:  # released before the tick in flight let it park
+            if u in self._parking:
+                self._parking.remove(u)
+            self._todo.paused.append((u, stream.paused))
+        elif u.parked is None:
+            self._wait_for_slot(u, "start")
+        elif stream.paused:
+            u.parked_paused = True  # the reader catching up restores it (`_on_flow`)
+        else:
             self._wait_for_slot(u, "restore")
 
     def _on_text(self, stream: Stream, news) -> None:
@@ -625,8 +659,9 @@ class Engine:
 
     # -- slots: who gets one, parking and restoring --
     def _wait_for_slot(self, u: Utterance, why: str) -> None:
-        """Queue ``u`` for a slot (granted at the end of this tick's events): restores ahead of starts."""
-        if u.waiting is not None:
+        """Queue ``u`` for a slot (granted at the end of this tick's events): restores ahead of starts. A held
+        stream waits for its release (`_on_hold`)."""
+        if u.waiting is not None or u.stream.held:
             return
         u.waiting, u.waiting_since = why, time.perf_counter()
         (self._starts if why == "start" else self._restores).append(u)
@@ -787,31 +822,44 @@ class Engine:
             self.store.note(kind, host_ms, count)
         self.store.note(f"{kind}_host", host_ms, count)
 
-    # -- detach: park at once, then hand the state to the caller --
-    def _start_detach(self, u: Utterance) -> None:
-        u.detach = u.stream.detach_request
-        if u.slot >= 0 and not (self.frame_codec and self._inflight):
-            self._park(u)  # finished in this tick's `_park_rows`
-        elif u.slot >= 0:  # the tick in flight may be stepping it: pause it now, park it once that tick is in
+    # -- parking at once (hold, detach) --
+    def _park_soon(self, u: Utterance) -> None:
+        """Park ``u``'s slot in this tick's updates; if the tick in flight may be stepping it (the frame codec),
+        pause it now and park it once that tick is collected (`_continue_parks`)."""
+        if not (self.frame_codec and self._inflight):
+            self._park(u)
+        elif u not in self._parking:
             self._todo.paused.append((u, True))
-            u.detach.after = self._ticks
-            self._detaching.append(u)
-        elif u.parked is not None and not self.store.want(u.parked):
-            self._detaching.append(u)  # its state is on its way back from disk
-        else:
-            self._finish_detach(u)
+            u.park_after = self._ticks
+            self._parking.append(u)
 
-    def _continue_detaches(self) -> None:
-        waiting, self._detaching = self._detaching, []
+    def _continue_parks(self) -> None:
+        waiting, self._parking = self._parking, []
         for u in waiting:
-            if u.slot >= 0 and any(tick.serial < u.detach.after for tick in self._inflight):
-                self._detaching.append(u)
+            if self._by_stream.get(u.stream) is not u:  # ended meanwhile
+                if u.detach is not None:
+                    u.detach.fail(EngineError("the stream ended before it could be detached"))
+                continue
+            if u.slot >= 0 and any(tick.serial < u.park_after for tick in self._inflight):
+                self._parking.append(u)
             elif u.slot >= 0:
                 self._park(u)
+            elif u.detach is None:
+                continue  # a hold, parked
             elif self.store.want(u.parked):
                 self._finish_detach(u)
             else:
-                self._detaching.append(u)
+                self._parking.append(u)
+
+    # -- detach: park at once, then hand the state to the caller --
+    def _start_detach(self, u: Utterance) -> None:
+        u.detach = u.stream.detach_request
+        if u.slot >= 0:
+            self._park_soon(u)  # finished in that tick's `_park_rows`
+        elif u.parked is not None and not self.store.want(u.parked):
+            self._parking.append(u)  # its state is on its way back from disk
+        else:
+            self._finish_detach(u)
 
     def _finish_detach(self, u: Utterance) -> None:
         """Hand the detached stream to `detach` (which reads its parked rows) and forget it here."""
@@ -828,12 +876,18 @@ class Engine:
         """Slots whose encoded lead over their aligned unit ran low and that have units to encode: encode up
         to the ring's limit (`Slots.encode_limit`). Urgent ones (a first prefill, or a lead of at most
         URGENT_LEAD units) go now; routine top-ups (a lead of at most half the ring) every ROUTINE_TICKS ticks,
-        many slots in one call; at most PREFILL_ROWS slots a tick, the lowest leads first. Example, ring 32, behind 3: at unit 20 with 33 encoded (lead 13) and 80
-        received, a routine top-up encodes units 33..48 (up to 20 + 32 - 3 = 49, exclusive)."""
+        many slots in one call; at most PREFILL_ROWS slots a tick, the lowest leads first. A slot that could not
+        step goes now whatever its lead: units without frames count in the lead but give it nothing to speak.
+        Example, ring 32, behind 3: at unit 20 with 33 encoded (lead 13) and 80 received, a routine top-up encodes
+        units 33..48 (up to 20 + 32 - 3 = 49, exclusive); at unit 11 with 29 encoded (lead 18) of which 12..28
+        have no frames, the slot cannot step, and units 29..39 are encoded at once."""
         unit = np.maximum(self._unit, 0)
         lead = self._encoded - unit
         low = self.slots.encode_limit(0) // 2 if self._ticks % ROUTINE_TICKS == 0 else URGENT_LEAD
-        need = np.flatnonzero((self._encodable > self._encoded) & ((lead <= low) | (self._encoded == 0)))
+        stalled = self._stalled_since < np.inf
+        room = self._encoded < self.slots.encode_limit(unit)
+        need = np.flatnonzero((self._encodable > self._encoded) & room
+                              & ((lead <= low) | (self._encoded == 0) | stalled))
         if len(need) > PREFILL_ROWS:  # the lowest leads now, the rest next tick
             need = np.sort(need[np.argsort(lead[need], kind="stable")[:PREFILL_ROWS]])
         chosen = []
@@ -930,6 +984,7 @@ class Engine:
         columns = (upload(offsets)[:, None] + at).clamp(max=units.shape[1] - 1)
         durations = predicted_frames(log_dur.gather(1, columns), upload(rates, torch.float32)[:, None]) * keep
         durations[:, 0] += (first_d == 0) & (durations.sum(1) == 0)  # an utterance has at least one frame
+        durations = self.slots.cap_silence(rows_d, durations, keep)  # never stuck behind silent units
         begin = self.slots.frames[rows_d][:, None] + start_frames(durations)  # (M, E) first frame of each unit
         states = states.gather(1, columns[:, :, None].expand(-1, -1, self.cfg.dim))
         positions = first_d[:, None] + at
@@ -1191,7 +1246,6 @@ class _Detach:
         self.done = threading.Event()
         self.error: Exception | None = None
         self.utterance: Utterance | None = None
-        self.after = 0  # with a tick in flight: park once every tick launched before this one is collected
 
     def fail(self, error: Exception) -> None:
         self.error = error

@@ -20,6 +20,14 @@ frame (the delay-pattern tail) it is the last frame's unit. Example: entries uni
 [10, 13), [13, 13), [13, 15): frame 12 -> unit 4, frame 13 -> unit 6 (unit 5 has no frames), and with
 15 frames known, step 17 (tail) -> frame 14 -> unit 6.
 
+**Silent runs.** A unit may be predicted zero frames, but not too many in a row: the aligned unit only moves
+on to a unit with frames, and the ring only takes units below ``p + R - behind``, so a run of more than
+``R - behind - ahead - 2`` zero-frame units after the aligned unit ``p`` would leave the next unit with frames
+(or the ``ahead`` units it needs) unwritable forever: the stream would never step again. The unit that would
+make a run one longer gets one frame instead (`cap_silence`). Worked example, R = 32, behind 3, ahead 4 (at
+most 23 in a row): p = 11 has frames and units 12..39 are predicted zero frames; unit 35 gets one frame, so
+it is encoded while p = 11 (35 + 4 < 11 + 29) and the stream steps on to it.
+
 **Delay pattern.** Codebook k of frame f comes out at step f + k (`tts.delay`), so frame f is complete at
 step f + K - 1, and its codes are in the history ring of the last K steps at columns (f + k) % K.
 Example, K = 4: at step 9 frame 6 completes; its codebooks 0..3 came out at steps 6, 7, 8, 9, in history
@@ -63,6 +71,7 @@ class Slots:
         self.schedule = schedule
         self.live, self.paused, self.closed, self.ended = (zeros(batch, dtype=torch.bool) for _ in range(4))
         self.step, self.frames, self.encoded, self.pending, self.chunks = (zeros(batch) for _ in range(5))
+        self.silent = zeros(batch)  # zero-frame units in a row at the end of those encoded (`cap_silence`)
         self.key = zeros(batch)  # each stream's sampling-noise key (`streaming.sampling.stream_key` of its seed)
         self.temperature = torch.ones(batch, 1, 1, device=device)  # (B, 1, 1)
         self.tokens = torch.full((batch, books), self.empty, dtype=torch.long, device=device)  # (B, K) last step's
@@ -74,7 +83,7 @@ class Slots:
         """Rows where ``mask`` (B,) is true return to an empty, idle slot (not live)."""
         for flag in (self.live, self.paused, self.closed, self.ended):
             flag.masked_fill_(mask, False)
-        for count in (self.step, self.frames, self.encoded, self.pending, self.chunks):
+        for count in (self.step, self.frames, self.encoded, self.pending, self.chunks, self.silent):
             count.masked_fill_(mask, 0)
         self.tokens.masked_fill_(mask[:, None], self.empty)
         self.history.masked_fill_(mask[:, None, None], 0)
@@ -83,7 +92,7 @@ class Slots:
         """Every per-slot tensor by name, batch first: a slot's state is row ``s`` of each (what parking copies
         out and back, `streaming.parking`). The chunk schedule is included: a stream moved to another slot keeps
         its staggered chunk sizes."""
-        names = ("live", "paused", "closed", "ended", "step", "frames", "encoded", "pending", "chunks", "key",
+        names = ("live", "paused", "closed", "ended", "step", "frames", "encoded", "pending", "chunks", "silent", "key",
                  "temperature", "tokens", "history", "unit_start", "unit_end", "codes", "schedule")
         return {name: getattr(self, name) for name in names}
 
@@ -100,6 +109,23 @@ class Slots:
     def encode_limit(self, unit: torch.Tensor | int) -> torch.Tensor | int:
         """Units below this may be written into the ring while the slot is at ``unit`` (module docstring)."""
         return unit + self.ring - self.behind
+
+    def cap_silence(self, rows: torch.Tensor, durations: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """``durations`` (M, E) of the next units of the slots ``rows`` (M,) (``keep``: which are real), with
+        one frame given to each unit that would make a run of zero-frame units longer than the most the ring
+        lets a stream step past (module docstring, Silent runs); the slots' runs carry over to their next units.
+        Example, at most 2 in a row, a run of 1 before: durations [0, 0, 3, 0, 0, 0] -> [0, 1, 3, 0, 0, 1]
+        (runs 2, 3 -> forced, 0, 1, 2, 3 -> forced), leaving a run of 0."""
+        most = self.ring - self.behind - self.ahead - 2
+        at = torch.arange(durations.shape[1], device=durations.device)  # (E,)
+        silent = (durations == 0) & keep  # (M, E)
+        last_sound = torch.where(silent, -1, at).cummax(1).values  # (M, E) the last unit with frames so far
+        run = at - last_sound + torch.where(last_sound < 0, self.silent[rows][:, None], 0)  # 0 where it has frames
+        forced = silent & (run % (most + 1) == 0)
+        last = (keep.sum(1) - 1).clamp(min=0)[:, None]  # (M, 1) each row's last real unit
+        after = torch.where(forced | ~silent, 0, run % (most + 1)).gather(1, last)[:, 0]
+        self.silent[rows] = torch.where(keep.any(1), after, self.silent[rows])
+        return durations + forced
 
     def add_units(self, rows: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, start: torch.Tensor,
                   end: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
 """One utterance being spoken: the thread-safe handle callers hold while the engine thread fills it.
 
-Caller side: `push_text`, `flush`, `end`, `cancel`, `read`, `take_timings`, `take_word_timings`, `stats`.
+Caller side: `push_text`, `flush`, `end`, `cancel`, `hold`, `release`, `read`, `take_timings`, `take_word_timings`,
+`stats`.
 Engine side (the engine and its codec and text workers call these): `take_text`, `schedule`, `deliver`,
 `finish`; and for moving a stream to another engine (`Engine.detach`/`attach`): `take_unread`,
 `export_state`, `from_state`.
@@ -47,6 +48,7 @@ class Stream:
         self.detaching = False  # being detached: the text front end is no longer read here
         self.detach_request = None
         self.paused = False  # set by the engine while the reader is behind (backpressure)
+        self.held = False  # `hold`: parked at once, no slot until `release`
         self.decode_alone = False  # the CPU codec decodes this stream's chunks in calls of their own
         self.opened_at = time.perf_counter()
         self.first_text_at: float | None = None
@@ -82,6 +84,20 @@ class Stream:
             self._closed = True
             self._audio.notify_all()
         self.engine.cancelled(self)
+
+    def hold(self) -> None:
+        """Stop generating now and give the slot back (parked without the grace: say, the reader's connection
+        dropped and it may come back); text pushed meanwhile is kept. `release` lets it go on, sample-exactly
+        where it stopped. Audio already decoded is still delivered."""
+        if not self.held:
+            self.held = True
+            self.engine.hold_changed(self)
+
+    def release(self) -> None:
+        """End a `hold`: the stream waits for a slot and goes on."""
+        if self.held:
+            self.held = False
+            self.engine.hold_changed(self)
 
     def read(self, timeout: float | None = None) -> np.ndarray | None:
         """Next audio chunk, or None once the utterance is finished (or moved to another engine). Raises

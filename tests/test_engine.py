@@ -430,3 +430,36 @@ def test_frame_codec_with_idle_rows_equals_the_offline_decode():
         got = torch.cat(audio[r])
         torch.testing.assert_close(got, offline[r, :len(got)], atol=1e-5, rtol=1e-4)
         assert len(got) >= 8 * codec.cfg.hop
+
+
+def test_a_long_run_of_units_without_frames_never_stalls_the_stream():
+    """A model predicting zero frames for ~30 units in a row: the aligned unit used to stay behind them, the text
+    ring full of units without frames, and the utterance never ended. Now the slot is topped up when it cannot
+    step, and the unit that would make the run longer than the ring allows gets one frame (`Slots.cap_silence`)."""
+    engine = tiny_random(max_streams=1)
+    engine.model.text.duration[-1].bias.data.fill_(0.4)
+    stream = engine.open(speed=2.0, seed=1)
+    stream.push_text("The other client is speaking. ")
+    time.sleep(0.3)
+    stream.push_text("And it goes on.")
+    stream.end()
+    audio = []
+    while (chunk := stream.read(timeout=10)) is not None:  # raised TimeoutError when stuck
+        audio.append(chunk)
+    assert audio
+    engine.close()
+
+
+def test_cap_silence_gives_a_frame_to_the_unit_that_makes_a_run_too_long():
+    from streaming.slots import Slots
+    from tts.model import MODEL_PRESETS
+    cfg = MODEL_PRESETS["tiny"]
+    slots = Slots(cfg, 2, 2 + cfg.behind + cfg.ahead + 2)  # at most 2 zero-frame units in a row
+    slots.silent[0] = 1
+    rows, keep = torch.tensor([0, 1]), torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    durations = slots.cap_silence(rows, torch.tensor([[0, 0, 3, 0, 0, 0], [2, 0, 0, 0, 0, 0]]), keep)
+    assert durations.tolist() == [[0, 1, 3, 0, 0, 1], [2, 0, 0, 1, 0, 0]]
+    assert slots.silent.tolist() == [0, 0]
+    keep = torch.tensor([[True, True, False], [True, False, False]])
+    assert slots.cap_silence(rows, torch.zeros(2, 3, dtype=torch.long), keep).tolist() == [[0, 0, 0], [0, 0, 0]]
+    assert slots.silent.tolist() == [2, 1]  # the runs carry over to the next units

@@ -178,6 +178,62 @@ def test_cancelling_a_parked_or_waiting_stream_frees_everything(tmp_path):
 
 
 @pytest.mark.parametrize("frame_codec, sampling", [(False, GREEDY), (True, SamplingConfig())])
+def test_a_held_stream_gives_its_slot_back_at_once_and_continues_exactly(frame_codec, sampling):
+    """`hold` mid-utterance (its reader's connection dropped, say): parked at once, not after the grace (an
+    hour here), so another stream speaks in the one slot; text pushed while held is kept; `release` goes on
+    sample-exactly."""
+    engine = tiny_random(max_streams=1, max_open=2, sampling=sampling, frame_codec=frame_codec,
+                         parking=ParkingConfig(park_after_s=3600))
+    held = engine.open(seed=5)
+    held.push_text(TEXT[:CUT])
+    before, _ = read_all(held, chunks=2)  # speaking: the hold comes mid-utterance
+    held.hold()
+    held.push_text(TEXT[CUT:])
+    held.end()
+    assert wait_until(lambda: engine.stats()["parking"]["parked"]["host"] == 1, 30)
+    before += read_all(held, timeout=0.5)[0]  # audio decoded before the hold still comes
+    other = engine.open(seed=6)
+    other.push_text(OTHER)
+    other.end()
+    audio, finished = read_all(other, timeout=30)
+    assert finished
+    assert_same(audio, unparked(OTHER, 6, sampling, frame_codec))
+    with pytest.raises(TimeoutError):
+        held.read(timeout=0.3)  # nothing while held, the slot free or not
+    held.release()
+    after, finished = read_all(held)
+    assert finished
+    assert_same(before + after, unparked(TEXT, 5, sampling, frame_codec))
+    assert engine.counters["parks"] == 1 and engine.counters["restores"] == 1
+    assert wait_until(lambda: engine.active_streams == 0, 30)
+    engine.close()
+
+
+def test_a_stream_held_while_waiting_for_a_slot_lets_others_pass_until_released():
+    engine = tiny_random(max_streams=1, max_open=3, sampling=GREEDY, parking=ParkingConfig(park_after_s=3600))
+    first, held = engine.open(seed=41), engine.open(seed=42)
+    first.push_text(OTHER)
+    first.end()
+    assert first.read(timeout=30) is not None  # `held` waits for the slot behind it
+    held.push_text(TEXT[:30])
+    held.end()
+    held.hold()
+    third = engine.open(seed=43)
+    third.push_text(OTHER)
+    third.end()
+    assert read_all(first)[1] and read_all(third)[1]  # the held one's turn goes to the next
+    with pytest.raises(TimeoutError):
+        held.read(timeout=0.3)
+    held.hold()  # again: no change
+    held.release()
+    audio, finished = read_all(held)
+    assert finished
+    assert_same(audio, unparked(TEXT[:30], 42, GREEDY))
+    assert wait_until(lambda: engine.active_streams == 0, 30)
+    engine.close()
+
+
+@pytest.mark.parametrize("frame_codec, sampling", [(False, GREEDY), (True, SamplingConfig())])
 def test_a_stream_detached_mid_utterance_continues_on_another_engine(frame_codec, sampling):
     here = tiny_random(max_streams=2, sampling=sampling, frame_codec=frame_codec)
     there = tiny_random(max_streams=2, sampling=sampling, frame_codec=frame_codec)

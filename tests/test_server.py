@@ -893,6 +893,49 @@ def test_aborted_connections_in_a_tight_loop_leak_nothing(make_server, tiny_engi
                       and not server.hub.streams and tiny_engine.active_streams == 0)
 
 
+def test_a_dropped_session_gives_its_slot_to_another_client_at_once_and_resumes_exactly(make_server):
+    """While a dropped session waits for its resume its engine stream is held: parked at once (not after the
+    grace, an hour here), so another client speaks in the one slot meanwhile; resumed, the audio equals the same
+    seeded utterance never interrupted, bit for bit."""
+    from helpers import tiny_random
+    from streaming.parking import ParkingConfig
+    engine = tiny_random(max_streams=1, max_open=4, parking=ParkingConfig(park_after_s=3600))
+    server = make_server(engine, resume_window_s=30)
+    start = {"format": "f32le", "seed": 8}
+
+    async def go():
+        async with websockets.connect(server.ws_url) as ws:
+            _, frames, _ = await utterance(ws, SENTENCE * 2, **start)
+        reference = b"".join(frames)
+        ws = await websockets.connect(server.ws_url)
+        await send(ws, type="start", **start)
+        token = json.loads(await ws.recv())["resume_token"]
+        await send(ws, type="text", text=SENTENCE * 2)
+        await send(ws, type="end")
+        got = bytearray()
+        while len(got) < 20_000:
+            got += await asyncio.wait_for(ws.recv(), 30)
+        ws.transport.abort()
+        held = await asyncio.to_thread(wait_until, lambda: engine.counters["parks"] == 1
+                                       and engine.stats()["slots_used"] == 0)
+        async with websockets.connect(server.ws_url) as other:
+            _, meanwhile, done = await utterance(other, "Meanwhile, another client speaks.")
+        async with websockets.connect(server.ws_url) as again:
+            await send(again, type="resume", token=token, contexts=[{"bytes": len(got), "events": 1}])
+            assert json.loads(await again.recv())["type"] == "resumed"
+            while isinstance(message := await asyncio.wait_for(again.recv(), 30), bytes):
+                got += message
+        return reference, bytes(got), json.loads(message), held, meanwhile, done
+
+    reference, got, done, held, meanwhile, other_done = run(go())
+    assert held, "the dropped session's stream kept its slot"
+    assert meanwhile and not other_done["cancelled"]
+    assert done["type"] == "done" and not done["cancelled"]
+    assert got == reference
+    assert engine.counters["restores"] == 1
+    engine.close()
+
+
 def test_health_shows_load_and_the_engine_figures(server, tiny_engine):
     health = json.loads(get(server.url + "/health")[1])
     assert health["slots"] == tiny_engine.max_streams and health["queued"] == 0
