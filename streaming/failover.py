@@ -36,9 +36,10 @@ Limits (measured and stated in docs/scale-out.md): without a usable checkpoint (
 timings asked for, a flush or an error in the utterance, an engine on the GPU's frame codec, or a kill before the
 first checkpoint) the gap is the time to regenerate the current utterance's audio so far, which grows with its
 length; the journal of one session is bounded (MAX_JOURNAL_BYTES); a session is continued sample-exactly when its
-audio depends only on its messages, which holds for every utterance without a `flush` (a flush speaks what has
-come so far at once, so where it falls in the audio depends on timing; such an utterance goes on with no byte lost
-or repeated, but its samples after the flush may differ).
+audio depends only on its messages. A `flush` breaks that (it speaks what has come so far at once, so where it
+falls in the audio depends on timing), and so, measured on the shipped voices, does text arriving word by word
+(the text front end's output depends on when words come; a replay feeds them all at once): such an utterance goes
+on with no byte lost or repeated, but its samples after the checkpoint (or the flush) may differ.
 """
 from __future__ import annotations
 
