@@ -22,7 +22,8 @@ kill point: `gap_ms` (the kill -> the first audio frame over the resumed connect
 (the kill -> the client's resume answered: the rest of the gap is the survivor regenerating audio the client
 holds, from the latest checkpoint it holds), `from_checkpoints` (replays that attached a checkpoint rather than
 regenerating the utterance from its start), `exact` (trials whose audio equals the reference: equal length, every
-sample within 3 steps of 16 bits) and `max_abs_diff`. Ray starts a replacement replica after each kill; the next
+sample within 3 steps of 16 bits), `max_abs_diff` and `first_diff_s` (where the first sample more than 3 steps
+apart lies, in seconds: before the kill point, the runs had parted before the kill). Ray starts a replacement replica after each kill; the next
 trial waits until the proxy routes to it. `snapshot` is what a checkpoint costs, measured afterwards in this
 process on the same engine: `Engine.snapshot` of a speaking stream (ms, p50/p99) and its bytes.
 `--checkpoint-audio-s S` checkpoints every S s of an utterance's audio (default 1; 0: none, every replay
@@ -176,7 +177,7 @@ def failover(url: str, kill_after_s: list[float], trials: int, tiny: bool, check
     try:
         asyncio.run(both_serve(url))
         for after_s in kill_after_s:
-            gaps, resumed, diffs, exact = [], [], [], 0
+            gaps, resumed, diffs, first_diffs, exact = [], [], [], [], 0
             replays = ray.get(actor.stats.remote())["from_checkpoints"]
             for trial in range(trials):
                 reference = asyncio.run(utterance(url, 100 + trial, text))["audio"]
@@ -186,13 +187,15 @@ def failover(url: str, kill_after_s: list[float], trials: int, tiny: bool, check
                 diff = int(np.abs(a - b).max()) if same_length and len(a) else None
                 exact += same_length and diff is not None and diff <= 3
                 diffs.append(diff)
+                apart = np.flatnonzero(np.abs(a[:len(b)] - b[:len(a)]) > 3)
+                first_diffs.append(round(int(apart[0]) / SAMPLE_RATE, 2) if len(apart) else None)
                 gaps.append(cut["gap_ms"])
                 resumed.append(cut["resumed_ms"])
                 asyncio.run(both_serve(url))
             done = [g for g in gaps if g is not None]
             rows[str(after_s)] = {"trials": trials, "resumed": len(done), "from_checkpoints":
                                   ray.get(actor.stats.remote())["from_checkpoints"] - replays,
-                                  "exact": exact, "max_abs_diff": diffs,
+                                  "exact": exact, "max_abs_diff": diffs, "first_diff_s": first_diffs,
                                   "audio_s": round(len(a) / SAMPLE_RATE, 2), "gap_ms": percentiles(done) if done
                                   else None, "gap_ms_each": [round(g, 1) for g in done],
                                   "resumed_ms_each": [r and round(r, 1) for r in resumed]}
