@@ -28,6 +28,8 @@ import numpy as np
 import soundfile as sf
 import websockets
 
+from tts.output import PlaybackError, open_device
+
 SAMPLE_RATE = 24_000
 FILE_FORMATS = {"wav": ("WAV", "PCM_16"), "flac": ("FLAC", "PCM_16"), "ogg": ("OGG", "VORBIS")}
 TextSource = str | Iterable[str] | AsyncIterable[str]
@@ -297,12 +299,9 @@ async def _to_file(client: StreamClient, text, voice, speed, out: Path, fmt: str
 
 def _output_stream():
     try:
-        import sounddevice
-        sounddevice.check_output_settings(samplerate=SAMPLE_RATE, channels=1, dtype="float32")
-    except (ImportError, OSError, ValueError) as err:
-        raise ClientError(f"no sound device to play through ({err}); write a file instead: "
-                          "tts say TEXT --server URL -o out.wav") from None
-    return sounddevice.OutputStream(samplerate=SAMPLE_RATE, channels=1, dtype="float32")
+        return open_device(SAMPLE_RATE, instead="tts say TEXT --server URL -o out.wav")
+    except PlaybackError as err:
+        raise ClientError(str(err)) from None
 
 
 async def _to_device(client: StreamClient, text, voice, speed, device) -> None:

@@ -83,6 +83,25 @@ def stdout_sink(fmt: str, out=None):
         out.flush()
 
 
+def open_device(sample_rate: int, instead: str = "tts say TEXT -o out.wav"):
+    """The default sound device as a mono float32 `sounddevice.OutputStream` (not started); a `PlaybackError` that
+    says why and how to write a file instead (``instead``) when the package, the PortAudio library or an output
+    device is missing."""
+    try:
+        import sounddevice
+    except ImportError:
+        raise PlaybackError(f"playing needs the sounddevice package: pip install 'tts[audio]'; "
+                            f"or write a file: {instead}") from None
+    except OSError as err:  # the package is there but the PortAudio library is not
+        raise PlaybackError(f"cannot play: {err} (install PortAudio, e.g. apt-get install libportaudio2); "
+                            f"or write a file: {instead}") from None
+    try:
+        sounddevice.check_output_settings(samplerate=sample_rate, channels=1, dtype="float32")
+        return sounddevice.OutputStream(samplerate=sample_rate, channels=1, dtype="float32")
+    except (sounddevice.PortAudioError, ValueError) as err:  # PortAudio is there, no output device is
+        raise PlaybackError(f"no sound device to play through ({err}); write a file instead: {instead}") from None
+
+
 class Player:
     """Plays chunks on the default sound device while later ones are still being generated.
 
@@ -90,20 +109,7 @@ class Player:
     PLAYBACK_BUFFER_S ahead of it, so a pause between utterances is covered by audio already waiting."""
 
     def __init__(self, sample_rate: int, buffer_s: float = PLAYBACK_BUFFER_S):
-        try:
-            import sounddevice
-        except ImportError:
-            raise PlaybackError("playing needs the sounddevice package: pip install 'tts[audio]'; "
-                                "or write a file: tts say TEXT -o out.wav") from None
-        except OSError as err:  # the package is there but the PortAudio library is not
-            raise PlaybackError(f"cannot play: {err} (install PortAudio, e.g. apt-get install libportaudio2); "
-                                "or write a file: tts say TEXT -o out.wav") from None
-        try:
-            sounddevice.check_output_settings(samplerate=sample_rate, channels=1, dtype="float32")
-            self._device = sounddevice.OutputStream(samplerate=sample_rate, channels=1, dtype="float32")
-        except (sounddevice.PortAudioError, ValueError) as err:
-            raise PlaybackError(f"no sound device to play through ({err}); "
-                                "write a file instead: tts say TEXT -o out.wav") from None
+        self._device = open_device(sample_rate)
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, int(buffer_s / 0.32)))  # chunks are <= 0.32 s
         self._error: Exception | None = None
         self._thread = threading.Thread(target=self._play, name="tts-player", daemon=True)
