@@ -433,20 +433,20 @@ def main(argv: list[str] | None = None) -> None:
         sampler.join()
         host = {**host.stop(), **client_load(loads)}
         print(json.dumps(report(results, held, used, engine, args, load_before, before, full_ticks, host, run_s),
-                         indent=2))
+                         indent=2), flush=True)
     engine.close()
 
 
 def warm_up(server, engine, args) -> None:
     """One client for 5 s unless asked otherwise (several: cut at the end when the run has a grace), then
-    until the server holds no connection and no slot (at most 60 s)."""
+    until the server holds no connection and no slot (at most 30 s)."""
     warm = min(args.warm_up_clients, args.clients)
     if warm > 1:
         run_elsewhere(server.ws_url, warm, args.warm_up_s, args.ahead_s, min(args.client_processes, warm),
                       None if args.grace_s is None else 0.0)
     else:
         clients(server.ws_url, [0], args.warm_up_s, args.ahead_s)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline and (server.hub.admission.stats()["connections"]
                                            or engine.stats()["slots_used"]):
         time.sleep(0.1)

@@ -47,6 +47,7 @@ for n in "${COUNTS[@]}"; do
 done | tee "$OUT/offered.jsonl"
 
 NEED=$(awk "BEGIN { print int($MINUTES * 60 + 90) }")  # a run, its start, warm-up and grace included
+CAP=$(awk "BEGIN { print int($MINUTES * 60 + 180) }")  # the most one run may take (a hang at exit: killed)
 for n in "${COUNTS[@]}"; do
     left=$(( 570 - (SECONDS - STARTED) ))
     if [ "$left" -lt "$NEED" ]; then
@@ -54,8 +55,9 @@ for n in "${COUNTS[@]}"; do
         continue
     fi
     echo "agent.sh: $(date -u +%T) $n clients on $SLOTS slots ($left s left)"
+    limit=$(( left - 10 < CAP ? left - 10 : CAP ))
     # shellcheck disable=SC2086
-    timeout -k 10 $(( left - 10 )) python3 -m bench.agent --device "$DEVICE" --slots "$SLOTS" --clients "$n" \
+    timeout -k 10 "$limit" python3 -m bench.agent --device "$DEVICE" --slots "$SLOTS" --clients "$n" \
         --client-processes "$PROCESSES" --minutes "$MINUTES" --grace-s 15 --warm-up-clients "$WARM_UP_CLIENTS" \
         --warm-up-s 10 --max-host-gb 16 $EXTRA > "$OUT/agent_$n.json" 2> "$OUT/agent_$n.err"
     echo "agent.sh: exit $? after $(( SECONDS - STARTED )) s"
