@@ -314,8 +314,8 @@ def report(results: list[list], held: list[int], used: list[int], engine, args, 
     parking = stats["parking"]
     return {
         "engine": "tiny_random" if args.tiny else "shipped", "step_kind": stats["step_kind"],
-        "device": args.device, "cpu_cores": os.cpu_count(), "load_avg_1m_before": round(load_before, 2),
-        "load_avg_1m_after": round(os.getloadavg()[0], 2), "clients": args.clients, "slots": args.slots,
+        "device": args.device, "cpu_cores": os.cpu_count(), "load_avg_1m_before": load_before,
+        "load_avg_1m_after": load_average(), "clients": args.clients, "slots": args.slots,
         "minutes": args.minutes, "park_after_s": engine.parking.park_after_s,
         "disk_after_s": engine.parking.disk_after_s, "max_host_bytes": engine.parking.max_host_bytes,
         "connections_held": {"p50": int(np.median(held)) if held else 0, "max": max(held, default=0)},
@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
     from server import ServerThread
     limits = dict(max_connections=args.clients, max_connections_per_client=args.clients,
                   max_streams_per_client=args.clients, max_queue=args.clients)
-    load_before = os.getloadavg()[0]
+    load_before = load_average()
     with ServerThread(engine, **limits) as server:
         warm_up(server, engine, args)
         used, held, full_ticks, stop, before = [], [], [], threading.Event(), engine.stats()
@@ -450,6 +450,14 @@ def warm_up(server, engine, args) -> None:
     while time.monotonic() < deadline and (server.hub.admission.stats()["connections"]
                                            or engine.stats()["slots_used"]):
         time.sleep(0.1)
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the system has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def raise_open_files_limit() -> None:

@@ -30,17 +30,22 @@ def capacity_streams(slots: int, tick_ms: float, frame_ms: float) -> float:
     return slots * frame_ms / tick_ms
 
 
-def thread_cpu() -> dict[str, float]:
+def thread_cpu() -> dict[str, float] | None:
     """CPU seconds of this process's live threads, summed by role: a `tts-*` thread's name up to its first
-    "_" (the server's `tts-io_N` pool threads are one role), "main", or "native" (threads Python did not
-    start: CUDA, ONNX Runtime, torch's pools)."""
-    import psutil  # the bench extra's (imported here: the tests import this module without it)
+    "_" (the server's `tts-io_N` pool threads are one role), "main", "other" Python threads, or "native"
+    (threads Python did not start: CUDA, ONNX Runtime, torch's pools). None where the system does not say
+    (psutil missing, or no per-thread /proc)."""
+    try:
+        import psutil  # the bench extra's (imported here: the tests import this module without it)
+        threads = psutil.Process().threads()
+    except Exception:  # noqa: BLE001 - a figure we can do without, on any system
+        return None
     names = {t.native_id: t.name for t in threading.enumerate()}
     roles: dict[str, float] = {}
-    for t in psutil.Process().threads():
-        name = names.get(t.id, "native")
-        role = name.split("_")[0] if name.startswith("tts-") else "main" if name == "MainThread" else (
-            "native" if name == "native" else "other")
+    for t in threads:
+        name = names.get(t.id)
+        role = ("native" if name is None else name.split("_")[0] if name.startswith("tts-")
+                else "main" if name == "MainThread" else "other")
         roles[role] = roles.get(role, 0.0) + t.user_time + t.system_time
     return roles
 
@@ -57,21 +62,19 @@ class HostLoad:
         self._prober = threading.Thread(target=self._probe, name="agent-probe", daemon=True)
 
     def start(self) -> "HostLoad":
-        import psutil
-        self._cpu, self._roles, self._wall = psutil.Process().cpu_times(), thread_cpu(), time.perf_counter()
+        self._cpu, self._roles, self._wall = time.process_time(), thread_cpu(), time.perf_counter()
         self._prober.start()
         return self
 
     def stop(self) -> dict:
         self._stop.set()
         self._prober.join()
-        import psutil
         wall = time.perf_counter() - self._wall
-        cpu, roles = psutil.Process().cpu_times(), thread_cpu()
-        used = (cpu.user + cpu.system - self._cpu.user - self._cpu.system) / wall
-        by_role = {role: round((s - self._roles.get(role, 0.0)) / wall, 3) for role, s in sorted(roles.items())}
+        used, roles = (time.process_time() - self._cpu) / wall, thread_cpu()
+        by_role = None if roles is None or self._roles is None else {
+            role: round((s - self._roles.get(role, 0.0)) / wall, 3) for role, s in sorted(roles.items())}
         return {"server_process_cores": round(used, 3), "server_thread_cores": by_role,
-                "server_python_cores": round(sum(v for r, v in by_role.items() if r != "native"), 3),
+                "server_python_cores": by_role and round(sum(v for r, v in by_role.items() if r != "native"), 3),
                 "server_probe_ms": {**percentiles(self.probe_ms), "max": round(max(self.probe_ms), 3),
                                     "probes": len(self.probe_ms)} if self.probe_ms else None,
                 "server_probe_failures": self.probe_failures}
@@ -122,9 +125,9 @@ def limited_by(offered: float | None, capacity: float | None, tick_full_ms: floa
     if tick_full_ms is not None and tick_full_ms > frame_ms:
         found.append(f"tick with the slots full {tick_full_ms:.1f} ms > frame {frame_ms:.0f} ms")
     probe = host.get("server_probe_ms") or {}
-    if host["server_thread_cores"].get("tts-server", 0) >= BUSY_CORE or probe.get("p99", 0) >= SLOW_PROBE_MS:
+    if (host["server_thread_cores"] or {}).get("tts-server", 0) >= BUSY_CORE or probe.get("p99", 0) >= SLOW_PROBE_MS:
         found.append("server event loop")
-    if host["server_python_cores"] >= BUSY_CORE:
+    if (host["server_python_cores"] or 0) >= BUSY_CORE:
         found.append("server interpreter lock (Python threads near one core)")
     clients, lag = host.get("client_process_cores") or {}, host.get("client_loop_lag_ms") or {}
     if clients.get("max", 0) >= BUSY_CORE or lag.get("p99", 0) >= SLOW_LAG_MS:

@@ -1,7 +1,7 @@
 """bench.agent: the capacity arithmetic, what a run names as its limit, merged client loads, and clients against
 a real server (tiny engine) whose turn still speaking at the end of the grace is cut and kept."""
 from bench import agent
-from bench.agent_load import capacity_streams, client_load, limited_by
+from bench.agent_load import HostLoad, capacity_streams, client_load, limited_by
 from server import ServerThread
 from tests.helpers import tiny_random
 
@@ -27,6 +27,8 @@ def test_a_run_names_what_limited_it():
                                                                                     "client processes"]
     assert limited_by(None, None, None, 20.0, {**QUIET, "server_python_cores": 0.9}) == [
         "server interpreter lock (Python threads near one core)"]
+    unknown = {**QUIET, "server_thread_cores": None, "server_python_cores": None}  # no per-thread figures
+    assert limited_by(None, None, None, 20.0, unknown) == []
 
 
 def test_client_loads_merge():
@@ -42,9 +44,13 @@ def test_a_turn_still_speaking_after_the_grace_is_cut_and_kept(monkeypatch):
     engine = tiny_random(max_streams=2, max_open=4)
     try:
         with ServerThread(engine) as server:  # client 0 arrives after 4.2 s, client 1 after 0.7 s
+            host = HostLoad(server.url).start()
             results, load = agent.clients(server.ws_url, [0, 1], seconds=2.0, ahead_s=2.0, grace_s=1.0)
+            host = host.stop()
     finally:
         engine.close()
     assert results[0] == []  # arrived after the end
     assert len(results[1]) == 1 and results[1][0]["cut"]  # its turn (2-4 sentences, pauses) outlasts 3 s
     assert results[1][0]["words"] > 0 and load["wall_s"] < 15 and load["lag_ms"]
+    assert host["server_probe_ms"]["probes"] >= 4 and host["server_probe_failures"] == 0  # every 0.5 s
+    assert host["server_process_cores"] > 0
