@@ -22,6 +22,7 @@ FULL = 0.9  # "slots full": at least this share of them in use
 BUSY_CORE = 0.85  # a thread (or process) using this much of a core is taken as saturated
 SLOW_PROBE_MS = 200.0  # a server answering a trivial request slower than this (p99) is behind
 SLOW_LAG_MS = 100.0  # a client loop running this late (p99) is behind
+SINGLE_THREADS = ("tts-engine", "tts-text", "tts-codec", "tts-parking")  # the engine's threads, one of each
 
 
 def capacity_streams(slots: int, tick_ms: float, frame_ms: float) -> float:
@@ -115,7 +116,8 @@ def limited_by(offered: float | None, capacity: float | None, tick_full_ms: floa
                host: dict) -> list[str]:
     """What held the run back, by these rules (empty: nothing found): the offered load above the slots'
     capacity; the tick with the slots full slower than a frame; the server's event-loop thread busy
-    (>= BUSY_CORE of a core) or its answers slow (probe p99 >= SLOW_PROBE_MS); the server's Python threads
+    (>= BUSY_CORE of a core) or its answers slow (probe p99 >= SLOW_PROBE_MS); one of the engine's own
+    threads (SINGLE_THREADS) busy; the server's Python threads
     together using >= BUSY_CORE of a core (they share one interpreter lock: a hint, as C code they call
     may run without it); a client process busy or its loop late
     (lag p99 >= SLOW_LAG_MS), which would make the clients, not the server, the bottleneck."""
@@ -124,9 +126,10 @@ def limited_by(offered: float | None, capacity: float | None, tick_full_ms: floa
         found.append(f"offered load {offered:.0f} streams > capacity {capacity:.0f}")
     if tick_full_ms is not None and tick_full_ms > frame_ms:
         found.append(f"tick with the slots full {tick_full_ms:.1f} ms > frame {frame_ms:.0f} ms")
-    probe = host.get("server_probe_ms") or {}
-    if (host["server_thread_cores"] or {}).get("tts-server", 0) >= BUSY_CORE or probe.get("p99", 0) >= SLOW_PROBE_MS:
+    probe, threads = host.get("server_probe_ms") or {}, host["server_thread_cores"] or {}
+    if threads.get("tts-server", 0) >= BUSY_CORE or probe.get("p99", 0) >= SLOW_PROBE_MS:
         found.append("server event loop")
+    found += [f"server thread {role} busy" for role in SINGLE_THREADS if threads.get(role, 0) >= BUSY_CORE]
     if (host["server_python_cores"] or 0) >= BUSY_CORE:
         found.append("server interpreter lock (Python threads near one core)")
     clients, lag = host.get("client_process_cores") or {}, host.get("client_loop_lag_ms") or {}

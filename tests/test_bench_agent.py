@@ -20,11 +20,11 @@ def test_capacity_is_slots_times_frames_per_tick():
 
 def test_a_run_names_what_limited_it():
     assert limited_by(100.0, 200.0, 10.0, 20.0, QUIET) == []
-    busy = {**QUIET, "server_thread_cores": {"tts-server": 0.95}, "client_loop_lag_ms": {"p99": 500.0}}
+    busy = {**QUIET, "server_thread_cores": {"tts-server": 0.95, "tts-text": 0.9}, "client_loop_lag_ms": {"p99": 500.0}}
     found = limited_by(300.0, 200.0, 25.0, 20.0, busy)
     assert found[0].startswith("offered load 300 streams > capacity 200")
-    assert found[1].startswith("tick with the slots full 25.0 ms") and found[2:] == ["server event loop",
-                                                                                    "client processes"]
+    assert found[1].startswith("tick with the slots full 25.0 ms")
+    assert found[2:] == ["server event loop", "server thread tts-text busy", "client processes"]
     assert limited_by(None, None, None, 20.0, {**QUIET, "server_python_cores": 0.9}) == [
         "server interpreter lock (Python threads near one core)"]
     unknown = {**QUIET, "server_thread_cores": None, "server_python_cores": None}  # no per-thread figures
