@@ -17,7 +17,8 @@ the `timing` events with word timings, is at or before the play position) and no
 is unknown or later). Running dry between sentences is the LLM's pause, not a stall. After a stall the player
 resumes at once; at the start of a sentence it first buffers ``JITTER_S``. **Real-time fraction**: the share of
 clients that spoke and never stalled. **TTFA**: first text sent to first audio received, per turn.
-The engine's parking figures (parks, restores, per tier park/restore/spill/load ms) come from its stats.
+The engine's parking figures (parks, restores, per tier park/restore/spill/load ms) come from its stats
+(the tiers' times since the engine started, the warm-up's included).
 
 **Offered load** (`offered_streams`): the real-time streams of audio these clients ask for on average, from the
 same timing draws with an engine that keeps up (each sentence spoken at the run's measured words per second of
@@ -414,7 +415,9 @@ def main(argv: list[str] | None = None) -> None:
         parking.disk_after_s = args.disk_after_s
     if args.max_host_gb is not None:
         parking.max_host_bytes = int(args.max_host_gb * 2**30)
+    building = time.perf_counter()
     engine = build_engine(args, parking)
+    engine_start_s = round(time.perf_counter() - building, 1)
     from server import ServerThread
     limits = dict(max_connections=args.clients, max_connections_per_client=args.clients,
                   max_streams_per_client=args.clients, max_queue=args.clients)
@@ -432,8 +435,9 @@ def main(argv: list[str] | None = None) -> None:
         stop.set()
         sampler.join()
         host = {**host.stop(), **client_load(loads)}
-        print(json.dumps(report(results, held, used, engine, args, load_before, before, full_ticks, host, run_s),
-                         indent=2), flush=True)
+        result = report(results, held, used, engine, args, load_before, before, full_ticks, host, run_s)
+        print(json.dumps({**result, "engine_start_s": engine_start_s, **gpu_figures(args.device)}, indent=2),
+              flush=True)
     engine.close()
 
 
@@ -450,6 +454,14 @@ def warm_up(server, engine, args) -> None:
     while time.monotonic() < deadline and (server.hub.admission.stats()["connections"]
                                            or engine.stats()["slots_used"]):
         time.sleep(0.1)
+
+
+def gpu_figures(device: str) -> dict:
+    """The GPU's name and the engine's peak memory on it (nothing on the CPU)."""
+    if not device.startswith("cuda"):
+        return {}
+    import torch
+    return {"gpu": torch.cuda.get_device_name(device), "gpu_peak_bytes": torch.cuda.max_memory_allocated(device)}
 
 
 def load_average() -> float | None:
