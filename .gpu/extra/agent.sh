@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The agent bench on one H200 (issue 27: one H200, 1,024 slots, >= 8,192 connections): for each client count
-# (default 2048 4096 8192) one `python -m bench.agent --device cuda` run of MINUTES (default 1.5) on SLOTS
-# (default 1024) slots, its clients in CLIENT_PROCESSES processes (default: cores - 4, at most 12), then its
-# figures in two lines. Each run writes $OUT/agent_N.json (its stdout) and $OUT/agent_N.err as it finishes, so a
-# later failure or the call's time limit loses nothing earlier; $OUT/offered.jsonl holds each count's offered
+# (default 8192 2048 4096: the target first, so that a slow call skips a smaller count, not it) one
+# `python -m bench.agent --device cuda` run of MINUTES (default 1.5) on SLOTS (default 1024) slots, its clients
+# in CLIENT_PROCESSES processes (default: cores - 4, at most 12), then its figures in two lines. Each run
+# writes $OUT/agent_N.json (its stdout) and $OUT/agent_N.err as it finishes, so a later failure or the call's
+# time limit loses nothing earlier; $OUT/offered.jsonl holds each count's offered
 # load against the capacity first. A run takes ~2.5 min (start and graph capture ~15 s, warm-up with 1,024
-# clients ~20 s, the run 90 s, grace <= 15 s); one that would not finish inside 570 s of the call is skipped.
+# clients ~15 s, the run 90 s, grace <= 15 s); one that would not finish inside 570 s of the call is skipped.
 #
 # Needs, beside this file (this tree's .gpu/extra): wheels/ (the server's packages the device image lacks,
 # for cp312), site/piper (piper's phonemizer), harvard.txt. The voices come from this tree's voices/ if it has
@@ -20,7 +21,7 @@ MINUTES=${MINUTES:-1.5}
 STARTED=$SECONDS
 mkdir -p "$OUT"
 COUNTS=("$@")
-[ ${#COUNTS[@]} -gt 0 ] || COUNTS=(2048 4096 8192)
+[ ${#COUNTS[@]} -gt 0 ] || COUNTS=(8192 2048 4096)
 CORES=$(nproc)
 PROCESSES=${CLIENT_PROCESSES:-$(( CORES - 4 < 12 ? (CORES - 4 > 1 ? CORES - 4 : 1) : 12 ))}
 
@@ -59,7 +60,7 @@ for n in "${COUNTS[@]}"; do
     # shellcheck disable=SC2086
     timeout -k 10 "$limit" python3 -m bench.agent --device "$DEVICE" --slots "$SLOTS" --clients "$n" \
         --client-processes "$PROCESSES" --minutes "$MINUTES" --grace-s 15 --warm-up-clients "$WARM_UP_CLIENTS" \
-        --warm-up-s 10 --max-host-gb 16 $EXTRA > "$OUT/agent_$n.json" 2> "$OUT/agent_$n.err"
+        --warm-up-s 5 --max-host-gb 16 $EXTRA > "$OUT/agent_$n.json" 2> "$OUT/agent_$n.err"
     echo "agent.sh: exit $? after $(( SECONDS - STARTED )) s"
     tail -n 4 "$OUT/agent_$n.err"
     python3 - "$OUT/agent_$n.json" <<'EOF' || true
