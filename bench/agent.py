@@ -29,7 +29,9 @@ a load above it cannot be real-time, whatever the parking policy. `--offered-onl
 **Capacity** (`capacity_streams`): the real-time streams the slots can give, slots x frame time / whole-tick
 time with the slots full (`tick_ms_full`: ticks sampled while at least 90 % of the slots were in use; with
 `--offered-only`, `--tick-ms`, by default the last measured figure for the device). Offered load above it
-cannot be real-time; `limited_by` names what held a run back (rules in `limits`).
+cannot be real-time; `clients_at_capacity` is how many such clients the capacity could serve at most (the
+offered load per client times that equals it); `limited_by` names what held a run back (rules in
+`agent_load.limited_by`).
 
 On a GPU (`--device cuda`) the engine is built as `bench.latency --device cuda` builds it (the CUDA-graph
 tick, every slot bucket captured before the clock starts). The clients run in `--client-processes`
@@ -326,6 +328,7 @@ def report(results: list[list], held: list[int], used: list[int], engine, args, 
         "audio_s": round(audio_s, 1), "delivered_streams": round(audio_s / (args.minutes * 60), 2),
         "offered_streams": offered and round(offered, 2),
         "capacity_streams": capacity and round(capacity, 1), "tick_ms_full": tick_full,
+        "clients_at_capacity": offered and capacity and round(capacity * args.clients / offered),
         "words_per_audio_s": words_per_s and round(words_per_s, 2),
         "real_time_fraction": round(len(steady) / len(spoke), 3) if spoke else None,
         "clients_spoke": len(spoke), "stalls": sum(t["stalls"] for t in turns),
@@ -349,6 +352,7 @@ def offered_only(args) -> dict:
     return {"clients": args.clients, "minutes": args.minutes, "ahead_s": args.ahead_s,
             "words_per_s": args.words_per_s, "offered_streams": round(streams, 2), "slots": args.slots,
             "device": args.device, "tick_ms": tick_ms, "capacity_streams": round(capacity, 1),
+            "clients_at_capacity": round(capacity * args.clients / streams) if streams else None,
             "real_time_possible": streams <= capacity}
 
 
