@@ -65,6 +65,10 @@ from bench.common import harvard, percentiles
 SAMPLE_RATE = 24_000
 JITTER_S = 0.1  # what a player buffers before it starts a sentence
 TOKENS_PER_WORD = 1.3
+# The server's connection caps and the engine's open streams, per client: room for a session a client dropped
+# (its close timed out), which the server holds for a resume while the client reconnects, so that the caps
+# never bind before the slots do
+HEADROOM = 2
 
 
 class Player:
@@ -362,7 +366,7 @@ def build_engine(args, parking):
     tiny random-weight model, on either."""
     if args.device == "cpu" and not args.tiny:
         from tts.api import get_engine
-        engine = get_engine(max_streams=args.slots, compile=True, max_open=args.clients)
+        engine = get_engine(max_streams=args.slots, compile=True, max_open=HEADROOM * args.clients)
         engine.parking = parking  # before any stream: the store reads it when it first spills
         engine.store.config = parking
         return engine
@@ -377,7 +381,7 @@ def build_engine(args, parking):
     cuda = args.device.startswith("cuda")
     engine = Engine(model.to(args.device), codec.to(args.device), voices, max_streams=args.slots,
                     device=args.device, step_factory=kernels.default_step_factory(args.device) if cuda else None,
-                    max_open=args.clients, parking=parking)
+                    max_open=HEADROOM * args.clients, parking=parking)
     if cuda:
         engine.warm_up()
     return engine
@@ -423,8 +427,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = build_engine(args, parking)
     engine_start_s = round(time.perf_counter() - building, 1)
     from server import ServerThread
-    limits = dict(max_connections=args.clients, max_connections_per_client=args.clients,
-                  max_streams_per_client=args.clients, max_queue=args.clients)
+    room = HEADROOM * args.clients
+    limits = dict(max_connections=room, max_connections_per_client=room, max_streams_per_client=room,
+                  max_queue=room)
     load_before = load_average()
     with ServerThread(engine, **limits) as server:
         warm_up(server, engine, args)
