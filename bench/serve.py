@@ -3,7 +3,8 @@
     python -m bench.serve            # shipped voices, 12 utterances per client
     python -m bench.serve --quick    # 4 utterances per client
     python -m bench.serve --tiny     # the tiny random-weight engine (no shipped voices needed)
-    python -m bench.serve --agent [--clients 64] [--slots 8] [--minutes 2]   # voice agents: `bench.agent`
+    python -m bench.serve --agent [--clients 64] [--slots 8] [--minutes 2] [--device cuda] [--client-processes P]
+                                 # voice agents: `bench.agent`
 
 The real server runs in this process on a free loopback port; each client is a `websockets` connection that
 speaks utterances one after another. Per utterance: `ttfa_ms` is the time from sending the text to receiving the

@@ -3,7 +3,6 @@ resampler, so chunk by chunk equals the whole), raw PCM by numpy, containers (WA
 and G.711 mu-law by PyAV (FFmpeg), chunk by chunk, so every format can be sent while it is being generated."""
 from __future__ import annotations
 
-import av
 import numpy as np
 import soxr
 
@@ -22,6 +21,13 @@ def output_rate(fmt: str, requested: int = SAMPLE_RATE) -> int:
     """The sample rate a format is sent at: what was asked, except where the format fixes it
     (``opus`` 48 kHz, ``ulaw_8000`` 8 kHz)."""
     return {"opus": OPUS_RATE, "ulaw_8000": ULAW_RATE}.get(fmt, requested)
+
+
+def _av():
+    """PyAV, imported when a container is first encoded: raw PCM needs none of FFmpeg, and a machine serving
+    only PCM (a benchmark host without the ~36 MB wheel) need not have it."""
+    import av
+    return av
 
 
 class _Sink:
@@ -53,7 +59,7 @@ class Encoder:
                            if self.rate != SAMPLE_RATE else None)
         if fmt in _CONTAINERS:
             muxer, codec = _CONTAINERS[fmt]
-            self._container = av.open(file or self._sink, mode="w", format=muxer)
+            self._container = _av().open(file or self._sink, mode="w", format=muxer)
             self._stream = self._container.add_stream(codec, rate=self.rate, layout="mono")
 
     def encode(self, audio: np.ndarray) -> bytes:
@@ -85,7 +91,7 @@ class Encoder:
             return audio.astype("<f4").tobytes()
         if not len(audio):
             return b""
-        frame = av.AudioFrame.from_ndarray(np.clip(audio, -1.0, 1.0)[None], format="flt", layout="mono")
+        frame = _av().AudioFrame.from_ndarray(np.clip(audio, -1.0, 1.0)[None], format="flt", layout="mono")
         frame.sample_rate = self.rate
         return self._mux(frame)
 
