@@ -660,8 +660,10 @@ def _bind(host: str, port: int, limits: Limits) -> socket.socket:
 
 
 def _server(app: Starlette, limits: Limits, log_level: str) -> uvicorn.Server:
+    # No permessage-deflate: audio is most of what we send, and deflate saves ~25 % of a 0.32 s PCM speech chunk
+    # for ~0.86 ms of event-loop CPU (zlib, measured here); the event loop is what limits a busy server.
     config = uvicorn.Config(app, ws="websockets-sansio", ws_max_size=limits.max_message_bytes,
-                            log_level=log_level, timeout_graceful_shutdown=2)
+                            ws_per_message_deflate=False, log_level=log_level, timeout_graceful_shutdown=2)
     return uvicorn.Server(config)
 
 

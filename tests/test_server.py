@@ -117,6 +117,15 @@ def test_pcm_stream_has_the_announced_format_and_length(server):
     assert np.abs(samples).max() > 0
 
 
+def test_audio_frames_are_not_compressed(server):
+    """The client offers permessage-deflate (websockets does by default); the server declines it."""
+    async def go():
+        async with websockets.connect(server.ws_url) as ws:
+            return [type(e).__name__ for e in ws.protocol.extensions]
+
+    assert run(go()) == []
+
+
 def test_f32le_and_wav_carry_the_same_audio_length(server):
     async def go():
         async with websockets.connect(server.ws_url) as ws:
