@@ -16,9 +16,10 @@ very code `tts serve` runs. Ray's proxy holds the client's socket and relays it 
     its utterances in progress finish with all their audio; each of its WebSockets is closed with code 1012
     ("service restart") as soon as it has no utterance open, so the client reconnects and lands on a replica
     that stays; Ray stops the replica once no connection is left, or after graceful_shutdown_timeout_s.
-  * failover (`streaming.failover`): every replica journals its WebSocket sessions' messages in a Ray actor that
-    outlives it; when a replica dies, its clients resume (the proxy drops their sockets, they reconnect through
-    it) on a live replica, which replays the journal and sends each client the rest of its audio.
+  * failover (`streaming.failover`): every replica journals its WebSocket sessions' messages, and checkpoints
+    their live utterances' engine state, in a Ray actor that outlives it; when a replica dies, its clients resume
+    (the proxy drops their sockets, they reconnect through it) on a live replica, which attaches the latest
+    checkpoints, replays the journal after them and sends each client the rest of its audio.
 
 Ray is imported by this module; nothing on the default path imports it (`tts serve --ray` does).
 """
@@ -37,7 +38,7 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from streaming.failover import Failover, journals, stop_journals
+from streaming.failover import CHECKPOINT_AUDIO_S, Checkpointing, Failover, journals, stop_journals
 
 log = logging.getLogger("tts.ray")
 STATS_PERIOD_S = 0.25  # how often each replica reports its active streams to the routers
@@ -61,6 +62,7 @@ class ScaleConfig:
     num_gpus: float = 0.0
     graceful_shutdown_timeout_s: float = 60.0
     failover: bool = True  # journal WebSocket sessions so that a dead replica's continue on another
+    checkpoint_audio_s: float = CHECKPOINT_AUDIO_S  # checkpoint live utterances this often (audio; 0: never)
 
     def __post_init__(self):
         if self.replicas < 1 or not 1 <= self.max_replicas or not 0 <= self.min_replicas <= self.max_replicas:
@@ -99,11 +101,14 @@ class EngineServer:
     the engine (`tts.api.get_engine`; tests pass the tiny engine's); ``app_factory(engine, **app_kwargs)`` the
     ASGI app (`server.create_app`), whose ``state.hub`` is the `streaming.hub.Hub` it serves from."""
 
-    def __init__(self, engine_factory, engine_kwargs: dict, app_factory, app_kwargs: dict, failover: bool = True):
+    def __init__(self, engine_factory, engine_kwargs: dict, app_factory, app_kwargs: dict, failover: bool = True,
+                 checkpoint_audio_s: float = CHECKPOINT_AUDIO_S):
         self.engine = engine_factory(**engine_kwargs)
-        self.server_app = app_factory(self.engine, **app_kwargs)
+        served = Checkpointing(self.engine) if failover else self.engine  # a replay may attach a checkpoint
+        self.server_app = app_factory(served, **app_kwargs)
         self.hub = self.server_app.state.hub
-        self.outer_app = Failover(self.server_app, self.hub, journals()) if failover else self.server_app
+        self.outer_app = (Failover(self.server_app, self.hub, journals(), served, checkpoint_audio_s) if failover
+                          else self.server_app)
         context = serve.get_replica_context()
         self.replica, self.deployment, self.app_name = context.replica_tag, context.deployment, context.app_name
         self.draining = False
@@ -233,7 +238,8 @@ def application(engine_factory, app_factory, scale: ScaleConfig = ScaleConfig(),
                 app_kwargs: dict | None = None):
     """The Ray Serve application: `EngineServer` replicas as ``scale`` says."""
     return EngineServer.options(**scale.deployment_options()).bind(engine_factory, engine_kwargs or {},
-                                                                   app_factory, app_kwargs or {}, scale.failover)
+                                                                   app_factory, app_kwargs or {}, scale.failover,
+                                                                   scale.checkpoint_audio_s)
 
 
 def start(app, host: str = "127.0.0.1", port: int = 8000, address: str | None = None, name: str = "tts",

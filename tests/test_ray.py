@@ -188,18 +188,20 @@ def kill(replica: str) -> None:
 
 
 def test_a_killed_replicas_stream_continues_on_the_other_with_every_sample(cluster):
-    """A replica killed (ray.kill) in a session's second utterance, its client still sending text: the Python
-    client resumes through the proxy on the other replica, which replays the session's journal (its second
-    utterance: the client has the first whole); the client's audio goes on and equals, sample for sample, the
-    same seeded session never interrupted (how soon it goes on is for bench.ray_serve --kill to measure; here
-    only that it does not hang). The other replica's own utterance goes on to its last sample, and a new
-    connection is served by the survivor."""
+    """A replica killed (ray.kill) 2 s into a session's second utterance, its client still sending text: the
+    Python client resumes through the proxy on the other replica, which continues the second utterance from its
+    latest checkpoint that the client holds (the client has the first utterance whole) and replays the
+    session's journal after it; the client's audio goes on and equals, sample for sample, the same seeded
+    session never interrupted (how soon it goes on is for bench.ray_serve --kill to measure; here only that it
+    does not hang). The other replica's own utterance goes on to its last sample, and a new connection is
+    served by the survivor."""
     _, ws_url = cluster
-    text = SENTENCE * 2
+    text = SENTENCE * 2  # about 5.7 s of the tiny engine's audio
     killed = {}
+    journals = ray.get_actor(failover.JOURNALS_ACTOR, namespace="serve")
 
-    async def kill_at_half_a_second(client, utterance, nbytes):
-        if not killed and utterance == 1 and nbytes >= 24_000:
+    async def kill_at_two_seconds(client, utterance, nbytes):
+        if not killed and utterance == 1 and nbytes >= 96_000:
             killed["replica"] = client.ws.response.headers[REPLICA]
             killed["at"] = time.perf_counter()
             await asyncio.to_thread(kill, killed["replica"])
@@ -209,7 +211,7 @@ def test_a_killed_replicas_stream_continues_on_the_other_with_every_sample(clust
         other = await websockets.connect(ws_url)
         await start(other, 22, TEXT)
         await asyncio.sleep(4 * ray_serve.STATS_PERIOD_S)  # the routers hear of its stream: ours goes elsewhere
-        audio, arrivals, client = await listen(ws_url, [31, 32], text, kill_at_half_a_second)
+        audio, arrivals, client = await listen(ws_url, [31, 32], text, kill_at_two_seconds)
         assert other.response.headers[REPLICA] != killed["replica"]
         other_audio, _ = await finish(other)
         again, replica = await speak(ws_url, 22, TEXT)
@@ -225,16 +227,67 @@ def test_a_killed_replicas_stream_continues_on_the_other_with_every_sample(clust
     assert all(same_audio(a, b) for a, b in zip(audio, reference))  # no sample lost, repeated or changed
     assert gap < 10, f"the audio went on {gap:.1f} s after the kill"
     assert same_audio(other_audio, again) and replica != killed["replica"]
+    replays = ray.get(journals.stats.remote())
+    assert replays["utterances"] == replays["from_checkpoints"] == 1, replays  # not regenerated from its start
+
+
+def test_a_snapshot_leaves_the_stream_as_it_was_and_continues_elsewhere_from_its_sample():
+    """`Engine.snapshot` mid-utterance, text still arriving: the stream goes on here exactly as a stream never
+    snapshotted; the snapshot attached on another engine, given the text that came after it, speaks exactly
+    that stream's audio from the snapshot's sample on. Twice: in a slot, speaking; and waiting for text."""
+    from helpers import tiny_random
+    words = SENTENCE.split()
+
+    def rest(stream, chunks: list) -> np.ndarray:
+        while (chunk := stream.read(timeout=30)) is not None:
+            chunks.append(chunk)
+        return np.concatenate(chunks)
+
+    def speak(engine, snapshot_after: int | None = None):
+        stream, chunks, taken = engine.open(seed=41), [], []
+        for i, word in enumerate(words):
+            stream.push_text(word + " ")
+            if i + 1 == snapshot_after:
+                chunks.append(stream.read(timeout=30))  # it is speaking
+                taken.append((*engine.snapshot(stream), i + 1))
+        stream.end()
+        return rest(stream, chunks), taken
+
+    here, there = tiny_random(max_streams=2), tiny_random(max_streams=2)
+    try:
+        reference, _ = speak(here)
+        for after in (4, len(words)):
+            audio, [(state, samples, pushed)] = speak(here, after)
+            assert np.array_equal(audio, reference) and 0 < samples < len(reference)
+            moved = there.attach(state)
+            for word in words[pushed:]:
+                moved.push_text(word + " ")
+            moved.end()
+            assert np.array_equal(rest(moved, []), reference[samples:])
+    finally:
+        here.close()
+        there.close()
 
 
 def test_a_replay_leaves_out_what_the_client_has_and_cuts_a_chunk_at_its_byte():
     """`failover.compact` and `Replay.filter` on the worked examples of their docstrings."""
     start, text, end = (json.dumps({"type": kind}) for kind in ("start", "text", "end"))
     done = {"done": None, "at": [96_000, 3]}
-    feed, shift = failover.compact([start, text, end, done, start, text], {None: (120_000, 4)})
-    assert feed == [start, text] and shift.offsets == {None: [96_000, 3]} and shift.dropped == 3
-    feed, shift = failover.compact([start, text, end, done, start, text], {None: (50_000, 2)})  # done not had
+    journal = [start, text, end, done, start, text]
+    feed, shift, chosen = failover.compact(journal, {None: (120_000, 4)})
+    assert feed == [start, text] and shift.offsets == {None: [96_000, 3]} and shift.dropped == 3 and not chosen
+    feed, shift, _ = failover.compact(journal, {None: (50_000, 2)})  # done not had
     assert len(feed) == 5 and shift.dropped == 0
+    # a checkpoint of the second utterance (its start is entry 4) that has taken in entries 0..5, at 20000 B
+    checkpoint = failover.Checkpoint(None, 4, 6, 10_000, 20_000, "weights", b"state")
+    feed, shift, chosen = failover.compact(journal, {None: (120_000, 4)}, [checkpoint], "weights")
+    assert feed == [start] and shift.offsets == {None: [116_000, 3]} and shift.dropped == 4
+    assert chosen == {None: (0, checkpoint)}
+    for have, weights in (((110_000, 4), "weights"), ((120_000, 3), "weights"), ((120_000, 4), "others")):
+        feed, shift, chosen = failover.compact(journal, {None: have}, [checkpoint], weights)  # lacks its audio,
+        assert feed == [start, text] and not chosen  # its ready, or has other weights: from the start
+    replay = failover.Replay(journal, {None: (120_000, 4)}, [checkpoint], "weights", lambda state: 77)
+    assert list(replay.feed) == [json.dumps({"type": "start", "seed": 77})] and replay.standins == {None: (77, 10_000)}
 
     replay = failover.Replay([start], {None: (9600, 1)})
     position, sent = [0, 0], []
