@@ -231,44 +231,6 @@ def test_a_killed_replicas_stream_continues_on_the_other_with_every_sample(clust
     assert replays["utterances"] == replays["from_checkpoints"] == 1, replays  # not regenerated from its start
 
 
-def test_a_snapshot_leaves_the_stream_as_it_was_and_continues_elsewhere_from_its_sample():
-    """`Engine.snapshot` mid-utterance, text still arriving: the stream goes on here exactly as a stream never
-    snapshotted; the snapshot attached on another engine, given the text that came after it, speaks exactly
-    that stream's audio from the snapshot's sample on. Twice: in a slot, speaking; and waiting for text."""
-    from helpers import tiny_random
-    words = SENTENCE.split()
-
-    def rest(stream, chunks: list) -> np.ndarray:
-        while (chunk := stream.read(timeout=30)) is not None:
-            chunks.append(chunk)
-        return np.concatenate(chunks)
-
-    def speak(engine, snapshot_after: int | None = None):
-        stream, chunks, taken = engine.open(seed=41), [], []
-        for i, word in enumerate(words):
-            stream.push_text(word + " ")
-            if i + 1 == snapshot_after:
-                chunks.append(stream.read(timeout=30))  # it is speaking
-                taken.append((*engine.snapshot(stream), i + 1))
-        stream.end()
-        return rest(stream, chunks), taken
-
-    here, there = tiny_random(max_streams=2), tiny_random(max_streams=2)
-    try:
-        reference, _ = speak(here)
-        for after in (4, len(words)):
-            audio, [(state, samples, pushed)] = speak(here, after)
-            assert np.array_equal(audio, reference) and 0 < samples < len(reference)
-            moved = there.attach(state)
-            for word in words[pushed:]:
-                moved.push_text(word + " ")
-            moved.end()
-            assert np.array_equal(rest(moved, []), reference[samples:])
-    finally:
-        here.close()
-        there.close()
-
-
 def test_a_replay_leaves_out_what_the_client_has_and_cuts_a_chunk_at_its_byte():
     """`failover.compact` and `Replay.filter` on the worked examples of their docstrings."""
     start, text, end = (json.dumps({"type": kind}) for kind in ("start", "text", "end"))
