@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import logging
 import math
 import os
@@ -107,8 +108,9 @@ class EngineServer:
         served = Checkpointing(self.engine) if failover else self.engine  # a replay may attach a checkpoint
         self.server_app = app_factory(served, **app_kwargs)
         self.hub = self.server_app.state.hub
-        self.outer_app = (Failover(self.server_app, self.hub, journals(), served, checkpoint_audio_s) if failover
-                          else self.server_app)
+        counted = OpenUtterances(self.server_app)  # inside Failover: it sees replayed starts, and sends end there
+        self.outer_app = (Failover(counted, self.hub, journals(), served, checkpoint_audio_s) if failover
+                          else counted)
         context = serve.get_replica_context()
         self.replica, self.deployment, self.app_name = context.replica_tag, context.deployment, context.app_name
         self.draining = False
@@ -148,8 +150,8 @@ class EngineServer:
                  len(self.hub.sessions))
         while True:
             for session in list(self.hub.sessions):
-                if not session.utterances:
-                    ws = _socket(session)
+                ws = _socket(session)
+                if not session.utterances and not OpenUtterances.on(ws):  # its last done has gone out
                     await session.close()  # ended here for good: no resume on this replica, which is going
                     if ws is not None:
                         await _close_quietly(ws, CLOSE_DRAINING, "draining")
@@ -181,6 +183,52 @@ class ReplicaHeader:
             await send(message)
 
         await self.app(scope, receive, tagged)
+
+
+class OpenUtterances:
+    """ASGI middleware around the server app: per WebSocket, the utterances whose `ready` (or `queued`) the app
+    has sent and whose `done` (or, refused while queued, whose `error`) it has not yet finished sending. The drain
+    closes a socket only when its session has no utterance and none is open here: the server frees an
+    utterance's context before its done goes out, and Failover journals before passing the done on, so a socket
+    closed as soon as its session showed no utterance could lose that done (seen under load). Inside Failover, it
+    sees a replay's events too. Example: queued (b), ready (a), error (b), audio.., done (a): {b} {a, b} {a} {}."""
+    SCOPE_KEY = "tts.open_utterances"
+
+    def __init__(self, app):
+        self.app = app
+
+    @classmethod
+    def on(cls, ws) -> int:
+        """How many utterances are open on a starlette WebSocket (0 for None)."""
+        return len(ws.scope.get(cls.SCOPE_KEY, ())) if ws is not None else 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "websocket":
+            return await self.app(scope, receive, send)
+        opened = scope[self.SCOPE_KEY] = {}  # context id -> whether its ready has gone out
+
+        async def counted(message):
+            event = _small_event(message) if message["type"] == "websocket.send" else {}
+            kind, context_id = event.get("type"), event.get("context_id")
+            if kind in ("queued", "ready"):
+                opened[context_id] = opened.get(context_id, False) or kind == "ready"
+            await send(message)
+            if kind == "done" or kind == "error" and opened.get(context_id) is False:
+                opened.pop(context_id, None)
+
+        await self.app(scope, receive, counted)
+
+
+def _small_event(message: dict) -> dict:
+    """A WebSocket text message's JSON object, if it is a small one (events; not base64 audio); else {}."""
+    text = message.get("text")
+    if not text or len(text) > 4096:
+        return {}
+    try:
+        event = json.loads(text)
+    except ValueError:
+        return {}
+    return event if isinstance(event, dict) else {}
 
 
 def _socket(session):
