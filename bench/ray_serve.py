@@ -43,6 +43,8 @@ from pathlib import Path
 from bench.common import ROOT, percentiles
 from bench.serve import SAMPLE_RATE, SENTENCES, load
 
+PACES = {"word": 0.05, "sentence": 0.5}  # --kill: seconds between the client's text messages (both ~20 words/s)
+
 
 def free_port() -> int:
     with socket.socket() as probe:
@@ -98,15 +100,18 @@ def direct(loads: list[int], rounds: int, tiny: bool) -> dict:
     return result
 
 
-async def utterance(url: str, seed: int, text: str, kill_at_bytes: int | None = None) -> dict:
-    """One seeded utterance through the Python client, a word every 50 ms; with ``kill_at_bytes``, the replica
-    serving it is killed once the client holds that much audio. {audio, gap_ms, reconnects}."""
+async def utterance(url: str, seed: int, sentences: list[str], pace: str = "word",
+                    kill_at_bytes: int | None = None) -> dict:
+    """One seeded utterance through the Python client, its text a word every 50 ms (``pace`` "word") or a whole
+    sentence every PACES["sentence"] s; with ``kill_at_bytes``, the replica serving it is killed once the client
+    holds that much audio. {audio, gap_ms, resumed_ms}."""
     from tts.client import connect
+    pieces = [word + " " for word in " ".join(sentences).split()] if pace == "word" else [s + " " for s in sentences]
 
     async def llm():
-        for word in text.split():
-            yield word + " "
-            await asyncio.sleep(0.05)
+        for piece in pieces:
+            yield piece
+            await asyncio.sleep(PACES[pace])
 
     async def watch(client, killed_at: float) -> float:
         while not client.reconnects:
@@ -159,7 +164,8 @@ async def warm_up(ws) -> None:
         pass
 
 
-def failover(url: str, kill_after_s: list[float], trials: int, tiny: bool, checkpoint_audio_s: float) -> dict:
+def failover(url: str, kill_after_s: list[float], trials: int, tiny: bool, checkpoint_audio_s: float,
+             pace: str = "word") -> dict:
     """The kill trials (module docstring) on two replicas."""
     import numpy as np
     import ray
@@ -172,7 +178,6 @@ def failover(url: str, kill_after_s: list[float], trials: int, tiny: bool, check
     scale = ray_serve.ScaleConfig(replicas=2, checkpoint_audio_s=checkpoint_audio_s)
     serve.run(ray_serve.application(factory, create_app, scale, kwargs), name="tts", route_prefix="/")
     actor = journals()
-    text = " ".join(SENTENCES)
     rows = {}
     try:
         asyncio.run(both_serve(url))
@@ -180,8 +185,8 @@ def failover(url: str, kill_after_s: list[float], trials: int, tiny: bool, check
             gaps, resumed, diffs, first_diffs, exact = [], [], [], [], 0
             replays = ray.get(actor.stats.remote())["from_checkpoints"]
             for trial in range(trials):
-                reference = asyncio.run(utterance(url, 100 + trial, text))["audio"]
-                cut = asyncio.run(utterance(url, 100 + trial, text, int(after_s * SAMPLE_RATE) * 2))
+                reference = asyncio.run(utterance(url, 100 + trial, SENTENCES, pace))["audio"]
+                cut = asyncio.run(utterance(url, 100 + trial, SENTENCES, pace, int(after_s * SAMPLE_RATE) * 2))
                 a, b = (np.frombuffer(x, np.int16).astype(int) for x in (reference, cut["audio"]))
                 same_length = len(a) == len(b)
                 diff = int(np.abs(a - b).max()) if same_length and len(a) else None
@@ -202,7 +207,7 @@ def failover(url: str, kill_after_s: list[float], trials: int, tiny: bool, check
             print(json.dumps({after_s: rows[str(after_s)]}), file=sys.stderr, flush=True)  # as they come
     finally:
         serve.delete("tts")
-    return {"checkpoint_audio_s": checkpoint_audio_s, "kills": rows,
+    return {"checkpoint_audio_s": checkpoint_audio_s, "pace": pace, "kills": rows,
             "snapshot": snapshot_cost(tiny) if checkpoint_audio_s else None}
 
 
@@ -243,6 +248,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3, help="kills per kill point")
     parser.add_argument("--checkpoint-audio-s", type=float, default=1.0,
                         help="checkpoint live utterances every this much audio (0: never)")
+    parser.add_argument("--pace", choices=sorted(PACES), default="word",
+                        help="--kill: the client sends its text a word every 50 ms, or a sentence every 0.5 s")
     parser.add_argument("--out", help="also write the JSON here (Ray may print a line of its own on stdout)")
     args = parser.parse_args()
     import ray
@@ -260,7 +267,8 @@ def main() -> None:
     try:
         if args.kill:
             report = {k: report[k] for k in ("engine", "cpu_cores", "loadavg_at_start")}
-            report["failover"] = failover(url, args.kill_after_s, args.trials, args.tiny, args.checkpoint_audio_s)
+            report["failover"] = failover(url, args.kill_after_s, args.trials, args.tiny, args.checkpoint_audio_s,
+                                          args.pace)
         for replicas in [] if args.kill else args.replicas:
             report["replicas"][str(replicas)] = on_ray(url, replicas, args.loads, args.rounds, args.tiny)
     finally:
