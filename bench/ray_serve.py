@@ -4,7 +4,7 @@ load. One JSON object.
     python -m bench.ray_serve                  # shipped voices, loads 1 2 3 4 6 8 12 16, 3 utterances per client
     python -m bench.ray_serve --tiny           # the tiny random-weight engine
     python -m bench.ray_serve --loads 1 2 4 --rounds 2
-    python -m bench.ray_serve --kill [--tiny] [--kill-after-s 1 4] [--trials 3]   # replica failover (below)
+    python -m bench.ray_serve --kill [--tiny] [--kill-after-s 1 4] [--trials 3] [--pace sentence]   # failover
 
 For each replica count, Ray Serve runs `streaming.ray_serve` (each replica: one engine, the server app, the
 machine's cores shared evenly: `ScaleConfig.num_cpus` default) on a local Ray cluster, and `bench.serve.load` drives
@@ -27,7 +27,9 @@ apart lies, in seconds: before the kill point, the runs had parted before the ki
 trial waits until the proxy routes to it. `snapshot` is what a checkpoint costs, measured afterwards in this
 process on the same engine: `Engine.snapshot` of a speaking stream (ms, p50/p99) and its bytes.
 `--checkpoint-audio-s S` checkpoints every S s of an utterance's audio (default 1; 0: none, every replay
-regenerates the utterance from its start, as before checkpoints).
+regenerates the utterance from its start, as before checkpoints). `--pace sentence` sends the text a whole
+sentence every 0.5 s instead of a word every 50 ms: the text front end's output depends on when words come, so
+word-paced runs can differ from their reference without a kill; whole sentences test the replay's exactness.
 """
 from __future__ import annotations
 
