@@ -23,6 +23,7 @@ from ray import serve  # noqa: E402
 from helpers import tiny_random  # noqa: E402
 from server import create_app  # noqa: E402
 from streaming import failover, ray_serve  # noqa: E402
+from streaming.limits import Limits  # noqa: E402
 from tts.client import StreamClient, connect  # noqa: E402
 
 # Ray copies the autoscaling config as it deploys, warning each time about a field it is retiring (see ScaleConfig)
@@ -38,7 +39,10 @@ def scale(replicas: int) -> ray_serve.ScaleConfig:
 
 
 def application(replicas: int):
-    return ray_serve.application(tiny_random, create_app, scale(replicas), {"max_streams": 4})
+    # The drain, not the idle timeout, is to end the redeploy test's sockets: on a loaded machine the new replicas
+    # may take longer than the default 30 s to start while the old sockets, their audio all sent, wait for it.
+    return ray_serve.application(tiny_random, create_app, scale(replicas), {"max_streams": 4},
+                                 {"limits": Limits(idle_timeout_s=300)})
 
 
 def replica_states() -> dict[str, int]:
