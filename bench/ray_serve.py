@@ -4,7 +4,7 @@ load. One JSON object.
     python -m bench.ray_serve                  # shipped voices, loads 1 2 3 4 6 8 12 16, 3 utterances per client
     python -m bench.ray_serve --tiny           # the tiny random-weight engine
     python -m bench.ray_serve --loads 1 2 4 --rounds 2
-    python -m bench.ray_serve --kill [--tiny] [--kill-after-s 1 4] [--trials 3]   # replica failover (below)
+    python -m bench.ray_serve --kill [--tiny] [--kill-after-s 1 4] [--trials 3] [--pace sentence]   # failover
 
 For each replica count, Ray Serve runs `streaming.ray_serve` (each replica: one engine, the server app, the
 machine's cores shared evenly: `ScaleConfig.num_cpus` default) on a local Ray cluster, and `bench.serve.load` drives
@@ -19,10 +19,17 @@ server without Ray (what Ray's proxy and the replica processes cost).
 a word every 50 ms by the Python client, spoken uninterrupted (the reference); then the same one again, and once
 its client holds ``kill_after_s`` seconds of audio the replica serving it is killed (`ray.kill`). Reported per
 kill point: `gap_ms` (the kill -> the first audio frame over the resumed connection, p50/p99), `resumed_ms_each`
-(the kill -> the client's resume answered: the rest of the gap is the replay regenerating what the client
-holds), `exact` (trials whose audio equals the reference: equal length, every sample within 3 steps of 16 bits)
-and `max_abs_diff`. Ray starts a replacement replica after each kill; the next trial waits until the proxy
-routes to it.
+(the kill -> the client's resume answered: the rest of the gap is the survivor regenerating audio the client
+holds, from the latest checkpoint it holds), `from_checkpoints` (replays that attached a checkpoint rather than
+regenerating the utterance from its start), `exact` (trials whose audio equals the reference: equal length, every
+sample within 3 steps of 16 bits), `max_abs_diff` and `first_diff_s` (where the first sample more than 3 steps
+apart lies, in seconds: before the kill point, the runs had parted before the kill). Ray starts a replacement replica after each kill; the next
+trial waits until the proxy routes to it. `snapshot` is what a checkpoint costs, measured afterwards in this
+process on the same engine: `Engine.snapshot` of a speaking stream (ms, p50/p99) and its bytes.
+`--checkpoint-audio-s S` checkpoints every S s of an utterance's audio (default 1; 0: none, every replay
+regenerates the utterance from its start, as before checkpoints). `--pace sentence` sends the text a whole
+sentence every 0.5 s instead of a word every 50 ms: the text front end's output depends on when words come, so
+word-paced runs can differ from their reference without a kill; whole sentences test the replay's exactness.
 """
 from __future__ import annotations
 
@@ -31,11 +38,14 @@ import asyncio
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
 from bench.common import ROOT, percentiles
 from bench.serve import SAMPLE_RATE, SENTENCES, load
+
+PACES = {"word": 0.05, "sentence": 0.5}  # --kill: seconds between the client's text messages (both ~20 words/s)
 
 
 def free_port() -> int:
@@ -92,15 +102,18 @@ def direct(loads: list[int], rounds: int, tiny: bool) -> dict:
     return result
 
 
-async def utterance(url: str, seed: int, text: str, kill_at_bytes: int | None = None) -> dict:
-    """One seeded utterance through the Python client, a word every 50 ms; with ``kill_at_bytes``, the replica
-    serving it is killed once the client holds that much audio. {audio, gap_ms, reconnects}."""
+async def utterance(url: str, seed: int, sentences: list[str], pace: str = "word",
+                    kill_at_bytes: int | None = None) -> dict:
+    """One seeded utterance through the Python client, its text a word every 50 ms (``pace`` "word") or a whole
+    sentence every PACES["sentence"] s; with ``kill_at_bytes``, the replica serving it is killed once the client
+    holds that much audio. {audio, gap_ms, resumed_ms}."""
     from tts.client import connect
+    pieces = [word + " " for word in " ".join(sentences).split()] if pace == "word" else [s + " " for s in sentences]
 
     async def llm():
-        for word in text.split():
-            yield word + " "
-            await asyncio.sleep(0.05)
+        for piece in pieces:
+            yield piece
+            await asyncio.sleep(PACES[pace])
 
     async def watch(client, killed_at: float) -> float:
         while not client.reconnects:
@@ -126,53 +139,102 @@ def kill_replica(replica: str) -> None:
 
 
 async def both_serve(url: str, seconds: float = 300) -> None:
-    """Wait until the proxy places two connections held at once on two replicas: after a kill, Ray's replacement
-    is running some time before the proxy routes to it (a kill before then finds no other replica to go to)."""
+    """Wait until the proxy places two connections held at once on two replicas (after a kill, Ray's replacement
+    is running some time before the proxy routes to it: a kill before then finds no other replica to go to);
+    then warm both up with a paced utterance each. A fresh engine's first utterance of paced text can differ from
+    its later ones with the same seed (measured: from the first sample, on the shipped voices), so the reference
+    and the killed run must not be a replica's first."""
     import websockets
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         async with websockets.connect(url) as a, websockets.connect(url) as b:
             if a.response.headers["x-tts-replica"] != b.response.headers["x-tts-replica"]:
+                await asyncio.gather(warm_up(a), warm_up(b))
                 return
         await asyncio.sleep(0.5)
     raise TimeoutError("the proxy did not route to two replicas")
 
 
-def failover(url: str, kill_after_s: list[float], trials: int, tiny: bool) -> dict:
+async def warm_up(ws) -> None:
+    """One seeded utterance of one sentence on ``ws``, a word every 50 ms, read to its `done`."""
+    await ws.send(json.dumps({"type": "start", "format": "pcm_s16le", "seed": 0}))
+    for word in SENTENCES[0].split():
+        await ws.send(json.dumps({"type": "text", "text": word + " "}))
+        await asyncio.sleep(0.05)
+    await ws.send(json.dumps({"type": "end"}))
+    while isinstance(message := await asyncio.wait_for(ws.recv(), 120), bytes) or json.loads(message)["type"] != "done":
+        pass
+
+
+def failover(url: str, kill_after_s: list[float], trials: int, tiny: bool, checkpoint_audio_s: float,
+             pace: str = "word") -> dict:
     """The kill trials (module docstring) on two replicas."""
     import numpy as np
+    import ray
     from ray import serve
 
     from server import create_app
     from streaming import ray_serve
+    from streaming.failover import journals
     factory, kwargs = engine_factory(tiny)
-    serve.run(ray_serve.application(factory, create_app, ray_serve.ScaleConfig(replicas=2), kwargs),
-              name="tts", route_prefix="/")
-    text = " ".join(SENTENCES)
+    scale = ray_serve.ScaleConfig(replicas=2, checkpoint_audio_s=checkpoint_audio_s)
+    serve.run(ray_serve.application(factory, create_app, scale, kwargs), name="tts", route_prefix="/")
+    actor = journals()
     rows = {}
     try:
         asyncio.run(both_serve(url))
         for after_s in kill_after_s:
-            gaps, resumed, diffs, exact = [], [], [], 0
+            gaps, resumed, diffs, first_diffs, exact = [], [], [], [], 0
+            replays = ray.get(actor.stats.remote())["from_checkpoints"]
             for trial in range(trials):
-                reference = asyncio.run(utterance(url, 100 + trial, text))["audio"]
-                cut = asyncio.run(utterance(url, 100 + trial, text, int(after_s * SAMPLE_RATE) * 2))
+                reference = asyncio.run(utterance(url, 100 + trial, SENTENCES, pace))["audio"]
+                cut = asyncio.run(utterance(url, 100 + trial, SENTENCES, pace, int(after_s * SAMPLE_RATE) * 2))
                 a, b = (np.frombuffer(x, np.int16).astype(int) for x in (reference, cut["audio"]))
                 same_length = len(a) == len(b)
                 diff = int(np.abs(a - b).max()) if same_length and len(a) else None
                 exact += same_length and diff is not None and diff <= 3
                 diffs.append(diff)
+                apart = np.flatnonzero(np.abs(a[:len(b)] - b[:len(a)]) > 3)
+                first_diffs.append(round(int(apart[0]) / SAMPLE_RATE, 2) if len(apart) else None)
                 gaps.append(cut["gap_ms"])
                 resumed.append(cut["resumed_ms"])
                 asyncio.run(both_serve(url))
             done = [g for g in gaps if g is not None]
-            rows[str(after_s)] = {"trials": trials, "resumed": len(done), "exact": exact, "max_abs_diff": diffs,
+            rows[str(after_s)] = {"trials": trials, "resumed": len(done), "from_checkpoints":
+                                  ray.get(actor.stats.remote())["from_checkpoints"] - replays,
+                                  "exact": exact, "max_abs_diff": diffs, "first_diff_s": first_diffs,
                                   "audio_s": round(len(a) / SAMPLE_RATE, 2), "gap_ms": percentiles(done) if done
                                   else None, "gap_ms_each": [round(g, 1) for g in done],
                                   "resumed_ms_each": [r and round(r, 1) for r in resumed]}
+            print(json.dumps({after_s: rows[str(after_s)]}), file=sys.stderr, flush=True)  # as they come
     finally:
         serve.delete("tts")
-    return rows
+    return {"checkpoint_audio_s": checkpoint_audio_s, "pace": pace, "kills": rows,
+            "snapshot": snapshot_cost(tiny) if checkpoint_audio_s else None}
+
+
+def snapshot_cost(tiny: bool, count: int = 20) -> dict:
+    """`Engine.snapshot` of a speaking stream (read as it comes), ``count`` times 0.1 s apart: ms (p50/p99) and
+    bytes."""
+    import threading
+    factory, kwargs = engine_factory(tiny)
+    engine = factory(**kwargs)
+    stream = engine.open(seed=1)
+    stream.push_text(" ".join(SENTENCES * 3))
+    stream.end()
+    assert stream.read(timeout=60) is not None
+    reader = threading.Thread(target=lambda: list(iter(lambda: stream.read(timeout=60) is not None, False)))
+    reader.start()
+    times, size = [], 0
+    for _ in range(count):
+        started = time.perf_counter()
+        state, _ = engine.snapshot(stream)
+        times.append((time.perf_counter() - started) * 1000)
+        size = len(state)
+        time.sleep(0.1)
+    stream.cancel()
+    reader.join()
+    return {"ms": percentiles(times), "bytes": size}
 
 
 def main() -> None:
@@ -186,6 +248,10 @@ def main() -> None:
     parser.add_argument("--kill-after-s", type=float, nargs="+", default=[1.0, 4.0],
                         help="audio the client holds when its replica is killed (seconds)")
     parser.add_argument("--trials", type=int, default=3, help="kills per kill point")
+    parser.add_argument("--checkpoint-audio-s", type=float, default=1.0,
+                        help="checkpoint live utterances every this much audio (0: never)")
+    parser.add_argument("--pace", choices=sorted(PACES), default="word",
+                        help="--kill: the client sends its text a word every 50 ms, or a sentence every 0.5 s")
     parser.add_argument("--out", help="also write the JSON here (Ray may print a line of its own on stdout)")
     args = parser.parse_args()
     import ray
@@ -203,7 +269,8 @@ def main() -> None:
     try:
         if args.kill:
             report = {k: report[k] for k in ("engine", "cpu_cores", "loadavg_at_start")}
-            report["failover"] = failover(url, args.kill_after_s, args.trials, args.tiny)
+            report["failover"] = failover(url, args.kill_after_s, args.trials, args.tiny, args.checkpoint_audio_s,
+                                          args.pace)
         for replicas in [] if args.kill else args.replicas:
             report["replicas"][str(replicas)] = on_ray(url, replicas, args.loads, args.rounds, args.tiny)
     finally:

@@ -1224,6 +1224,79 @@ class Engine:
         else:
             self.codec_worker.reset(list(range(self.max_streams)))
 
+    def snapshot(self, stream: Stream, timeout: float = 10.0) -> tuple[bytes, int]:
+        """A copy of ``stream``'s whole state, as `detach` returns it, while the stream goes on here; and how many
+        samples of its audio come before that state. `attach` on an engine with the same weights continues the
+        stream sample-exactly from that sample on (the audio before it is not in the copy). For checkpoints of
+        live streams (streaming/failover.py). The copy is consistent: the text thread stops at the stream's place
+        in its queue (every unit it took before has reached the engine, none is taken after) while the engine
+        thread, between two ticks, copies the host state and the slot's rows; the codec thread adds the decoder's
+        rows after the chunks already due (their samples are the count). The caller pushes no text meanwhile.
+        The CPU codec path only. Raises EngineError for a stream not open here, or parked or moving now (the
+        caller may try again later), or on a frame codec."""
+        if self.frame_codec:
+            raise EngineError("a snapshot needs the CPU codec path (no frame codec)")
+        if stream.engine is not self or stream.finished or stream.cancelled or stream.moved or stream.detaching:
+            raise EngineError("only a stream open on this engine can be snapshotted")
+        copied, done, taken = threading.Event(), threading.Event(), {}
+
+        def capture() -> None:  # on the engine thread, at its next events (never raises: it would fail the stream)
+            try:
+                u = self._by_stream.get(stream)
+                if u is None or u.parked is not None or u.detach is not None:
+                    raise EngineError("the stream is parked, moving or gone: no snapshot now")
+                counts = [int(a[u.slot]) for a in (self._encoded, self._encodable, self._unit)] if u.slot >= 0 \
+                    else [u.encoded, u.encodable, u.unit]
+                taken["host"] = {"stream": stream.export_state(), "units": list(u.units), "unit_base": u.unit_base,
+                                 "closed_upto": u.closed_upto, "text_ended": u.text_ended, "spoke": u.spoke,
+                                 **dict(zip(("encoded", "encodable", "unit"), counts)), "frame_codec": False}
+                rows = taken["rows"] = {}
+                if u.slot < 0:  # waiting for its first slot: nothing spoken, no rows
+                    taken["samples"] = stream.samples
+                    done.set()
+                    return
+                layout, tensors = self._row_layout()
+                flat = torch.empty(layout.row_bytes, dtype=torch.uint8)
+                layout.copy([layout.packed(flat)], [layout.slot(tensors, u.slot)])
+                rows.update(layout.views(flat))
+
+                def decoded(states: list[dict]) -> None:  # on the codec thread
+                    rows.update(states[0])
+                    taken["samples"] = taken["host"]["stream"]["samples"] = stream.samples
+                    done.set()
+                self.codec_worker.capture([u.slot], decoded)
+            except Exception as err:
+                taken["error"] = err
+                done.set()
+            finally:
+                copied.set()
+
+        class Pause:  # a job for the text thread (`TextWorker`), in the stream's place: it waits for the copy.
+            # It answers all the text thread reads of a job's stream (a missing one would end that thread: no
+            # stream's text would be taken again); it runs once (no hold: the thread sets no timer to take again).
+            cancelled = finished = detaching = False
+
+            class text:  # noqa: N801 (the job's front end, as a stream's `text`: nothing spoken, nothing held)
+                spoken_any = False
+
+                @staticmethod
+                def release_at() -> None:
+                    return None
+
+            def take_text(_) -> tuple[list[int], bool, bool]:
+                self._inbox.append(("snapshot", stream, capture))
+                self.wake()
+                copied.wait(timeout)
+                return [], False, False  # the engine finds no stream of this job's: nothing happens
+
+        self._handlers.setdefault("snapshot", lambda _, run: run())
+        self.text_worker.arrived(Pause())
+        if not done.wait(timeout):
+            raise EngineError(f"no snapshot of the stream within {timeout:g} s")
+        if "error" in taken:
+            raise taken["error"]
+        return pack(taken["host"], taken["rows"], [], self.fingerprint), taken["samples"]
+
 
 @dataclass
 class _DeviceUpdates:

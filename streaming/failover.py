@@ -18,11 +18,28 @@ From then on it is an ordinary session on this replica.
 and writes the WebSocket messages the app exchanges and touches nothing inside the server. It also gives every
 `start` without a seed a random one, so that every utterance can be regenerated.
 
-Limits (measured and stated in docs/scale-out.md): the gap is the time to regenerate the current utterance's
-audio so far, which grows with its length; the journal of one session is bounded (MAX_JOURNAL_BYTES); a session is continued
-sample-exactly when its audio depends only on its messages, which holds for every utterance without a `flush`
-(a flush speaks what has come so far at once, so where it falls in the audio depends on timing; such an
-utterance goes on with no byte lost or repeated, but its samples after the flush may differ).
+**Checkpoints** bound what the replay regenerates. Every CHECKPOINT_AUDIO_S of new audio, a replica copies each
+live utterance's engine state (`Engine.snapshot`: the slot's caches and counters, the text front end, the codec
+decoder; ~2.2 MB for the shipped model) while the utterance goes on, and stores it with the journal (`Checkpoint`:
+the place in the journal whose messages it has taken in, and the audio bytes before it). The survivor then
+`attach`es the latest checkpoint whose audio the client holds instead of starting the utterance anew: it feeds
+the server the utterance's `start` (whose seed stands in for the checkpoint: `Checkpointing.open` attaches it)
+and only the messages after the checkpoint, and regenerates at most about one checkpoint interval of audio before
+the bytes the client lacks. A checkpoint is taken while the session's server waits for its next message (no
+message is handed to it until the copy is done), so the state and the journal position agree.
+
+    journal [start, text, text, text, end], checkpoint after 3 entries at 48000 B; the client holds 60000 B
+    replica B's server <-- start (seed: a stand-in for the checkpoint), text, end
+    replica B's server --> ready (dropped), audio 48000.. B: 48000..60000 dropped, 60000.. sent
+
+Limits (measured and stated in docs/scale-out.md): without a usable checkpoint (a compressed or resampled format,
+timings asked for, a flush or an error in the utterance, an engine on the GPU's frame codec, or a kill before the
+first checkpoint) the gap is the time to regenerate the current utterance's audio so far, which grows with its
+length; the journal of one session is bounded (MAX_JOURNAL_BYTES); a session is continued sample-exactly when its
+audio depends only on its messages. A `flush` breaks that (it speaks what has come so far at once, so where it
+falls in the audio depends on timing), and so, measured on the shipped voices, does text arriving word by word
+(the text front end's output depends on when words come; a replay feeds them all at once): such an utterance goes
+on with no byte lost or repeated, but its samples after the checkpoint (or the flush) may differ.
 """
 from __future__ import annotations
 
@@ -36,11 +53,19 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from streaming.protocol import UNCOUNTED
+from tts import SAMPLE_RATE
 
 log = logging.getLogger("tts.failover")
 FLUSH_S = 0.05  # how often a replica sends its sessions' new messages to the journals
 TOUCH_S = 1.0  # how often a replica says that its sessions live on (the journals forget the others)
 MAX_JOURNAL_BYTES = 4 << 20  # a session's journal past this is dropped: that session cannot fail over
+# A live utterance is checkpointed each time it has this much more audio: a failover regenerates at most about
+# this much (at the engine's speed: 0.25 s of work at RTF 0.25) before the client's next byte. Each costs a
+# snapshot (~2.2 MB for the shipped model) sent to the journals actor.
+CHECKPOINT_AUDIO_S = 1.0
+CHECKPOINT_POLL_S = 0.1  # how often a replica looks for utterances due a checkpoint
+CHECKPOINTS_KEPT = 2  # per utterance: the latest whose audio the client holds is used (it may lack the newest's)
+RAW_WIDTHS = {"pcm_s16le": 2, "pcm": 2, "f32le": 4}  # formats whose bytes are samples x width: a byte -> a sample
 JOURNALS_ACTOR = "tts-journals"
 UNCOUNTED_EVENTS = ("queued", "audio", "resumed")  # events a client's position does not count
 
@@ -61,6 +86,8 @@ class Journals:
         self.sizes: dict[str, int] = {}
         self.expires: dict[str, float] = {}
         self.tokens: dict[str, str | None] = {}  # token -> journal id; None once claimed (spent)
+        self.checkpoints: dict[str, dict[str | None, list[Checkpoint]]] = {}  # journal id -> context -> latest
+        self.replays = {"utterances": 0, "from_checkpoints": 0}  # utterances replayed: all, from a checkpoint
 
     def append(self, batch: list[tuple[str, list[Entry], list[str], float]]) -> None:
         """(journal id, new entries, new tokens, time to live) for each session a replica has news of."""
@@ -72,17 +99,40 @@ class Journals:
             self.sizes[jid] = self.sizes.get(jid, 0) + sum(len(m) if not isinstance(m, dict) else 64 for m in entries)
             if self.sizes[jid] > MAX_JOURNAL_BYTES:
                 self.entries[jid], self.sizes[jid] = [], -1
+                self.checkpoints.pop(jid, None)
             self.tokens.update({token: jid for token in tokens})
             self.expires[jid] = now + ttl_s
         self._expire(now)
 
-    def claim(self, token: str) -> tuple[str, list[Entry]] | None:
-        """(journal id, its entries) for a resume with ``token``, which is then spent; None when no journal has it."""
+    def checkpoint(self, jid: str, taken: list["Checkpoint"]) -> None:
+        """Keep a replica's new checkpoints of a session's utterances: the latest CHECKPOINTS_KEPT of each
+        context's current utterance (one of a new utterance replaces its context's older ones)."""
+        if jid not in self.entries or self.sizes.get(jid, 0) < 0:
+            return
+        kept = self.checkpoints.setdefault(jid, {})
+        for checkpoint in taken:
+            same = [c for c in kept.get(checkpoint.context, ()) if c.start == checkpoint.start]
+            kept[checkpoint.context] = same[len(same) + 1 - CHECKPOINTS_KEPT:] + [checkpoint]
+
+    def claim(self, token: str) -> tuple[str, list[Entry], list["Checkpoint"]] | None:
+        """(journal id, its entries, its checkpoints) for a resume with ``token``, which is then spent; None when
+        no journal has it."""
         jid = self.tokens.get(token)
         if jid is None or self.sizes.get(jid, 0) < 0 or jid not in self.entries:
             return None
         self.tokens[token] = None
-        return jid, list(self.entries[jid])
+        return jid, list(self.entries[jid]), [c for kept in self.checkpoints.get(jid, {}).values() for c in kept]
+
+    def replayed(self, utterances: int, from_checkpoints: int) -> None:
+        """A replica replayed a session: its utterances in progress, and how many went on from a checkpoint."""
+        self.replays["utterances"] += utterances
+        self.replays["from_checkpoints"] += from_checkpoints
+
+    def stats(self) -> dict:
+        """Journals and checkpoints held (their bytes), and the replays so far."""
+        held = [c for kept in self.checkpoints.values() for cs in kept.values() for c in cs]
+        return {"journals": len(self.entries), "checkpoints": len(held),
+                "checkpoint_bytes": sum(len(c.state) for c in held), **self.replays}
 
     def forget(self, ended: list[tuple[str, str]]) -> None:
         """(journal id, its session's last token) of sessions that ended; one that a resume took elsewhere since
@@ -101,6 +151,7 @@ class Journals:
             del self.expires[jid]
             self.entries.pop(jid, None)
             self.sizes.pop(jid, None)
+            self.checkpoints.pop(jid, None)
         self.tokens = {t: jid for t, jid in self.tokens.items() if jid is None or jid in self.entries}
 
 
@@ -128,6 +179,9 @@ class Journaler:
     def __init__(self, actor, hub):
         self.actor, self.hub = actor, hub
         self.pending: dict[str, tuple[list[Entry], list[str]]] = {}
+        self.tracks: dict[str, Track] = {}  # journal id -> its journal's length and utterances (for checkpoints)
+        self.standins: dict[str, list[int]] = {}  # journal id -> seeds its replay here stood in for checkpoints
+        self.engine: Checkpointing | None = None
         self.live: dict[str, "Socket"] = {}  # journal id -> its socket here (the latest)
         self.resting: dict[str, str] = {}  # journal id -> its session's token, once its socket has gone
         self.local: dict[str, str] = {}  # token (the server's, or one a replay gave) -> journal id
@@ -141,6 +195,7 @@ class Journaler:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     def add(self, jid: str, entries: list[Entry] = (), tokens: list[str] = ()) -> None:
+        self.tracks.setdefault(jid, Track()).note(entries)
         queued = self.pending.setdefault(jid, ([], []))
         queued[0].extend(entries)
         queued[1].extend(tokens)
@@ -154,6 +209,28 @@ class Journaler:
                     await self.actor.append.remote(batch)
                 except Exception:  # the journals are unreachable: serving goes on, without failover
                     log.exception("could not write the session journals")
+
+    def follow(self, jid: str, entries: list[Entry], replay: "Replay") -> None:
+        """A session replayed here: follow its journal from ``entries`` on; an utterance continued from a
+        checkpoint has the stand-in seed its server got, and its audio starts at the checkpoint's sample."""
+        track = self.tracks[jid] = Track()
+        track.note(entries)
+        for context_id, (seed, samples) in replay.standins.items():
+            track.contexts[context_id].seed, track.contexts[context_id].samples = seed, samples
+        self.standins[jid] = [seed for seed, _ in replay.standins.values()]
+
+    def replayed(self, replay: "Replay") -> None:
+        """Count a replay in the journals' figures (`Journals.stats`), without waiting for it."""
+        try:
+            self.actor.replayed.remote(replay.starts, len(replay.standins))
+        except Exception:
+            log.exception("could not count a replay")
+
+    def spoil(self, jid: str, context_id: str | None) -> None:
+        """An error went out on the context: its utterance gets no more checkpoints (its events no longer
+        follow from the messages a checkpoint leaves out)."""
+        if (current := self.tracks.get(jid, Track()).contexts.get(context_id)) is not None:
+            current.exact = False
 
     async def claim(self, token: str):
         try:
@@ -205,7 +282,142 @@ class Journaler:
         del self.resting[jid]
         self.latest.pop(jid, None)
         self.shifts.pop(jid, None)
+        self.tracks.pop(jid, None)
+        if self.engine is not None:  # a checkpoint its server never opened (it ended first)
+            self.engine.discard(self.standins.pop(jid, ()))
         self.local = {token: j for token, j in self.local.items() if j != jid}
+
+
+@dataclass
+class Checkpoint:
+    """A live utterance's engine state (`Engine.snapshot`) at a place in its session's journal: the state has
+    taken in the journal's first ``after`` entries (its context's later ones are not in it), and continues the
+    utterance's audio from its byte ``nbytes`` (sample ``samples``) on."""
+    context: str | None
+    start: int  # the journal index of the utterance's start
+    after: int
+    samples: int
+    nbytes: int
+    fingerprint: str  # of the weights it needs (`Engine.fingerprint`)
+    state: bytes
+
+
+@dataclass
+class Current:
+    """A context's latest utterance in a session's journal: where its start is, its seed (as its server has it),
+    whether a checkpoint continues it exactly (no flush, no error so far), and its latest checkpoint's sample."""
+    start: int
+    seed: int | None
+    exact: bool = True
+    samples: int = 0
+
+
+@dataclass
+class Track:
+    """What a replica follows of a session's journal: its length, and each context's latest utterance."""
+    length: int = 0
+    contexts: dict = field(default_factory=dict)  # context id -> Current
+
+    def note(self, entries) -> None:
+        for entry in entries:
+            message = _parse({"text": entry}) if isinstance(entry, str) else {}
+            context_id = message.get("context_id")
+            if message.get("type") == "start":
+                self.contexts[context_id] = Current(self.length, message.get("seed"))
+            elif message.get("type") == "flush" and context_id in self.contexts:
+                self.contexts[context_id].exact = False
+            self.length += 1
+
+
+class Checkpointing:
+    """The engine as a replica's server sees it: `open` with a seed that a replay registered (`expect`) attaches
+    that checkpoint's state instead of starting afresh; everything else is the engine's own."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._expected: dict[int, bytes] = {}  # stand-in seed -> state
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def expect(self, state: bytes) -> int:
+        """A seed that stands in for ``state`` in the `start` a replay feeds the server."""
+        seed = secrets.randbelow(2**62)
+        self._expected[seed] = state
+        return seed
+
+    def discard(self, seeds) -> None:
+        for seed in seeds:
+            self._expected.pop(seed, None)
+
+    def open(self, voice=None, speed=1.0, *, seed=None, wait_s=0.0, **options):
+        state = self._expected.pop(seed, None) if seed is not None else None
+        if state is None:
+            return self.engine.open(voice, speed, seed=seed, wait_s=wait_s, **options)
+        return self.engine.attach(state, wait_s=wait_s)
+
+
+class Checkpointer:
+    """Every CHECKPOINT_POLL_S: a checkpoint of each utterance live here that has ``every_s`` more audio
+    than at its last and that a checkpoint continues exactly (raw PCM at the engine's rate, no timings asked
+    for, no flush or error: `Current.exact`), sent to the journals after its session's pending entries."""
+
+    def __init__(self, journaler: Journaler, engine: Checkpointing, every_s: float = CHECKPOINT_AUDIO_S):
+        self.journaler, self.engine, self.every_s = journaler, engine, every_s
+        self.taken = 0
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(CHECKPOINT_POLL_S)
+            for jid, sock in list(self.journaler.live.items()):
+                try:
+                    await self._checkpoint(jid, sock)
+                except Exception:  # serving goes on; this session's failover regenerates more
+                    log.exception("could not checkpoint a session")
+
+    def _due(self, jid: str) -> list[tuple[str | None, Current, object, int]]:
+        """(context id, its utterance in the journal, its engine stream, bytes a sample) of the session's
+        utterances due a checkpoint."""
+        known, rate = self.journaler, self.engine.sample_rate
+        session, track = known.hub.resume_tokens.get(known.latest.get(jid)), known.tracks.get(jid)
+        if session is None or track is None:
+            return []
+        due = []
+        for context_id, utterance in list(session.utterances.items()):
+            current, stream, start = track.contexts.get(context_id), utterance.stream, utterance.start
+            width = RAW_WIDTHS.get(start.format)
+            if current is None or stream is None or not current.exact or start.seed != current.seed \
+                    or width is None or start.sample_rate != rate or start.timings or start.word_timings:
+                continue
+            if stream.samples - current.samples >= self.every_s * rate:
+                due.append((context_id, current, stream, width))
+        return due
+
+    async def _checkpoint(self, jid: str, sock: "Socket") -> None:
+        """Snapshot the session's due utterances while its server waits for the next message (none is handed
+        to it until they are done: every message journaled has been taken in, and nothing after)."""
+        from streaming.engine import EngineError  # here: the journals actor imports this module without torch
+        due = self._due(jid)
+        if not due or not sock.receiving:
+            return
+        known, taken = self.journaler, []
+        after = known.tracks[jid].length
+        sock.free.clear()
+        try:
+            for context_id, current, stream, width in due:
+                try:
+                    state, samples = await known.hub.call(self.engine.snapshot, stream)
+                except EngineError:  # parked, ending or moving just now: the next poll tries again
+                    continue
+                taken.append(Checkpoint(context_id, current.start, after, samples, samples * width,
+                                        self.engine.fingerprint, state))
+                current.samples = samples
+        finally:
+            sock.free.set()
+        if taken:
+            await known.flush()  # the entries it has taken in reach the journal first
+            await known.actor.checkpoint.remote(jid, taken)
+            self.taken += len(taken)
 
 
 @dataclass
@@ -228,6 +440,8 @@ class Socket:
     replay: "Replay | None" = None
     shift: Shift = field(default_factory=Shift)
     untracked: bool = False  # a resumed session this replica has no journal of
+    receiving: bool = False  # its server waits for the next message (it has taken in every one before)
+    free: asyncio.Event = field(default_factory=asyncio.Event)  # clear: a checkpoint holds the next message back
 
     def position(self, context_id: str | None) -> list[int]:
         return self.sent.setdefault(context_id, [0, 0])
@@ -237,15 +451,27 @@ class Failover:
     """ASGI middleware: journal each WebSocket session's messages (`Journaler`); resume one whose token this
     replica does not know from its journal (`Replay`). HTTP passes through untouched."""
 
-    def __init__(self, app, hub, actor):
+    def __init__(self, app, hub, actor, engine: Checkpointing | None = None,
+                 checkpoint_audio_s: float = CHECKPOINT_AUDIO_S):
+        """``engine``: the server's engine, wrapped (`Checkpointing`), checkpointed every ``checkpoint_audio_s``
+        of an utterance's audio; None (or 0 s): replays regenerate each current utterance from its start. An
+        engine on a frame codec (a GPU) takes no snapshots."""
         self.app, self.hub = app, hub
         self.journaler = Journaler(actor, hub)
+        checkpoints = engine is not None and checkpoint_audio_s > 0 and not getattr(engine, "frame_codec", False)
+        self.engine = engine if checkpoints else None
+        self.checkpointer = Checkpointer(self.journaler, engine, checkpoint_audio_s) if checkpoints else None
+        self.journaler.engine = self.engine
+        self._task: asyncio.Task | None = None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "websocket":
             return await self.app(scope, receive, send)
         self.journaler.start()
+        if self.checkpointer is not None and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.checkpointer.run())
         sock = Socket()
+        sock.free.set()
         try:
             await self.app(scope, self._receiver(sock, receive, send), self._sender(sock, send))
         finally:
@@ -260,7 +486,12 @@ class Failover:
             while True:
                 if sock.replay is not None and (fed := sock.replay.next_message()) is not None:
                     return fed
-                message = await receive()
+                sock.receiving = True
+                try:
+                    message = await receive()
+                finally:
+                    sock.receiving = False
+                await sock.free.wait()  # a checkpoint in progress: the server takes nothing in meanwhile
                 if message["type"] != "websocket.receive":
                     return message
                 parsed = _parse(message)
@@ -300,8 +531,12 @@ class Failover:
         claimed = await self.journaler.claim(token)
         if claimed is None:
             return message  # the server answers resume_expired
-        sock.jid, entries = claimed
-        sock.replay = Replay(entries, have)
+        sock.jid, entries, checkpoints = claimed
+        engine = self.engine
+        sock.replay = Replay(entries, have, checkpoints if engine else (), engine and engine.fingerprint,
+                             engine and engine.expect)
+        known.follow(sock.jid, entries, sock.replay)
+        known.replayed(sock.replay)
         sock.shift = known.shifts[sock.jid] = sock.replay.shift
         sock.sent = {context_id: list(at) for context_id, at in sock.shift.offsets.items()}
         answer = secrets.token_urlsafe(16)  # the server's token comes with its first ready; until then, this one
@@ -311,8 +546,8 @@ class Failover:
         await send({"type": "websocket.send", "text": json.dumps(
             {"type": "resumed", "resume_token": answer, "resume_window_s": self.hub.limits.resume_window_s,
              "received": sock.replay.received})})
-        log.info("session %s… resumed from its journal: %d of its %d messages again", sock.jid[:6],
-                 len(sock.replay.feed), sock.replay.received)
+        log.info("session %s… resumed from its journal: %d of its %d messages again, %d checkpoints", sock.jid[:6],
+                 len(sock.replay.feed), sock.replay.received, len(sock.replay.standins))
         return None
 
     def _journal(self, sock: Socket, entry) -> None:
@@ -335,6 +570,8 @@ class Failover:
             if kind == "resumed" and sock.shift.dropped:
                 message = {**message, "text": json.dumps({**event, "received": event["received"] +
                                                           sock.shift.dropped})}
+            if kind == "error" and sock.jid is not None:  # its audio no longer follows from its messages alone
+                self.journaler.spoil(sock.jid, context_id)
             position = sock.position(context_id)
             if sock.replay is not None:
                 message = sock.replay.filter(message, event, position, nbytes, context_id)
@@ -365,16 +602,25 @@ class Failover:
 
 class Replay:
     """A session coming back from its journal on this replica: the journal's messages go to the server first
-    (those of utterances the client has whole left out: `compact`), and of the server's output only what the
-    client lacks goes out.
+    (those of utterances the client has whole left out, and where a checkpoint continues an utterance, those it
+    has taken in: `compact`), and of the server's output only what the client lacks goes out.
 
     Example: the client holds 9600 audio bytes and 1 event (ready) of the default context; the replay's output
     is ready, 4800 B, timing, 9600 B, ...: ready is dropped (event 0 < 1), the 4800 B too (bytes 0..4800 < 9600),
     the timing event goes (event 1 >= 1), of the 9600 B chunk (bytes 4800..14400) the last 4800 B go."""
 
-    def __init__(self, entries: list, have: dict):
+    def __init__(self, entries: list, have: dict, checkpoints=(), fingerprint: str | None = None, expect=None):
+        """``checkpoints`` (`Checkpoint`) made with weights of ``fingerprint``; ``expect(state) -> seed``
+        (`Checkpointing.expect`) registers the one chosen for an utterance."""
         self.received = sum(not isinstance(entry, dict) for entry in entries)
-        feed, self.shift = compact(entries, have)
+        feed, self.shift, chosen = compact(entries, have, checkpoints, fingerprint)
+        self.standins = {}  # context id -> (the seed standing in for its checkpoint, the checkpoint's sample)
+        for context_id, (at, checkpoint) in chosen.items():
+            seed = expect(checkpoint.state)
+            feed[at] = json.dumps({**_parse({"text": feed[at]}), "seed": seed})
+            self.standins[context_id] = (seed, checkpoint.samples)
+        self.starts = sum(_parse({"text": m}).get("type") == "start" for m in feed if isinstance(m, str))
+        self.unspoken = {context_id: samples for context_id, (_, samples) in self.standins.items()}  # for `done`
         self.feed, self.have = deque(feed), have
 
     def next_message(self) -> dict | None:
@@ -394,33 +640,71 @@ class Replay:
             return _tail(message, event, max(0, have_bytes - position[0])) if nbytes else message
         if event.get("type") == "queued":
             return message if position[0] >= have_bytes and position[1] >= have_events else None
-        return message if position[1] >= have_events else None
+        if position[1] < have_events:
+            return None
+        if event.get("type") == "done" and context_id in self.unspoken:  # the server spoke from the checkpoint on
+            spoken = event.get("audio_seconds", 0) + self.unspoken.pop(context_id) / SAMPLE_RATE
+            return {**message, "text": json.dumps({**event, "audio_seconds": round(spoken, 3)})}
+        return message
 
 
-def compact(entries: list, have: dict) -> tuple[list, Shift]:
-    """The journal's messages to replay for a client holding ``have`` (context id -> (bytes, events)), and the
-    shift: per context, the messages before the last `done` the client holds are left out, and the server's
-    count for it starts where that done left the session's.
+def compact(entries: list, have: dict, checkpoints=(), fingerprint: str | None = None) -> tuple[list, Shift, dict]:
+    """The journal's messages to replay for a client holding ``have`` (context id -> (bytes, events)), the
+    shift, and the checkpoints chosen. Per context, the messages before the last `done` the client holds are
+    left out, and the server's count for it starts where that done left the session's. A context whose first
+    message left in is the start of an utterance with a checkpoint (`Checkpoint`) of weights ``fingerprint``
+    whose audio the client holds continues from the latest such: its messages that the checkpoint has taken
+    in are left out too, and the server's count starts that many bytes further (its first event, `ready`,
+    is the client's already). Chosen: context id -> (the index of its start in the feed, its checkpoint).
 
     Example: journal [start, text, end, done-mark(None at 96000 B, 3 events), start, text] and a client holding
     (120000 B, 4 events) of the default context: it has the first utterance's done, so the replay is [start,
-    text]; the shift is offsets {None: [96000, 3]}, 3 messages dropped; the server's 0 B is the session's 96000 B."""
+    text]; the shift is offsets {None: [96000, 3]}, 3 messages dropped; the server's 0 B is the session's 96000 B.
+    With a checkpoint of the second utterance (start 4) after 6 entries at 20000 B: the replay is [start], the
+    offsets {None: [116000, 3]}, 4 messages dropped."""
     cuts = {}
     for i, entry in enumerate(entries):
         if isinstance(entry, dict):
             held_bytes, held_events = have.get(entry["done"], (0, 0))
             if entry["at"][0] <= held_bytes and entry["at"][1] <= held_events:
                 cuts[entry["done"]] = (i, entry["at"])
-    feed, shift = [], Shift({context_id: list(at) for context_id, (_, at) in cuts.items()})
+    shift = Shift({context_id: list(at) for context_id, (_, at) in cuts.items()})
+    chosen = _checkpoints(entries, have, cuts, checkpoints, fingerprint)
+    feed, starts = [], {}
     for i, entry in enumerate(entries):
         if isinstance(entry, dict):
             continue
-        cut = cuts.get(_context(entry))
-        if cut is not None and i < cut[0]:
+        context_id = _context(entry)
+        cut, checkpoint = cuts.get(context_id), chosen.get(context_id)
+        if cut is not None and i < cut[0] or checkpoint is not None and checkpoint.start < i < checkpoint.after:
             shift.dropped += 1
-        else:
-            feed.append(entry)
-    return feed, shift
+            continue
+        if checkpoint is not None and i == checkpoint.start:
+            starts[context_id] = (len(feed), checkpoint)
+            offsets = shift.offsets.setdefault(context_id, [0, 0])
+            offsets[0] += checkpoint.nbytes
+        feed.append(entry)
+    return feed, shift, starts
+
+
+def _checkpoints(entries: list, have: dict, cuts: dict, checkpoints, fingerprint: str | None) -> dict:
+    """Per context, the checkpoint a replay continues from (`compact`): of its first utterance left in, made
+    with these weights, the latest whose audio bytes the client holds, with that utterance's `ready`."""
+    first = {}  # context id -> the index of its first message left in
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) and (context_id := _context(entry)) not in first:
+            if context_id not in cuts or i > cuts[context_id][0]:
+                first[context_id] = i
+    chosen = {}
+    for checkpoint in sorted(checkpoints, key=lambda c: c.samples):
+        context_id = checkpoint.context
+        base = cuts[context_id][1] if context_id in cuts else (0, 0)
+        held_bytes, held_events = have.get(context_id, (0, 0))
+        if first.get(context_id) == checkpoint.start and checkpoint.after <= len(entries) \
+                and checkpoint.fingerprint == fingerprint and held_bytes >= base[0] + checkpoint.nbytes \
+                and held_events > base[1]:
+            chosen[context_id] = checkpoint
+    return chosen
 
 
 def _context(message) -> str | None:

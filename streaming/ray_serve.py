@@ -16,9 +16,10 @@ very code `tts serve` runs. Ray's proxy holds the client's socket and relays it 
     its utterances in progress finish with all their audio; each of its WebSockets is closed with code 1012
     ("service restart") as soon as it has no utterance open, so the client reconnects and lands on a replica
     that stays; Ray stops the replica once no connection is left, or after graceful_shutdown_timeout_s.
-  * failover (`streaming.failover`): every replica journals its WebSocket sessions' messages in a Ray actor that
-    outlives it; when a replica dies, its clients resume (the proxy drops their sockets, they reconnect through
-    it) on a live replica, which replays the journal and sends each client the rest of its audio.
+  * failover (`streaming.failover`): every replica journals its WebSocket sessions' messages, and checkpoints
+    their live utterances' engine state, in a Ray actor that outlives it; when a replica dies, its clients resume
+    (the proxy drops their sockets, they reconnect through it) on a live replica, which attaches the latest
+    checkpoints, replays the journal after them and sends each client the rest of its audio.
 
 Ray is imported by this module; nothing on the default path imports it (`tts serve --ray` does).
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import logging
 import math
 import os
@@ -37,7 +39,7 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from streaming.failover import Failover, journals, stop_journals
+from streaming.failover import CHECKPOINT_AUDIO_S, Checkpointing, Failover, journals, stop_journals
 
 log = logging.getLogger("tts.ray")
 STATS_PERIOD_S = 0.25  # how often each replica reports its active streams to the routers
@@ -61,6 +63,7 @@ class ScaleConfig:
     num_gpus: float = 0.0
     graceful_shutdown_timeout_s: float = 60.0
     failover: bool = True  # journal WebSocket sessions so that a dead replica's continue on another
+    checkpoint_audio_s: float = CHECKPOINT_AUDIO_S  # checkpoint live utterances this often (audio; 0: never)
 
     def __post_init__(self):
         if self.replicas < 1 or not 1 <= self.max_replicas or not 0 <= self.min_replicas <= self.max_replicas:
@@ -99,11 +102,15 @@ class EngineServer:
     the engine (`tts.api.get_engine`; tests pass the tiny engine's); ``app_factory(engine, **app_kwargs)`` the
     ASGI app (`server.create_app`), whose ``state.hub`` is the `streaming.hub.Hub` it serves from."""
 
-    def __init__(self, engine_factory, engine_kwargs: dict, app_factory, app_kwargs: dict, failover: bool = True):
+    def __init__(self, engine_factory, engine_kwargs: dict, app_factory, app_kwargs: dict, failover: bool = True,
+                 checkpoint_audio_s: float = CHECKPOINT_AUDIO_S):
         self.engine = engine_factory(**engine_kwargs)
-        self.server_app = app_factory(self.engine, **app_kwargs)
+        served = Checkpointing(self.engine) if failover else self.engine  # a replay may attach a checkpoint
+        self.server_app = app_factory(served, **app_kwargs)
         self.hub = self.server_app.state.hub
-        self.outer_app = Failover(self.server_app, self.hub, journals()) if failover else self.server_app
+        counted = OpenUtterances(self.server_app)  # inside Failover: it sees replayed starts, and sends end there
+        self.outer_app = (Failover(counted, self.hub, journals(), served, checkpoint_audio_s) if failover
+                          else counted)
         context = serve.get_replica_context()
         self.replica, self.deployment, self.app_name = context.replica_tag, context.deployment, context.app_name
         self.draining = False
@@ -143,8 +150,8 @@ class EngineServer:
                  len(self.hub.sessions))
         while True:
             for session in list(self.hub.sessions):
-                if not session.utterances:
-                    ws = _socket(session)
+                ws = _socket(session)
+                if not session.utterances and not OpenUtterances.on(ws):  # its last done has gone out
                     await session.close()  # ended here for good: no resume on this replica, which is going
                     if ws is not None:
                         await _close_quietly(ws, CLOSE_DRAINING, "draining")
@@ -176,6 +183,52 @@ class ReplicaHeader:
             await send(message)
 
         await self.app(scope, receive, tagged)
+
+
+class OpenUtterances:
+    """ASGI middleware around the server app: per WebSocket, the utterances whose `ready` (or `queued`) the app
+    has sent and whose `done` (or, refused while queued, whose `error`) it has not yet finished sending. The drain
+    closes a socket only when its session has no utterance and none is open here: the server frees an
+    utterance's context before its done goes out, and Failover journals before passing the done on, so a socket
+    closed as soon as its session showed no utterance could lose that done (seen under load). Inside Failover, it
+    sees a replay's events too. Example: queued (b), ready (a), error (b), audio.., done (a): {b} {a, b} {a} {}."""
+    SCOPE_KEY = "tts.open_utterances"
+
+    def __init__(self, app):
+        self.app = app
+
+    @classmethod
+    def on(cls, ws) -> int:
+        """How many utterances are open on a starlette WebSocket (0 for None)."""
+        return len(ws.scope.get(cls.SCOPE_KEY, ())) if ws is not None else 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "websocket":
+            return await self.app(scope, receive, send)
+        opened = scope[self.SCOPE_KEY] = {}  # context id -> whether its ready has gone out
+
+        async def counted(message):
+            event = _small_event(message) if message["type"] == "websocket.send" else {}
+            kind, context_id = event.get("type"), event.get("context_id")
+            if kind in ("queued", "ready"):
+                opened[context_id] = opened.get(context_id, False) or kind == "ready"
+            await send(message)
+            if kind == "done" or kind == "error" and opened.get(context_id) is False:
+                opened.pop(context_id, None)
+
+        await self.app(scope, receive, counted)
+
+
+def _small_event(message: dict) -> dict:
+    """A WebSocket text message's JSON object, if it is a small one (events; not base64 audio); else {}."""
+    text = message.get("text")
+    if not text or len(text) > 4096:
+        return {}
+    try:
+        event = json.loads(text)
+    except ValueError:
+        return {}
+    return event if isinstance(event, dict) else {}
 
 
 def _socket(session):
@@ -233,7 +286,8 @@ def application(engine_factory, app_factory, scale: ScaleConfig = ScaleConfig(),
                 app_kwargs: dict | None = None):
     """The Ray Serve application: `EngineServer` replicas as ``scale`` says."""
     return EngineServer.options(**scale.deployment_options()).bind(engine_factory, engine_kwargs or {},
-                                                                   app_factory, app_kwargs or {}, scale.failover)
+                                                                   app_factory, app_kwargs or {}, scale.failover,
+                                                                   scale.checkpoint_audio_s)
 
 
 def start(app, host: str = "127.0.0.1", port: int = 8000, address: str | None = None, name: str = "tts",
