@@ -10,6 +10,8 @@ sent whole. One JSON object.
     python -m bench.incremental --quick             # 8 sentences, 10 words/s, no DNSMOS
     python -m bench.incremental --no-hold           # streams without the start hold (a request's hold: false)
     python -m bench.incremental --stalls --n 20     # whose stalls: the text's (replayed on an idle engine) or the CPU's
+    python -m bench.incremental --timeline --n 20 --rates 10 [--server]   # where the first audio's time goes,
+                                                    # stage by stage (word sent -> ... -> heard), medians
     python -m bench.incremental --burst 64 128      # N streams start at once (tiny engine): the text front end's
                                                     # cost per stream
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import threading
 import time
@@ -103,8 +106,10 @@ def speak_engine(engine, sentence: str, rate: float | None, lookahead, seed: int
     return np.concatenate(chunks), arrivals, clock and clock.since(started)
 
 
-def speak_server(url: str, sentence: str, rate: float | None, clock: TextClock | None = None):
-    """The same through the WebSocket protocol with the project's client (default lookahead)."""
+def speak_server(url: str, sentence: str, rate: float | None, clock: TextClock | None = None,
+                 starts: list | None = None):
+    """The same through the WebSocket protocol with the project's client (default lookahead); ``starts`` gets
+    when the first word was sent (perf_counter), the moment the chunks' times count from."""
     from tts.client import connect
 
     async def pieces():
@@ -119,6 +124,8 @@ def speak_server(url: str, sentence: str, rate: float | None, clock: TextClock |
         async with connect(url) as client:
             nonlocal started
             started = time.perf_counter()
+            if starts is not None:
+                starts.append(started)
             async for chunk in client.speak(pieces()):
                 arrivals.append((time.perf_counter() - started, len(chunk)))
                 chunks.append(chunk)
@@ -260,7 +267,6 @@ def burst_report(counts: list[int], sentences: int, shipped: bool) -> dict:
     and the CPU time of the text threads per stream (the figure least moved by other load on the machine).
     The tiny random engine by default: the AR step costs little, so what shows is the text front end's cost per
     stream and how the text thread shares the interpreter with the engine's."""
-    import os
     text = " ".join(harvard(sentences))
     report = {"engine": "shipped" if shipped else "tiny_random", "sentences": sentences, "chars": len(text),
               "cpu_cores": os.cpu_count(), "loads": []}
@@ -310,7 +316,6 @@ def burst_report(counts: list[int], sentences: int, shipped: bool) -> dict:
 def _cpu_seconds(threads: list[threading.Thread]) -> float:
     """CPU seconds (user + system) these threads of this process have used (Linux; 0 elsewhere): what the
     text threads cost whatever else loads the machine."""
-    import os
     total = 0.0
     for thread in threads:
         try:
@@ -478,6 +483,101 @@ def _simulated_chunks(arrived: list, durations: list[int], cfg, schedule: tuple)
     return out
 
 
+class Timeline:
+    """When each hand-off of a stream's start first happened, by spying on public methods (nothing in the engine
+    changes): the text arriving (`TextStream.push`), read into units and the hold (`TextStream.marks`), handed to
+    the engine (the text worker's hand-off), the engine's first tick with it (`Stream.schedule`: the tick that
+    encoded its first units, collected), its first chunk due (`CodecWorker.decode`), decoded (`Stream.deliver`).
+    The reader's side (a read, or bytes on the client's socket) the bench adds."""
+
+    STAGES = ("pushed", "read", "enough", "released", "handed", "first_tick", "chunk_due", "delivered")
+
+    def __init__(self, engine):
+        self.engine, self.marks = engine, {}
+        self._open, engine.open = engine.open, self._opened
+        self._handed, engine.text_worker.deliver = engine.text_worker.deliver, self._hand
+        self._decode, engine.codec_worker.decode = engine.codec_worker.decode, self._decoding
+
+    def close(self) -> None:
+        del self.engine.open, self.engine.codec_worker.decode
+        self.engine.text_worker.deliver = self._handed
+
+    def _opened(self, *args, **kwargs):
+        stream = self._open(*args, **kwargs)
+        marks = self.marks[stream] = {}
+        push, schedule, deliver = stream.text.push, stream.schedule, stream.deliver
+
+        def pushed(text):
+            marks.setdefault("pushed", time.perf_counter())
+            push(text)
+
+        def scheduled(*args):
+            marks.setdefault("first_tick", time.perf_counter())
+            schedule(*args)
+
+        def delivered(chunk):
+            marks.setdefault("delivered", time.perf_counter())
+            deliver(chunk)
+        stream.text.push, stream.schedule, stream.deliver = pushed, scheduled, delivered
+        return stream
+
+    def _hand(self, stream, news) -> None:
+        if isinstance(news, tuple) and news[0] and stream in self.marks:
+            self.marks[stream].setdefault("handed", time.perf_counter())
+        self._handed(stream, news)
+
+    def _decoding(self, rows, streams, codes, lengths) -> None:
+        for stream in streams:
+            if stream in self.marks:
+                self.marks[stream].setdefault("chunk_due", time.perf_counter())
+        self._decode(rows, streams, codes, lengths)
+
+    def row(self, started: float, heard: float) -> dict:
+        """The last stream's stages in ms after ``started`` (the first word sent), and ``heard`` (the reader)."""
+        stream, marks = self.marks.popitem()
+        marks |= stream.text.marks
+        return {k: round(1000 * (marks[k] - started), 2) for k in self.STAGES if k in marks} | {
+            "heard": round(1000 * (heard - started), 2)}
+
+
+def timeline_report(engine, sentences: list[str], rate: float, server_url: str | None = None) -> dict:
+    """Per stage of the start (`Timeline.STAGES`, then ``heard``: read by the caller, or on the client's socket
+    with ``server_url``), ms after the first word was sent at ``rate`` words/s: median and p90 over the
+    sentences, and the median of each stage's increment over the one before (the breakdown). Also the words
+    sent by the time the units were released, and the engine's step and tick times meanwhile."""
+    timeline = Timeline(engine)
+    rows, words_by_release = [], []
+    engine.step_ms.clear(), engine.tick_ms.clear()
+    try:
+        for k, sentence in enumerate(sentences):
+            started = time.perf_counter()
+            if server_url:
+                starts = []
+                _, arrivals, _ = speak_server(server_url, sentence, rate, starts=starts)
+                started = starts[0]
+            else:
+                _, arrivals, _ = speak_engine(engine, sentence, rate, None, k)
+            rows.append(timeline.row(started, started + arrivals[0][0]))
+            if "released" in rows[-1]:
+                words_by_release.append(1 + int(rows[-1]["released"] / 1000 * rate + 1e-9))
+    finally:
+        timeline.close()
+    stages = [s for s in (*Timeline.STAGES, "heard") if all(s in r for r in rows)]
+    report = {"words_per_s": rate, "sentences": len(rows), "path": "server" if server_url else "engine",
+              "ms_after_first_word": {s: {"p50": round(float(np.median([r[s] for r in rows])), 1),
+                                          "p90": round(float(np.percentile([r[s] for r in rows], 90)), 1)}
+                                      for s in stages},
+              "step_kind": engine.step_kind, "load_avg_1min": round(os.getloadavg()[0], 2),
+              "step_ms_p50": round(float(np.nanmedian(engine.step_ms.values())), 2),
+              "tick_ms_p50": round(float(np.nanmedian(engine.tick_ms.values())), 2),
+              "codec_ms_p50": round(float(np.nanmedian(engine.codec_ms.values()[:, 0])), 2)}
+    report["breakdown_p50_ms"] = {f"{a}->{b}": round(float(np.median([r[b] - r[a] for r in rows])), 1)
+                                  for a, b in zip(stages, stages[1:])}
+    if words_by_release:
+        report["words_sent_by_release_p50"] = float(np.median(words_by_release))
+    return report
+
+
 def pauses_report(engine, lengths_ms: list[int]) -> dict:
     """For <break time=...> between two words: the longest silence inside the utterance (20 ms frames
     40 dB under the peak) and the ASR's WER against the words (no babble in the pause), 3 seeds each."""
@@ -516,6 +616,7 @@ def main() -> None:
     parser.add_argument("--stalls", action="store_true", help="whose stalls: the text's or the engine's")
     parser.add_argument("--no-hold", action="store_true", help="no start hold (the engine path, --simulate, --stalls)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--timeline", action="store_true", help="where the first audio's time goes, stage by stage")
     args = parser.parse_args()
     lookaheads = [None if a in (None, "default") else a if a == "auto" else int(a) for a in args.lookahead]
     if args.quick:
@@ -541,8 +642,18 @@ def main() -> None:
         speak_engine(engine, sentences[0], 10, None, 0)  # warm-up, not counted
         print(json.dumps(stalls_report(engine, sentences, args.rates, not args.no_hold), indent=1))
         return
-    score = Scorer(not args.no_dnsmos)
     speak_engine(engine, sentences[0], 10, None, 0)  # warm-up, not counted
+    if args.timeline:
+        rates = [float(r) for r in args.rates if r != "1.2x"]
+        if args.server:
+            from server import ServerThread
+            with ServerThread(engine) as server:
+                report = [timeline_report(engine, sentences, r, server.ws_url) for r in rates]
+        else:
+            report = [timeline_report(engine, sentences, r) for r in rates]
+        print(json.dumps(report, indent=1))
+        return
+    score = Scorer(not args.no_dnsmos)
     clock = TextClock(engine)
     report = {"sentences": "harvard", "path": "server" if args.server else "engine", "hold": not args.no_hold}
     if args.server:

@@ -2,16 +2,15 @@
 
 Words are spoken as they arrive. A word is complete once whitespace follows it; it is spoken once
 ``lookahead_words`` complete words follow it (its right context), and never while it may still end its
-sentence or be changed by what comes next: with no lookahead (the default) a number waits for its unit
-("$5" million), a title for the next word ("St." Mark), "the" for its noun ("the apple" reads ðɪ). The open
+sentence or be changed in its words by what comes next: with no lookahead (the default) a number waits for its
+unit ("$5" million), a title for the next word ("St." Mark); a word whose sounds alone the next one changes does
+not wait ("the" is read as before a consonant, "on the" without espeak's linking: `FLUENT`). The open
 sentence is normalised and phonemised again as words arrive, over a window that starts `CONTEXT_WORDS` before
 the first word not yet spoken, and only that word onwards is taken: what was spoken is never changed. A
 sentence's ``$`` comes when its end is known. ``lookahead_words="auto"`` waits for whole sentences instead
 (or, without punctuation, for `PARTIAL_WORDS` words, and speaks all but the last two). ``flush``/``end``
 speak whatever is buffered. Until something is spoken a take reads one sentence: when many streams start at
-once, the text thread hands each its first sentence before it reads anyone's second. A stream's first
-`START_UNITS` units come sooner: they wait for a next word that changes the words, not for one that changes
-only the sounds, so the engine can start speaking a word or so earlier. An engine's stream (``hold_start``)
+once, the text thread hands each its first sentence before it reads anyone's second. An engine's stream (``hold_start``)
 holds its first units until a player starting at the first chunk would not run dry at the text's pace so far
 (`TextStream._may_start`): slow text starts later, fast text as soon as the engine can. The hold may also end
 between pieces (`TextStream.release_at`: waiting moves the player's deadlines later), and a text thread takes
@@ -33,8 +32,8 @@ import time
 from typing import Callable
 
 from streaming.slots import CHUNK_SCHEDULE
-from tts.normalize import (Token, complete_length, reads_by_next, sentence_end, sounds_by_next, speak,
-                           split_sentences, tokenize)
+from tts.normalize import Token, complete_length, reads_by_next, sentence_end, speak, split_sentences, tokenize
+from tts.codec import CodecConfig
 from tts.model import ModelConfig
 from tts.text import MAX_TEXT_CHARS, SYMBOL_ID, TextError, sentence_units
 
@@ -43,19 +42,20 @@ PARTIAL_WORDS = 12  # "auto": a sentence without an end is spoken once this many
 CONTEXT_WORDS = 8  # words before the first unspoken one that are phonemised with it (espeak's left context)
 _TO_COME = Token("people", 0, 0)  # never taken: its index is past every ready token
 _GAP = " ,;:"  # units between two words of a sentence
-# A stream's first START_UNITS units wait only for a next word that changes the words ("$5" million), not for
-# one that changes only the sounds ("the" apple: ðɪ; "on the": ɔnðə): a word espeak sounds by the next one is
-# read as before any word, and the gap after the last word goes with it (`TextStream._first_gap`). The
-# engine's first step needs about that many units (the shipped model: text_lookahead 6 + ahead 4 + 1 = 11),
-# the units of two or three words. Measured on the 720 Harvard sentences with lookahead 0 (`--units`): the
-# first step's units are there after the 2nd word for 51 % of them, the 3rd for 99 % (26 % and 78 % when the
-# first units wait as later ones do); 609 sentences get the units of the whole sentence (676).
-START_UNITS = 16
-# Complete words after a word before it is spoken. 0: at once, unless the next word can change it
-# (`tts.normalize.needs_next`; see START_UNITS for a stream's first units). Measured on 720 Harvard sentences
-# (`python -m bench.incremental --units`): the same units as whole sentences for 609 (0), 719 (1) and 720 (2);
-# the rest differ by a linking glide, a stress mark or a first word's sound. Each word of lookahead costs a
-# word's time before the first sound (100 ms at 10 words/s).
+# FLUENT (lookahead 0): words wait only for a next word that changes the words ("$5" million), not for one that
+# changes only their sounds ("the" apple: ðɪ; "on the": ɔnðə): such a word is read as before any word, and the gap
+# after the last complete word goes with it (`TextStream._gap_with_word`). Why: the engine speaks a unit only once
+# 11 more are there (text_lookahead 6 + ahead 4 + 1), and with Harvard sentences' many "the"s and "on the"s, words
+# waiting for their next made the text come in lumps (4, 7, 7, 5, 0, 0, 12 units a word for "The birch canoe slid
+# on the smooth"), which the start hold had to wait out and which still stalled. Before, only a stream's first 16
+# units read this way. Cost, 720 Harvard sentences (lookahead 0): units equal to the whole sentence's in 476 (609
+# before), unit edit rate 1.4 % (0.4 %), the edits ðə for ðɪ and espeak's linking; no word lost (`_swallowed`).
+# Whisper WER of the first 50 word by word at 5 / 10 / 20 w/s and 1.2x: 12.4 / 11.2 / 11.9 / 12.4 % against 13.4 %
+# sent whole (the same seeds), DNSMOS 2.79 / 2.77 / 2.81 / 2.79 against 2.76. Modelled on 100 (`--simulate`,
+# 100-199, main's hold): stalls/min at 5 / 10 / 20 w/s and 1.2x 5.9 / 2.2 / 0.3 / 3.0 -> 0.5 / 0 / 0.3 / 0.7 with
+# the same or sooner first audio. A lookahead of 1 or more still gives the whole sentence's units.
+# Complete words after a word before it is spoken. 0: at once, unless the next word can change its words. Each
+# word of lookahead costs a word's time before the first sound (100 ms at 10 words/s).
 DEFAULT_LOOKAHEAD = 0
 # A stream's first units are handed on only once a player starting at the first chunk is predicted never to run
 # dry at the text's pace so far (`TextStream._may_start`). Why: the engine speaks a frame once ENGINE_UNITS follow
@@ -66,16 +66,20 @@ DEFAULT_LOOKAHEAD = 0
 # not (at 10 words/s the units of the first chunk are about enough).
 SPEECH_UNITS_PER_S = 17.4  # the shipped voices at speed 1: 3.16 words/s, 5.47 units a word (Harvard sentences)
 UNITS_PER_CHAR = 1.08  # units per character of English text, spaces included (720 Harvard sentences)
-FRAME_S = 0.02  # ENGINE_UNITS and DELAY_FRAMES come from the model's config (`engine_lookahead`)
-# A piece's units are counted 1.5 pieces after it comes: a word that the next can change waits for it, and "on the"
-# waits for its noun ("The birch canoe slid on the smooth": 4, 7, 7, 5, 0, 0, 12 units a word); that is what made
-# the starts that stalled (modelled, every stall came at chunks 2-6 with the text mid-sentence). The hold may also
-# end between pieces (`release_at`). Modelled on Harvard sentences 100-299 (`bench.incremental --simulate`), mean
-# first audio and stalls/min at 5 / 10 / 20 w/s and 1.2x, before (pieces counted on arrival, 2 units of margin,
-# starts only when a piece comes) -> now: 819 / 316 / 161 / 1093 ms, 6.9 / 4.1 / 0.1 / 10.8 -> 831 / 341 / 188 /
-# 1285 ms, 4.6 / 1.2 / 0.1 / 2.6. Other points: lag 1 (317 ms and 2.4 stalls/min at 10 w/s, 13.0 at 1.2x); lag 2
-# (384 ms, 0.7; 0.9); lag 1.5 and a unit of margin (372 ms, 0.7; 1.1).
-PIECE_LAG = 1.5
+FRAME_S = 1 / CodecConfig().frame_rate  # 20 ms; ENGINE_UNITS and DELAY_FRAMES come from the model's config
+# The margin: text at up to LAG_PACE times the speaking rate has each piece's units counted PIECE_LAG pieces after
+# it comes; faster text proportionally fewer (10 words/s, 3.2 times the speaking rate: 0.75 pieces, 75 ms; 20 w/s
+# 0.38). Why: a piece's units may come later than the piece (a number waits for its unit, "slid." for the next
+# word, the gap after a word for the next), and pieces differ in size. Slow text needs the margin in whole pieces,
+# as the player is then ahead of it for seconds; fast text is past the player within a few chunks, where a margin
+# of pieces would only cost time (at 10 w/s a piece of lag is 100 ms of first audio). Modelled on Harvard sentences
+# 100-199 (`bench.incremental --simulate`, FLUENT), first audio p50 and stalls/min at 5 / 10 / 20 w/s and 1.2x:
+# lag 1.5 at every pace 834 / 344 / 182 / 1111 ms, 0.5 / 0 / 0.3 / 0.7; lag 1: 735 / 294 / 163 / 1022, 4.5 / 0.3
+# / 0.3 / 5.5; lag 0.5: 634 / 262 / 141 / 890, 8.4 / 0.7 / 0.3 / 12.6; these (2, 1.2): 825 / 282 / 144 / 1211,
+# 1.2 / 0.5 / 0.3 / 0.5; (1.5, 1.5): 806 / 282 / 144 / 1111, 1.5 / 0.5 / 0.3 / 1.7. At 10 w/s 282 ms is the 3rd
+# word (200 ms) and the simulated engine's 82 ms: no margin starts sooner where the first chunk needs 3 words.
+PIECE_LAG = 2.0
+LAG_PACE = 1.2
 START_LATENCY_S = 0.07  # from the start to the first chunk on 2 cores (`bench.incremental`'s engine_ms, whole text)
 HOLD_HORIZON_FRAMES = 150  # the prediction looks 3 s ahead: text slower than speech waits that long, then stalls
 
@@ -120,8 +124,8 @@ class TextStream:
         self._in_sentence = False  # its '^' was taken, its '$' not yet
         self._done = 0  # tokens of the open sentence whose units were all taken
         self._partial = 0  # units of token _done already taken (espeak joined it to the next word)
-        self._gap_taken = False  # the gap after the last unit taken was taken (`_first_gap`)
-        self._units_taken = 0
+        self._gap_taken = False  # the gap after the last unit taken was taken (`_gap_with_word`)
+        self._read_alone = False  # the last word taken was the last word there (`_swallowed`)
         self._held: list[int] | None = [] if hold_start else None  # units held before the start (None: started)
         self._may_hold = True  # False: held units go with the next take (`hold_off`)
         self._engine_units, self._delay_frames = engine_lookahead(
@@ -132,6 +136,10 @@ class TextStream:
         self._lock = threading.Lock()
         self.spoken_any = False
         self._timings = _WordTimings()
+        # When (`clock`) the start went through its stages, the first time each happened (a stats-only timeline,
+        # `bench.incremental --timeline`): "read" units first read, "enough" the units held first covered the
+        # first chunk (what a start without a pace waits for), "released" units first handed on
+        self.marks: dict[str, float] = {}
 
     # ---- caller side ----------------------------------------------------------------------------
     def push(self, text: str) -> None:
@@ -192,8 +200,8 @@ class TextStream:
         waiting makes a start safer, as the player's deadlines move later while the text keeps its pace. None:
         nothing held, or not before the next piece (whose take decides again). A text thread takes again then
         (`take` re-checks the hold without new text). Example, 5 words/s, "The birch canoe " (18 units held at
-        0.4 s, short of what a start then needs): 0.552 s, before the 4th piece is due at 0.6 s (each chunk's
-        deadline is 152 ms later, so more of the pieces to come are counted against it)."""
+        0.4 s, short of what a start then needs): 0.509 s, before the 4th piece is due at 0.6 s (each chunk's
+        deadline is 109 ms later, so more of the pieces to come are counted against it)."""
         with self._lock:
             if not self._held or not self._may_hold or len(self._pushes) < 2:
                 return None
@@ -223,7 +231,7 @@ class TextStream:
         units, consumed = [], 0
         for start, stop, closed in spans:
             sentence = tokens[start:stop]
-            units += self._speak(sentence, len(sentence) if closed else self._ready(sentence), closed)
+            units += self._speak(sentence, len(sentence) if closed else self._ready(sentence, usable < ready), closed)
             consumed = sentence[-1].end if closed else self._forget_spoken(sentence, consumed)
         self._text = "" if closes and not text[consumed:].strip() else text[consumed:]
         self._dirty = usable < ready or later  # the rest comes in the next takes
@@ -233,12 +241,20 @@ class TextStream:
     def _start(self, ids: list[int], closes: bool) -> tuple[list[int], bool]:
         """Hold a stream's first units until `_may_start` (or a flush or the end closes them); then hand them
         on, and every later take's units at once."""
+        if ids:
+            self.marks.setdefault("read", self.clock())
         if self._held is None:
+            if ids:
+                self.marks.setdefault("released", self.marks["read"])
             return ids, closes
         self._held += ids
+        if len(self._held) >= self._first_chunk_units():
+            self.marks.setdefault("enough", self.clock())
         if not closes and self._may_hold and not self._may_start(len(self._held)):
             return [], False
         ids, self._held = self._held, None
+        if ids:
+            self.marks["released"] = self.clock()
         return ids, closes
 
     def _every(self) -> float:
@@ -247,40 +263,51 @@ class TextStream:
 
     def _may_start(self, units: int, at: float | None = None) -> bool:
         """Whether the engine, given ``units`` now and the rest at the text's pace so far (a piece of the mean
-        size every mean interval, counted PIECE_LAG pieces late), would hand out every chunk before a player that
-        starts at the first one (START_LATENCY_S after ``at``, default now) reaches it. A chunk ending at frame E
-        goes out once frame E - 1 is complete, i.e. step E + 6 ran, whose unit needs ENGINE_UNITS - 1 after it:
-        ``(E + 6) * 0.348 + 11`` units (17.4 units/s of speech); it is due when the player reaches its first
-        frame. Example, 10 words/s ("The ", "birch ", "canoe ": 6.5 units a piece every 100 ms): after "birch "
-        11 units wait (the first chunk needs 8 * 0.348 + 11 = 13.8); after "canoe " 18 start: the 3rd chunk
-        (frames 6-13, due 0.19 s after the start, no piece counted by then) needs 20 * 0.348 + 11 = 18.0, the 4th
-        (frames 14-29, due 0.35 s after) 23.5 of the 24.5 or more there, and each later one 5.6 more per 16 frames
-        while 6.5 come every 5. Text in one piece so far (no pace known: a text sent whole, or a client's first
-        batch of words) starts once the first chunk's 13.8 are there (the engine waits for about that many)."""
-        per_frame = SPEECH_UNITS_PER_S * FRAME_S
+        size every mean interval, counted ``lag`` pieces late: PIECE_LAG, fewer for text faster than LAG_PACE
+        times speech), would hand out every chunk before a player that starts at the first one (START_LATENCY_S
+        after ``at``, default now) reaches it. A chunk ending at frame E goes out once frame E - 1 is complete,
+        i.e. step E + 6 ran, whose unit needs ENGINE_UNITS - 1 after it: ``(E + 6) * 0.348 + 11`` units (17.4
+        units/s of speech); it is due when the player reaches its first frame. Example, 10 words/s ("The ",
+        "birch ", "canoe ": 6.5 units a piece every 100 ms; lag 2 * 1.2 * 1.74 / 6.5 = 0.64 pieces): after
+        "birch " 11 units wait, and the first chunk needs 8 * 0.348 + 11 = 13.8; the check passes from 0.194 s,
+        when the first chunk would play at 0.264 s, after "canoe " (due at 0.2 s) is counted at 0.264 s; the
+        3rd chunk (frames 6-13, due 0.12 s after the first) needs 18.0 of the 24 counted by then, and each later
+        one 5.6 more per 16 frames while 6.5 come every 5. Text in one piece so far (no pace known: a text sent
+        whole, or a client's first batch of words) starts once the first chunk's 13.8 are there (the engine
+        waits for about that many)."""
         if len(self._pushes) < 2 or self._pushes[1] <= self._pushes[0]:  # no pace known: the first chunk's units
-            return units >= (CHUNK_SCHEDULE[0] + self._delay_frames - 1) * per_frame + self._engine_units
+            return units >= self._first_chunk_units()
         last, every = self._pushes[1], self._every()
         piece = UNITS_PER_CHAR * (self._chars - self._first_chars) / (self._pieces - 1)  # units a piece
         since = (self.clock() if at is None else at) - last + START_LATENCY_S  # last piece -> first chunk plays
+        lag = PIECE_LAG * min(1.0, LAG_PACE * SPEECH_UNITS_PER_S * every / max(piece, 1e-9))
         played, end, sizes = 0, 0, iter(CHUNK_SCHEDULE)
         while played < HOLD_HORIZON_FRAMES:  # chunk by chunk: due when the player reaches its first frame
             played, end = end, end + next(sizes, CHUNK_SCHEDULE[-1])
-            needed = (end + self._delay_frames - 1) * per_frame + self._engine_units
-            pieces = max(0.0, (played * FRAME_S + since - PIECE_LAG * every) // every)  # to come and be read by then
+            needed = self._units_for(end)
+            pieces = max(0.0, (played * FRAME_S + since - lag * every) // every)  # to come and be read by then
             if units + piece * pieces < needed:
                 return False
         return True
 
-    def _ready(self, tokens: list[Token]) -> int:
-        """How many of an open sentence's complete tokens may be spoken now."""
+    def _units_for(self, end: int) -> float:
+        """Units the engine needs to hand out a chunk ending at frame ``end`` (`_may_start`). Example, the shipped
+        shapes (11 units, 7 delay frames): end 2 -> (2 + 6) * 0.348 + 11 = 13.8."""
+        return (end + self._delay_frames - 1) * SPEECH_UNITS_PER_S * FRAME_S + self._engine_units
+
+    def _first_chunk_units(self) -> float:
+        return self._units_for(CHUNK_SCHEDULE[0])
+
+    def _ready(self, tokens: list[Token], more: bool = False) -> int:
+        """How many of an open sentence's complete tokens may be spoken now; ``more``: complete words follow
+        beyond this take (a long text read TAKE_CHARS at a time), so the last word waits to be read with them."""
         n = len(tokens)
         if self.lookahead_words == "auto":
             return n - 2 if n - self._done >= PARTIAL_WORDS else 0
         ready = n - self.lookahead_words
         last = tokens[-1]
-        if ready == n and (reads_by_next(last) or sounds_by_next(last) and self._units_taken >= START_UNITS):
-            ready -= 1  # the next word may change it (a stream's first units wait only for changed words)
+        if ready == n and (reads_by_next(last) or more):
+            ready -= 1  # the next word may change its words (FLUENT: not for its sounds alone), or is there
         if ready == n and sentence_end(tokens, n - 1) is None:
             ready -= 1  # "slid." may end the sentence: its '.' and '$' or not
         return ready
@@ -290,14 +317,15 @@ class TextStream:
         if not closed and ready <= self._done:
             return []
         units, owners = self.reader(tokens, max(0, self._done - CONTEXT_WORDS), closed)
+        if self._in_sentence and self._swallowed(tokens, owners, len(tokens) if closed else ready):
+            units, owners = self.reader(tokens, self._done, closed)  # without the words already spoken
         start = self._resume(units, owners) if self._in_sentence else 0
         cut = len(units) if closed else self._cut(units, owners, start, ready)
-        if not closed and self._units_taken < START_UNITS:
-            cut = self._first_gap(units, owners, cut, len(tokens))
+        if not closed:
+            cut = self._gap_with_word(units, owners, cut, len(tokens))
         if cut > start:
             self._gap_taken = not closed and owners[cut - 1] < 0 and units[cut - 1] in _GAP
         taken = units[start:cut]
-        self._units_taken += len(taken)
         self._timings.add(tokens, owners[start:cut])
         if closed:
             self._timings.close_sentence(len(tokens))
@@ -309,9 +337,24 @@ class TextStream:
                 last = taken_words[-1]
                 whole = last not in owners[cut:]
                 self._done, self._partial = (last + 1, 0) if whole else (last, taken_words.count(last))
+                self._read_alone = self._done == len(tokens)  # read before any next word (`_swallowed`)
             self._timings.complete(self._done)
         self.spoken_any = self.spoken_any or any(u.isalpha() for u in taken)
         return taken
+
+    def _swallowed(self, tokens: list[Token], owners: list[int], ready: int) -> bool:
+        """Whether a word to take now owns no unit: espeak joined it into a word already spoken, read before this
+        one came (FLUENT). Example: "of " was taken as ʌv (read as "of people"); with "a " come, "of a" reads
+        əvə, all of it the spoken "of"'s, so "a" would be lost: it is read again without "of" (ɐ)."""
+        if not self._read_alone:
+            return False  # spoken as read with the words after it: what espeak joined to it went with it
+        first = self._done + (1 if self._partial else 0)
+        for k in range(first, ready):
+            if k in owners:
+                return False  # a word not yet spoken owns units before any later one could have lost its own
+            if tokens[k].kind == "word" and any(c.isalnum() for c in tokens[k].text):
+                return True
+        return False
 
     def _forget_spoken(self, tokens: list[Token], consumed: int) -> int:
         """Where the text kept for the next take may start: a long open sentence drops the words no later
@@ -327,7 +370,7 @@ class TextStream:
     def _resume(self, units: list[str], owners: list[int]) -> int:
         """Where the units not yet taken start: after the last unit of the tokens before _done, and after
         the first _partial units of token _done, and after the gap that follows if it was taken
-        (`_first_gap`). Example: owners [-1, 0, 0, -1, 1, 1, 2], _done 2 -> 6."""
+        (`_gap_with_word`). Example: owners [-1, 0, 0, -1, 1, 1, 2], _done 2 -> 6."""
         position, seen = 1, 0
         for k, owner in enumerate(owners):
             if 0 <= owner < self._done:
@@ -339,13 +382,12 @@ class TextStream:
             position += 1
         return position
 
-    def _first_gap(self, units: list[str], owners: list[int], cut: int, complete: int) -> int:
-        """Among a stream's first START_UNITS units, the gap after the last complete word goes with it when
-        every complete word is taken: the engine's first step needs the units of about two words and a half
-        (the text encoder's right context and the step's lookahead), and this gap is often the one unit
-        missing. The gap is read before the next word arrives, as before any word (`_TO_COME`): wrong only where
-        espeak would run the two words together, almost only before "the" ("on the" -> ɔnðə): 3 % of the word
-        gaps of the Harvard sentences. Example: ^ ð ə ␣ b ˈ ɜ ː t ʃ ␣ p ... ("The birch "): cut 10 -> 11."""
+    def _gap_with_word(self, units: list[str], owners: list[int], cut: int, complete: int) -> int:
+        """The gap after the last complete word goes with it when every complete word is taken (FLUENT): the
+        engine speaks a unit once 11 more are there, and this gap is often the one unit missing. The gap is read
+        before the next word arrives, as before any word (`_TO_COME`): wrong only where espeak would run the two
+        words together, almost only before "the" ("on the" -> ɔnðə): 3 % of the word gaps of the Harvard
+        sentences. Example: ^ ð ə ␣ b ˈ ɜ ː t ʃ ␣ p ... ("The birch "): cut 10 -> 11."""
         if cut == 0 or owners[cut - 1] != complete - 1:
             return cut
         k = cut

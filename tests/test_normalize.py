@@ -327,10 +327,14 @@ def test_plain_words_read_as_the_rules_read_them():
     from tts.normalize_rules import Context, by_rules, first_rule, plain_word
     texts = [raw for raw, _ in CASES] + (HARVARD.read_text().splitlines() if HARVARD.exists() else [])
     named = {w for table in (tables.MONTH_OF, tables.TITLES, tables.ABBREVIATIONS, tables.BEFORE_NUMBER,
-                             tables.SYMBOL_WORDS, tables.UNITS, tables.JOINING_WORDS, tables.ROMAN_CARDINAL_AFTER,
+                             tables.SYMBOL_WORDS, tables.UNITS, tables.ROMAN_CARDINAL_AFTER,
                              tables.REGNAL_TITLES, tables.CURRENCY_CODES, tables.MAGNITUDES) for w in table}
     texts += [f"{w} {w.capitalize()} {w.upper()} 5 {w} {w}. {w.capitalize()} 4 {w}'s" for w in sorted(named)]
     texts += ["I V X IV MIX CD Dr Mr St vs etc ½ ² café naïve co-op rock'n'roll O'Neil '90s", "Henry VIII I saw"]
+    function_words = ("the a an to of in on at for and or nor as by from with into onto upon than that is was be are "
+                      "were it its his her their my your our this these those he she we they i you not no but so if "
+                      "over under").split()
+    texts += [f"{w} {w.capitalize()} {w.upper()} 5 {w} {w}. {w.capitalize()} 4 {w}'s" for w in function_words]
     plain = 0
     for text in texts:
         for start, stop, _ in split_sentences(tokenize(text), final=True):

@@ -41,12 +41,17 @@ def test_word_by_word_equals_whole(text, lookahead):
 
 
 @pytest.mark.parametrize("text", SENTENCES)
-def test_no_lookahead_differs_at_most_by_stress_and_linking_sounds(text):
+def test_no_lookahead_differs_at_most_in_how_function_words_sound_and_loses_no_word(text):
+    """Lookahead 0 reads a word before its next one comes (FLUENT): "the" as before a consonant, no linking,
+    and a word espeak would join into one already spoken ("of a": əvə) is read on its own, not lost."""
     from rapidfuzz.distance import Levenshtein
     got, want = "".join(word_by_word(text, 0)), whole(text)
-    plain = str.maketrans("", "", "ʲɹˈˌ")
-    assert got.translate(plain) == want.translate(plain)
-    assert Levenshtein.distance(got, want) <= 0.02 * len(want)
+    assert Levenshtein.distance(got, want) <= 0.05 * len(want)
+    plain = str.maketrans("", "", "ʲɹˈˌ ")
+    words = {"ðɪ": "ðə", "əvə": "ʌvɐ"}  # the function words' other sounds
+    for theirs, ours in words.items():
+        want = want.translate(plain).replace(theirs, ours)
+    assert got.translate(plain) == want
 
 
 def test_llm_pieces_speak_only_complete_words():
@@ -65,16 +70,25 @@ def test_lookahead_zero_speaks_a_content_word_at_once_and_holds_what_the_next_wo
         stream.push(piece)
     assert spell(stream.take()[0]) == "pˈeɪd"  # later gaps wait for the next word
     stream.push("million ")
-    assert spell(stream.take()[0]) == " fˈaɪv mˈɪliən dˈɑːlɚz "  # still among the first units (START_UNITS)
-    stream.push("the ")  # "the" waits for its next word ("the apple": ðɪ)
-    assert stream.take() == ([], False)
+    assert spell(stream.take()[0]) == " fˈaɪv mˈɪliən dˈɑːlɚz "  # the gap after the last word comes with it
+    stream.push("the ")  # read before its next word comes (FLUENT): as before a consonant
+    assert spell(stream.take()[0]) == "ðə "
     stream.push("apple ")
-    assert spell(stream.take()[0]).startswith("ðɪ")
+    assert spell(stream.take()[0]).startswith("ˈæpəl")
 
 
-def test_a_streams_first_units_wait_only_for_words_that_change_the_words():
-    """Among the first START_UNITS units a word espeak sounds by the next one is read as before any word
-    (sooner first audio; "the" apple gets ðə, not ðɪ), and its gap comes with it; a number still waits."""
+def test_a_word_espeak_joins_into_one_already_spoken_is_read_on_its_own():
+    stream = TextStream(lookahead_words=0)
+    taken = []
+    for piece in ["The ", "depth ", "of ", "a ", "well "]:
+        stream.push(piece)
+        taken.append(spell(stream.take()[0]))
+    assert taken[2:] == ["ʌv ", "ɐ ", "wˈɛl "]  # "of a" reads əvə, all of it the spoken "of"'s
+
+
+def test_words_wait_only_for_words_that_change_the_words():
+    """A word espeak sounds by the next one is read as before any word (FLUENT: "the" apple gets ðə, not ðɪ),
+    and its gap comes with it; a number still waits."""
     stream = TextStream(lookahead_words=0)
     stream.push("The ")
     assert spell(stream.take()[0]) == "^ðə "
@@ -94,7 +108,7 @@ def test_sentence_end_comes_with_the_next_word_or_the_end():
     stream.push("Li. ")
     assert "dˈɑːktɚ" in spell(stream.take()[0])
     stream.push("Then ")
-    assert spell(stream.take()[0]).endswith(".$^ðˈɛn")
+    assert spell(stream.take()[0]).endswith(".$^ðˈɛn ")
 
 
 def test_auto_waits_for_sentence_ends_or_twelve_words():
@@ -342,3 +356,17 @@ def test_synthesize_stream_hold_false_speaks_slow_text_before_it_ends(tiny_engin
     heard.set()
     for _ in chunks:  # and on to the end, which the text source now gives
         pass
+
+
+def test_marks_say_when_the_start_was_read_covered_and_released():
+    """The stats-only timeline of a held start (`TextStream.marks`, `bench.incremental --timeline`), on the
+    virtual clock: units first read with the first word, released with a later one, never before they were
+    read; a stream without the hold releases what it reads at once."""
+    held, unheld = _Clocked(hold_start=True), _Clocked()
+    for i, piece in enumerate(WORDS[:6]):
+        _Clocked.now = i / 10
+        for stream in (held, unheld):
+            stream.push(piece)
+            stream.take()
+    assert held.marks["read"] == unheld.marks["read"] == unheld.marks["released"] == 0.0
+    assert 0.0 < held.marks["enough"] <= held.marks["released"] <= 0.5

@@ -31,7 +31,7 @@ import unicodedata
 from dataclasses import dataclass
 
 from tts.normalize_rules import Context, clean, first_rule, split_token
-from tts.normalize_tables import BEFORE_NUMBER, CURRENCY_CODES, JOINING_WORDS, MONTH_OF, NONFINAL, TITLES
+from tts.normalize_tables import BEFORE_NUMBER, CURRENCY_CODES, MONTH_OF, NONFINAL, TITLES
 
 PAUSE_MS_DEFAULT = 500
 
@@ -155,12 +155,6 @@ def sentence_end(tokens: list[Token], i: int) -> bool | None:
     return True
 
 
-def needs_next(token: Token) -> bool:
-    """May the next word change how this one is read? Its words (`reads_by_next`) or its sounds
-    (`sounds_by_next`)."""
-    return reads_by_next(token) or sounds_by_next(token)
-
-
 def reads_by_next(token: Token) -> bool:
     """May the next word change the words this one is read as? A number ("5" kg, "$5" million, "10" am), a
     month ("March" 4), a title or abbreviation ("St." Mark or Main St.)."""
@@ -168,11 +162,6 @@ def reads_by_next(token: Token) -> bool:
     key = core.rstrip(".").lower()
     return token.kind == "word" and (any(c.isdigit() for c in core) or key in MONTH_OF or key in TITLES
                                      or key in BEFORE_NUMBER or core.upper() in CURRENCY_CODES)
-
-
-def sounds_by_next(token: Token) -> bool:
-    """Does espeak sound this word by the next one ("the" apple: ðɪ; "on the": ɔnðə)?"""
-    return token.kind == "word" and split_token(clean(token.text))[1].rstrip(".").lower() in JOINING_WORDS
 
 
 def split_sentences(tokens: list[Token], final: bool) -> list[tuple[int, int, bool]]:

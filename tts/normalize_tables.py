@@ -102,10 +102,6 @@ ROMAN_CARDINAL_AFTER = {"chapter", "part", "volume", "vol", "book", "act", "scen
 REGNAL_TITLES = {"king", "queen", "pope", "emperor", "empress", "tsar", "czar", "prince", "princess", "duke",
                  "sultan", "pharaoh", "kaiser", "saint"}
 
-# Words espeak reads by the word after them ("the apple": ðɪ; "on the": ɔnðə); with no lookahead they wait.
-JOINING_WORDS = set("the a an to of in on at for and or nor as by from with into onto upon than that is was be are "
-                    "were it its his her their my your our this these those he she we they i you not no but so if "
-                    "over under".split())
 
 FRACTION_NAMES = {2: ("half", "halves"), 4: ("quarter", "quarters")}
 VULGAR_FRACTIONS = {"½": (1, 2), "⅓": (1, 3), "⅔": (2, 3), "¼": (1, 4), "¾": (3, 4), "⅕": (1, 5), "⅖": (2, 5),
