@@ -7,6 +7,7 @@ before any gets its second. A stream whose start is held takes again when its ho
 (`TextStream.release_at`), not only when the next piece comes."""
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import threading
@@ -52,17 +53,25 @@ class TextWorker:
                 if stream.cancelled or stream.finished:
                     continue
                 try:
-                    news = stream.take_text() + (stream.text.spoken_any,)
-                except TextError as err:
-                    news = err
-                except Exception as err:  # the front end choked on this stream's text: it alone fails
-                    news = TextError(f"this text could not be read: {type(err).__name__}: {err}")
-                self.deliver(stream, news)
-                if isinstance(news, tuple) and news[0]:
-                    self.arrived(stream)  # there may be more: take again after the others
-                elif isinstance(news, tuple) and not stream.detaching and (at := stream.text.release_at()) is not None:
-                    with self._lock:
-                        heapq.heappush(self._timers, (at, next(self._ties), stream))
+                    self._take(stream)
+                except Exception as err:  # a fault past the front end (a bug): this stream fails, not the thread
+                    with contextlib.suppress(Exception):  # that every other stream's text needs
+                        self.deliver(stream, TextError(f"this text could not be read: {type(err).__name__}: {err}"))
+
+    def _take(self, stream: Stream) -> None:
+        """One take of a stream's text, handed on; then queued to take again, or a timer set for its hold."""
+        try:
+            news = stream.take_text() + (stream.text.spoken_any,)
+        except TextError as err:
+            news = err
+        except Exception as err:  # the front end choked on this stream's text: it alone fails
+            news = TextError(f"this text could not be read: {type(err).__name__}: {err}")
+        self.deliver(stream, news)
+        if isinstance(news, tuple) and news[0]:
+            self.arrived(stream)  # there may be more: take again after the others
+        elif isinstance(news, tuple) and not stream.detaching and (at := stream.text.release_at()) is not None:
+            with self._lock:
+                heapq.heappush(self._timers, (at, next(self._ties), stream))
 
     def _due_in(self) -> float | None:
         """Seconds to the next timer (None: none), once those due are queued."""

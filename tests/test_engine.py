@@ -249,6 +249,21 @@ def test_a_stream_whose_text_breaks_the_front_end_fails_alone(engine, monkeypatc
     np.testing.assert_allclose(results["good"], synthesize(TEXT * 2, engine=engine), atol=1e-5)
 
 
+def test_a_fault_after_a_streams_text_is_read_fails_it_and_the_text_thread_goes_on(engine):
+    """A bug met after the front end (here: its hold timer) fails that stream; the text thread, which every
+    stream's text needs, keeps reading the others' (it used to end, leaving later streams waiting forever)."""
+    def broken_release_at():
+        raise AttributeError("a job without a hold")
+
+    bad = engine.open()
+    bad.text.release_at = broken_release_at  # this stream's front end only
+    bad.push_text("This is")  # no end: the take hands out nothing yet, so the thread asks for its timer
+    with pytest.raises(TextError, match="could not be read"):
+        while bad.read(timeout=30) is not None:
+            pass
+    np.testing.assert_allclose(speak(engine, TEXT), synthesize(TEXT, engine=engine), atol=1e-5)
+
+
 def test_a_fault_in_the_batch_fails_its_streams_and_the_engine_recovers():
     engine = tiny_random(max_streams=2, sampling=GREEDY)
     expected = synthesize(TEXT, engine=engine)
