@@ -77,6 +77,10 @@ SWITCH_INTERVAL_S = 0.0005
 STAGING_ROWS = 64  # a GPU parks and restores up to this many streams per batched copy
 CPU_STREAMS = 8  # default slots on a CPU: a step costs what its active slots cost, so idle slots are free
 GPU_STREAMS_CAP = 1024  # default cap on a GPU; memory would allow far more (`default_max_streams`)
+# On the CPU, while a new stream waits for its first chunk, streams whose audio is more than this far ahead of
+# real time (since their first chunk) are not stepped: the ticks and the codec serve the newcomer's first audio
+# first, and theirs is still early (`_deferrals`).
+DEFER_LEAD_S = 1.0
 BLEND_PREFIXES = 64  # blends whose prefix keys/values stay cached (64 KB each for the shipped model)
 
 
@@ -116,6 +120,7 @@ class Utterance:
     closed_upto: int = -1  # units up to here were closed by a flush: speak them without more lookahead
     text_ended: bool = False
     spoke: bool = False
+    sounded: bool = False  # a chunk of it has been handed out (the next is not its first)
     done: bool = False  # its last chunk is handed out
     encoded: int = 0  # units encoded, encodable and its aligned unit, kept here while it holds no slot
     encodable: int = 0
@@ -216,6 +221,10 @@ class Engine:
         self._encodable = np.zeros(batch, dtype=np.int64)  # units that may be encoded now, per slot
         self._unit = np.zeros(batch, dtype=np.int64)  # each slot's aligned unit at the last collected tick
         self._live = np.zeros(batch, dtype=bool)
+        # CPU: which slots' streams wait for their first chunk, and each slot's audio handed out (s) since when
+        self._awaiting = np.zeros(batch, dtype=bool)
+        self._handed_s = np.zeros(batch)
+        self._handed_since = np.zeros(batch)
         self._generation = np.zeros(batch, dtype=np.int64)  # counts the streams each slot has held
         # Parking: a slot is stalled from the launch of the first tick after its last event in which it could not
         # step (events are what change a stalled slot's device state, so it stays stalled until the next one).
@@ -224,7 +233,7 @@ class Engine:
         self._restores: deque[Utterance] = deque()  # parked streams with work to do, waiting for a slot: first
         self._starts: deque[Utterance] = deque()  # new streams waiting for a slot
         self._parking: list[Utterance] = []  # holds and detaches waiting for the tick in flight (frame codec)
-        self.counters = {"parks": 0, "restores": 0, "slot_waits": 0}
+        self.counters = {"parks": 0, "restores": 0, "slot_waits": 0, "deferred_ticks": 0}
         self.slot_wait_ms = Recent(FIGURES_KEPT)
         self._todo = _DeviceUpdates()  # event updates for the device, applied at the next tick
         self._codec_resets: list[int] = []  # slots whose frame decoder state restarts at the next tick
@@ -232,6 +241,7 @@ class Engine:
         self._any_ready = False  # whether the last collected tick had a slot ready to step
         self._ticks = 0
         self._inflight: deque = deque()
+        self._unstepped: list[Utterance] = []  # started, not yet stepped: their first step is marked (`_collect`)
         self._handlers = {"start": self._on_start, "cancel": self._on_cancel, "text": self._on_text,
                           "flow": self._on_flow, "warm": self._on_warm, "attach": self._on_attach,
                           "hold": self._on_hold}
@@ -311,7 +321,21 @@ class Engine:
                 "max_open": self.max_open, "slots_used": int(self._live.sum()), "waiting_for_slot":
                 len(self._starts) + len(self._restores), **self.counters, "slot_wait_ms": recent(self.slot_wait_ms),
                 "parking": self.store.stats(), "step_kind": self.step_kind, "tick_ms": recent(self.tick_ms),
-                "step_ms": recent(self.step_ms), "codec_ms": recent(self.codec_ms, 0)}
+                "step_ms": recent(self.step_ms), "codec_ms": recent(self.codec_ms, 0),
+                "slowest_ticks_ms": self._slowest_ticks(),
+                "codec_queued": 0 if self.frame_codec else self.codec_worker.queued}
+
+    def _slowest_ticks(self, last: int = 2000) -> dict:
+        """What the slowest 1 % of the last ``last`` ticks spent their time on, mean ms per part: events and
+        prefill, launch (step and sampling; on the CPU the frame codec too), waiting for the device, handing out
+        (on the CPU: waiting for room in the codec worker's queue). Example: {"events": 1.0, "launch": 9.0,
+        "wait": 0.0, "hand_out": 30.0} says the codec held those ticks up."""
+        ticks, parts = self.tick_ms.values(last=last), self.tick_phases.values(last=last)
+        if not len(ticks) or len(ticks) != len(parts):
+            return {}
+        slow = parts[ticks >= np.percentile(ticks, 99)] * 1000
+        return {name: round(float(value), 1) for name, value in zip(("events", "launch", "wait", "hand_out"),
+                                                                      slow.mean(0))}
 
     @property
     def active_streams(self) -> int:
@@ -591,6 +615,8 @@ class Engine:
         if units is MOVING:
             self._start_detach(u)
             return
+        if units:
+            stream.mark("units")
         u.units += units
         if closed:
             u.closed_upto = u.received
@@ -647,7 +673,7 @@ class Engine:
         """The slot is free for the next tick's starts and restores; its row goes idle on the device."""
         slot = u.slot
         self.utterances[slot], u.slot = None, -1
-        self._live[slot] = False
+        self._live[slot] = self._awaiting[slot] = False
         self._encoded[slot] = self._encodable[slot] = 0
         self._stalled_since[slot] = np.inf
         heapq.heappush(self._free, slot)
@@ -689,6 +715,8 @@ class Engine:
         why, u.waiting, u.slot = u.waiting, None, slot
         self.utterances[slot] = u
         self._live[slot] = True
+        self._awaiting[slot] = why == "start"
+        self._handed_s[slot], self._handed_since[slot] = 0.0, time.perf_counter()
         self._generation[slot] += 1
         self._encoded[slot], self._encodable[slot], self._unit[slot] = u.encoded, u.encodable, u.unit
         if why == "restore":
@@ -699,6 +727,8 @@ class Engine:
             u.stream.resume_samples = u.stream.max_queued_samples
         else:
             self._todo.starts.append(u)
+            u.stream.mark("slot")
+            self._unstepped.append(u)
         self._todo.flags.append(u)  # text that came while it held no slot
         self._todo.paused.append((u, u.stream.paused))
 
@@ -1004,6 +1034,7 @@ class Engine:
             start = int(self._encoded[u.slot])
             lo, hi = max(0, start - look), min(u.received, stop + look)
             rows.append(u.slot)
+            u.stream.mark("prefill")
             windows.append(u.units[lo - u.unit_base:hi - u.unit_base])
             offsets.append(start - lo)
             counts.append(stop - start)
@@ -1028,13 +1059,16 @@ class Engine:
         cuda = self.device.type == "cuda"
         timer = _Timer(cuda)
         graph = self._graph_for(n)
+        deferred = None
         if graph is not None:
             meta, codes = graph()
             timer.mark()
         else:
-            meta, codes = self._eager_tick(n, timer)
+            cpu_codec = self.device.type == "cpu" and not self.frame_codec  # deferral: the CPU codec worker's case
+            meta, codes, deferred = self._eager_tick(n, timer, self._deferrals(n) if cpu_codec else None)
+            self.counters["deferred_ticks"] += deferred is not None
         tick = _Tick(n, list(self.utterances[:n]), self._generation[:n].copy(), self._schedules, timer,
-                     self._ticks, launched_at)
+                     self._ticks, launched_at, deferred)
         self._schedules = []
         if not self.frame_codec:
             tick.meta = meta
@@ -1048,16 +1082,37 @@ class Engine:
             tick.meta = meta
         self._inflight.append(tick)
 
-    def _eager_tick(self, n: int, timer: "_Timer") -> tuple[torch.Tensor, torch.Tensor]:
-        """`tick_step` op by op, with the step factory's step (the CPU path, and a GPU without graphs)."""
+    def _eager_tick(self, n: int, timer: "_Timer", defer: np.ndarray | None = None):
+        """`tick_step` op by op, with the step factory's step (the CPU path, and a GPU without graphs); the
+        ``defer`` (n,) slots do not step this tick. Returns the host's table (n, len(META)), the frames' codes
+        and which slots could have stepped but were deferred (n,) (None: none)."""
         slots = self.slots
         step = self._step_for(n)
         unit, ready = slots.plan(n, self.caches.text[0].positions[:n])
+        deferred = None
+        if defer is not None:
+            held = ready & torch.from_numpy(defer).to(self.device)
+            ready = ready & ~held
+            deferred = held.cpu().numpy() if held.any() else None  # (the CPU: no device sync)
         logits = step(self.model, self._view(n), slots.tokens[:n], slots.step[:n], unit.clamp(min=0), ready)
         temperature = slots.temperature[:n] if self.sampling.temperature > 0 else 0.0  # 0: greedy, for tests
         sampled = sample(logits, temperature, self.sampling.top_k, key=slots.key[:n], step=slots.step[:n])
         timer.mark()  # the step's time: AR step and sampling
-        return slots.advance(sampled, ready, unit, keep_codes=not self.frame_codec)
+        return *slots.advance(sampled, ready, unit, keep_codes=not self.frame_codec), deferred
+
+    def _deferrals(self, n: int) -> np.ndarray | None:
+        """Slots among the first ``n`` not to step this tick (None: none): while a stream that has units to speak
+        waits for its first chunk, those whose audio handed out runs more than DEFER_LEAD_S ahead of real time
+        (counted from their first chunk). On 2 cores the AR step, the codec and the server share the CPU, so the
+        newcomer's 9 ticks to its first chunk (the delay pattern) run faster while the others' chunks wait; a
+        deferred stream is still early, and steps again once the newcomer has its first chunk or its own lead
+        falls to DEFER_LEAD_S. Example: slot 0 new with units, slot 1 handed 3.0 s of audio in the 1.2 s since
+        its first chunk (1.8 s ahead), slot 2 handed 1.5 s in 1.0 s (0.5 s ahead) -> [False, True, False]."""
+        if not (self._awaiting[:n] & (self._encoded[:n] > 0)).any():
+            return None
+        ahead = self._handed_s[:n] - (time.perf_counter() - self._handed_since[:n])
+        deferred = self._live[:n] & ~self._awaiting[:n] & (ahead > DEFER_LEAD_S)
+        return deferred if deferred.any() else None
 
     def _decode_frames_cuda(self, tick: "_Tick", meta: torch.Tensor, codes: torch.Tensor) -> None:
         """The codec on its own CUDA stream, overlapping the next tick's step: it first copies what it reads of
@@ -1129,13 +1184,16 @@ class Engine:
         same = tick.generation == self._generation[:n]  # rows still held by the stream that was stepped
         self._unit[:n] = np.where(same, meta[:, UNIT], self._unit[:n])
         ready = meta[:, READY].astype(bool)
-        self._any_ready = bool(ready.any())
+        could = ready if tick.deferred is None else ready | tick.deferred  # deferred slots are not stalled
+        self._any_ready = bool(could.any())
         fresh = self._live[:n] & (tick.launched_at > self._event_at[:n])  # launched after the slot's last event
         stalled = self._stalled_since[:n]
-        self._stalled_since[:n] = np.where(ready, np.inf, np.where(fresh, np.minimum(stalled, tick.launched_at),
+        self._stalled_since[:n] = np.where(could, np.inf, np.where(fresh, np.minimum(stalled, tick.launched_at),
                                                                    stalled))
         step_ms, codec_ms = tick.timer.elapsed()
         self.step_ms.append(step_ms)
+        if self._unstepped:
+            self._mark_first_steps(tick, ready)
         self._schedule_units(tick.schedules)
         if self.frame_codec:
             completed = np.flatnonzero(meta[:, COMPLETED] & same)  # not a row restored since: it holds audio
@@ -1152,6 +1210,21 @@ class Engine:
                 self._end(u.stream, None if u.spoke else TextError("text has nothing speakable in it"))
                 self._drop(u)  # the row goes idle with the next tick's updates
 
+    def _mark_first_steps(self, tick: "_Tick", ready: np.ndarray) -> None:
+        """Mark the streams of ``tick`` that it stepped for the first time (`Stream.mark` "stepped": when that tick
+        was launched); forget those that left meanwhile. Only just-started streams are looked at."""
+        waiting = []
+        for u in self._unstepped:
+            if self._by_stream.get(u.stream) is not u:
+                continue
+            row = u.slot
+            if 0 <= row < tick.n and tick.utterances[row] is u and ready[row]:
+                u.stream.mark("stepped", tick.launched_at)
+                u.stream.ticks["stepped"] = tick.serial
+            else:
+                waiting.append(u)
+        self._unstepped = waiting
+
     def _schedule_units(self, schedules: list) -> None:
         """Tell each prefilled stream when its new units are spoken (its phoneme and word timings)."""
         for utterances, firsts, counts, schedule in schedules:
@@ -1162,16 +1235,29 @@ class Engine:
 
     def _hand_out(self, tick: "_Tick", rows: np.ndarray, frames: np.ndarray) -> None:
         streams = [tick.utterances[r].stream if tick.utterances[r] is not None else None for r in rows]
+        for stream in streams:
+            if stream is not None and "due" not in stream.marks:
+                stream.mark("due")
+                stream.ticks["due"] = tick.serial
         if self.frame_codec:
             for row, count, stream in zip(rows, frames, streams):
                 if stream is not None and not stream.cancelled:
                     stream.deliver(self.outbox.chunk(row, count))
             return
         keep = [i for i, s in enumerate(streams) if s is not None and not s.cancelled]
-        if keep:
-            rows_k = [int(rows[i]) for i in keep]
-            codes = self.slots.codes[torch.tensor(rows_k, device=self.device)]  # indexing copies
-            self.codec_worker.decode(rows_k, [streams[i] for i in keep], codes, [int(frames[i]) for i in keep])
+        firsts = [i for i in keep if not tick.utterances[rows[i]].sounded]
+        for part, first in ((firsts, True), ([i for i in keep if i not in firsts], False)):
+            if part:  # first chunks in a job of their own: it goes ahead of the others' chunks (`CodecWorker`)
+                rows_k = [int(rows[i]) for i in part]
+                codes = self.slots.codes[torch.tensor(rows_k, device=self.device)]  # indexing copies
+                self.codec_worker.decode(rows_k, [streams[i] for i in part], codes, [int(frames[i]) for i in part],
+                                         first)
+        for i in firsts:
+            tick.utterances[rows[i]].sounded = True
+        handed = rows[keep]  # (the CPU collects a tick before the next events: these slots hold the same streams)
+        self._handed_s[handed] += frames[keep] * self.frame_seconds
+        self._handed_since[rows[firsts]] = time.perf_counter()
+        self._awaiting[rows[firsts]] = False
 
     # -- helpers --
     def _step_for(self, n: int) -> Callable:
@@ -1292,6 +1378,7 @@ class _Tick:
     timer: _Timer
     serial: int  # ticks launched before it
     launched_at: float
+    deferred: np.ndarray | None = None  # (n,) slots that could have stepped but were deferred (`_deferrals`)
     meta: object = None  # (n, len(META)): a tensor, or a pinned host tensor on a GPU
     audio: object = None  # frame audio (n, hop) with a frame codec
     ready: object = None  # CUDA event: the tick's results are on the host
