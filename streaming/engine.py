@@ -17,6 +17,7 @@ runs).
 Codec: on the CPU a `CodecWorker` thread decodes due chunks (2, 4, 8, then 16 frames); on a GPU a
 `FrameCodec` decodes every completed frame each tick on its own CUDA stream (a CUDA graph), overlapping the
 next AR step, and the host hands out chunks on the same schedule.
+A new stream's first chunk goes ahead of the CPU codec worker's backlog (`CodecWorker`).
 
 Open streams and slots are counted apart: `open` admits up to ``max_open`` streams, and a stream holds one of
 the ``max_streams`` slots only while it can speak. A stream that could not step for ``park_after_s`` (its
@@ -77,10 +78,6 @@ SWITCH_INTERVAL_S = 0.0005
 STAGING_ROWS = 64  # a GPU parks and restores up to this many streams per batched copy
 CPU_STREAMS = 8  # default slots on a CPU: a step costs what its active slots cost, so idle slots are free
 GPU_STREAMS_CAP = 1024  # default cap on a GPU; memory would allow far more (`default_max_streams`)
-# On the CPU, while a new stream waits for its first chunk, streams whose audio is more than this far ahead of
-# real time (since their first chunk) are not stepped: the ticks and the codec serve the newcomer's first audio
-# first, and theirs is still early (`_deferrals`).
-DEFER_LEAD_S = 1.0
 BLEND_PREFIXES = 64  # blends whose prefix keys/values stay cached (64 KB each for the shipped model)
 
 
@@ -221,10 +218,6 @@ class Engine:
         self._encodable = np.zeros(batch, dtype=np.int64)  # units that may be encoded now, per slot
         self._unit = np.zeros(batch, dtype=np.int64)  # each slot's aligned unit at the last collected tick
         self._live = np.zeros(batch, dtype=bool)
-        # CPU: which slots' streams wait for their first chunk, and each slot's audio handed out (s) since when
-        self._awaiting = np.zeros(batch, dtype=bool)
-        self._handed_s = np.zeros(batch)
-        self._handed_since = np.zeros(batch)
         self._generation = np.zeros(batch, dtype=np.int64)  # counts the streams each slot has held
         # Parking: a slot is stalled from the launch of the first tick after its last event in which it could not
         # step (events are what change a stalled slot's device state, so it stays stalled until the next one).
@@ -233,7 +226,7 @@ class Engine:
         self._restores: deque[Utterance] = deque()  # parked streams with work to do, waiting for a slot: first
         self._starts: deque[Utterance] = deque()  # new streams waiting for a slot
         self._parking: list[Utterance] = []  # holds and detaches waiting for the tick in flight (frame codec)
-        self.counters = {"parks": 0, "restores": 0, "slot_waits": 0, "deferred_ticks": 0}
+        self.counters = {"parks": 0, "restores": 0, "slot_waits": 0}
         self.slot_wait_ms = Recent(FIGURES_KEPT)
         self._todo = _DeviceUpdates()  # event updates for the device, applied at the next tick
         self._codec_resets: list[int] = []  # slots whose frame decoder state restarts at the next tick
@@ -673,7 +666,7 @@ class Engine:
         """The slot is free for the next tick's starts and restores; its row goes idle on the device."""
         slot = u.slot
         self.utterances[slot], u.slot = None, -1
-        self._live[slot] = self._awaiting[slot] = False
+        self._live[slot] = False
         self._encoded[slot] = self._encodable[slot] = 0
         self._stalled_since[slot] = np.inf
         heapq.heappush(self._free, slot)
@@ -715,8 +708,6 @@ class Engine:
         why, u.waiting, u.slot = u.waiting, None, slot
         self.utterances[slot] = u
         self._live[slot] = True
-        self._awaiting[slot] = why == "start"
-        self._handed_s[slot], self._handed_since[slot] = 0.0, time.perf_counter()
         self._generation[slot] += 1
         self._encoded[slot], self._encodable[slot], self._unit[slot] = u.encoded, u.encodable, u.unit
         if why == "restore":
@@ -1059,16 +1050,13 @@ class Engine:
         cuda = self.device.type == "cuda"
         timer = _Timer(cuda)
         graph = self._graph_for(n)
-        deferred = None
         if graph is not None:
             meta, codes = graph()
             timer.mark()
         else:
-            cpu_codec = self.device.type == "cpu" and not self.frame_codec  # deferral: the CPU codec worker's case
-            meta, codes, deferred = self._eager_tick(n, timer, self._deferrals(n) if cpu_codec else None)
-            self.counters["deferred_ticks"] += deferred is not None
+            meta, codes = self._eager_tick(n, timer)
         tick = _Tick(n, list(self.utterances[:n]), self._generation[:n].copy(), self._schedules, timer,
-                     self._ticks, launched_at, deferred)
+                     self._ticks, launched_at)
         self._schedules = []
         if not self.frame_codec:
             tick.meta = meta
@@ -1082,37 +1070,16 @@ class Engine:
             tick.meta = meta
         self._inflight.append(tick)
 
-    def _eager_tick(self, n: int, timer: "_Timer", defer: np.ndarray | None = None):
-        """`tick_step` op by op, with the step factory's step (the CPU path, and a GPU without graphs); the
-        ``defer`` (n,) slots do not step this tick. Returns the host's table (n, len(META)), the frames' codes
-        and which slots could have stepped but were deferred (n,) (None: none)."""
+    def _eager_tick(self, n: int, timer: "_Timer") -> tuple[torch.Tensor, torch.Tensor]:
+        """`tick_step` op by op, with the step factory's step (the CPU path, and a GPU without graphs)."""
         slots = self.slots
         step = self._step_for(n)
         unit, ready = slots.plan(n, self.caches.text[0].positions[:n])
-        deferred = None
-        if defer is not None:
-            held = ready & torch.from_numpy(defer).to(self.device)
-            ready = ready & ~held
-            deferred = held.cpu().numpy() if held.any() else None  # (the CPU: no device sync)
         logits = step(self.model, self._view(n), slots.tokens[:n], slots.step[:n], unit.clamp(min=0), ready)
         temperature = slots.temperature[:n] if self.sampling.temperature > 0 else 0.0  # 0: greedy, for tests
         sampled = sample(logits, temperature, self.sampling.top_k, key=slots.key[:n], step=slots.step[:n])
         timer.mark()  # the step's time: AR step and sampling
-        return *slots.advance(sampled, ready, unit, keep_codes=not self.frame_codec), deferred
-
-    def _deferrals(self, n: int) -> np.ndarray | None:
-        """Slots among the first ``n`` not to step this tick (None: none): while a stream that has units to speak
-        waits for its first chunk, those whose audio handed out runs more than DEFER_LEAD_S ahead of real time
-        (counted from their first chunk). On 2 cores the AR step, the codec and the server share the CPU, so the
-        newcomer's 9 ticks to its first chunk (the delay pattern) run faster while the others' chunks wait; a
-        deferred stream is still early, and steps again once the newcomer has its first chunk or its own lead
-        falls to DEFER_LEAD_S. Example: slot 0 new with units, slot 1 handed 3.0 s of audio in the 1.2 s since
-        its first chunk (1.8 s ahead), slot 2 handed 1.5 s in 1.0 s (0.5 s ahead) -> [False, True, False]."""
-        if not (self._awaiting[:n] & (self._encoded[:n] > 0)).any():
-            return None
-        ahead = self._handed_s[:n] - (time.perf_counter() - self._handed_since[:n])
-        deferred = self._live[:n] & ~self._awaiting[:n] & (ahead > DEFER_LEAD_S)
-        return deferred if deferred.any() else None
+        return slots.advance(sampled, ready, unit, keep_codes=not self.frame_codec)
 
     def _decode_frames_cuda(self, tick: "_Tick", meta: torch.Tensor, codes: torch.Tensor) -> None:
         """The codec on its own CUDA stream, overlapping the next tick's step: it first copies what it reads of
@@ -1184,11 +1151,10 @@ class Engine:
         same = tick.generation == self._generation[:n]  # rows still held by the stream that was stepped
         self._unit[:n] = np.where(same, meta[:, UNIT], self._unit[:n])
         ready = meta[:, READY].astype(bool)
-        could = ready if tick.deferred is None else ready | tick.deferred  # deferred slots are not stalled
-        self._any_ready = bool(could.any())
+        self._any_ready = bool(ready.any())
         fresh = self._live[:n] & (tick.launched_at > self._event_at[:n])  # launched after the slot's last event
         stalled = self._stalled_since[:n]
-        self._stalled_since[:n] = np.where(could, np.inf, np.where(fresh, np.minimum(stalled, tick.launched_at),
+        self._stalled_since[:n] = np.where(ready, np.inf, np.where(fresh, np.minimum(stalled, tick.launched_at),
                                                                    stalled))
         step_ms, codec_ms = tick.timer.elapsed()
         self.step_ms.append(step_ms)
@@ -1254,10 +1220,6 @@ class Engine:
                                          first)
         for i in firsts:
             tick.utterances[rows[i]].sounded = True
-        handed = rows[keep]  # (the CPU collects a tick before the next events: these slots hold the same streams)
-        self._handed_s[handed] += frames[keep] * self.frame_seconds
-        self._handed_since[rows[firsts]] = time.perf_counter()
-        self._awaiting[rows[firsts]] = False
 
     # -- helpers --
     def _step_for(self, n: int) -> Callable:
@@ -1378,7 +1340,6 @@ class _Tick:
     timer: _Timer
     serial: int  # ticks launched before it
     launched_at: float
-    deferred: np.ndarray | None = None  # (n,) slots that could have stepped but were deferred (`_deferrals`)
     meta: object = None  # (n, len(META)): a tensor, or a pinned host tensor on a GPU
     audio: object = None  # frame audio (n, hop) with a frame codec
     ready: object = None  # CUDA event: the tick's results are on the host

@@ -512,29 +512,3 @@ def test_a_first_chunk_goes_ahead_of_the_codec_backlog_and_each_stream_decodes_i
     np.testing.assert_allclose(audio["b"], expected_b, atol=1e-5)
     worker.close()
     engine.close()
-
-
-def test_streams_deferred_for_a_newcomer_sound_as_each_alone(monkeypatch):
-    """While a newcomer waits for its first chunk, streams ahead of real time are not stepped (`Engine._deferrals`;
-    here any lead counts, so every such tick defers them): each stream still sounds exactly as it does alone,
-    none is parked for having been deferred, and deferral did happen."""
-    import streaming.engine as engine_module
-    monkeypatch.setattr(engine_module, "DEFER_LEAD_S", -1e9)
-    jobs = [("a", " ".join([TEXT, OTHER] * 2), "joe", 0.0), ("b", TEXT, "slt", 0.05), ("c", OTHER, "rms", 0.1),
-            ("d", TEXT, "joe", 0.3)]
-    seeds = {key: 200 + i for i, (key, *_) in enumerate(jobs)}
-    alone = tiny_random(max_streams=1)
-    expected = {key: speak(alone, text, voice, seeds[key]) for key, text, voice, _ in jobs}
-    busy = tiny_random(max_streams=3)
-    results = {}
-    threads = [threading.Thread(target=speak, args=(busy, text, voice, seeds[key], delay, results, key))
-               for key, text, voice, delay in jobs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    for key in expected:
-        np.testing.assert_allclose(results[key], expected[key], atol=1e-4)
-    assert busy.counters["deferred_ticks"] > 0 and busy.counters["parks"] == 0
-    alone.close()
-    busy.close()
