@@ -14,6 +14,11 @@ statuses, dropped connections; aborts are not errors), first audio p50/p99 in ms
 byte, utterances that were not aborted) and the server's RSS at the minute's end.
 Targets (issue 25): no errors; RSS growth under 20 MB after the first minute; first-audio p99 within 2x p50
 every minute.
+
+--timeline adds, per minute, where the server's first audios waited (`streaming.stream.TIMELINE`: request,
+stream opened, text, units back from the text thread, slot, first prefill, first step, first chunk due, codec
+job begun, delivered, read by the server, sent): the median of each stage's share over the minute's
+utterances, and the breakdown of the slowest three.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 
@@ -32,6 +38,8 @@ import httpx2 as httpx
 import numpy as np
 import psutil
 import websockets
+
+from streaming.stream import TIMELINE
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog near the river.",
@@ -92,6 +100,7 @@ async def _read_slowly(chunk_bytes: int) -> None:
 
 
 SENDS: list[float] = []  # when every utterance was sent
+STARTED: list[float] = []  # when the clock started (perf_counter: the server's clock too, CLOCK_MONOTONIC)
 WS_ABORTS: list[float] = []  # when each WebSocket abort happened
 
 
@@ -178,6 +187,7 @@ async def warm_up(base: str, clients: int) -> float:
 async def soak(base: str, minutes: int, clients: int, server: psutil.Process) -> dict:
     warm_up_s = await warm_up(base, clients)
     started = time.monotonic()
+    STARTED.append(time.perf_counter())
     tallies = [Tally() for _ in range(minutes)]
     rss_start = server.memory_info().rss / 2**20
     tasks = [asyncio.create_task(client(base, i, started + 60 * minutes, tallies, started)) for i in range(clients)]
@@ -204,7 +214,44 @@ async def _engine_figures(base: str) -> dict:
     parking = engine.get("parking", {})
     return {"tick_ms_p99": engine.get("tick_ms", {}).get("p99"), "step_kind": engine.get("step_kind"),
             "slot_waits": engine.get("slot_waits"), "parks": engine.get("parks"),
-            "parked_disk": parking.get("parked", {}).get("disk"), "spills": parking.get("spill_ms", {}).get("count")}
+            "parked_disk": parking.get("parked", {}).get("disk"), "spills": parking.get("spill_ms", {}).get("count"),
+            "slowest_ticks_ms": engine.get("slowest_ticks_ms"), "codec_queued": engine.get("codec_queued")}
+
+
+def timeline_by_minute(lines: list[dict], started: float, minutes: int) -> list[dict]:
+    """The server's timelines (one per stream, `Hub` with TTS_TIMELINE_LOG) of served utterances, by the minute
+    their request came in: the server's first audio (request to sent) p50/p99, each stage's median (ms since the
+    stage before it), and the slowest three stage by stage with the engine ticks from first step to first chunk.
+    Stages as `_stages` counts them."""
+    served = [line for line in lines if line["finished"] and "sent" in line["timeline_ms"] and line["at"]]
+    report = []
+    for minute in range(minutes):
+        those = [line for line in served if int((line["at"] - started) // 60) == minute]
+        if not those:
+            report.append({})
+            continue
+        stages = [_stages(line["timeline_ms"]) for line in those]
+        total = np.asarray([line["timeline_ms"]["sent"] for line in those])
+        names = [name for name in TIMELINE[1:] if any(name in s for s in stages)]
+        slowest = np.argsort(-total)[:3]
+        report.append({"server_first_audio_ms_p50": round(float(np.percentile(total, 50)), 1),
+                       "server_first_audio_ms_p99": round(float(np.percentile(total, 99)), 1),
+                       "stage_ms_p50": {name: round(float(np.median([s.get(name, 0.0) for s in stages])), 1)
+                                        for name in names},
+                       "slowest": [{"first_audio_ms": float(total[i]), "ticks_to_due": those[i]["ticks_to_due"],
+                                    "stages_ms": stages[i]} for i in slowest]})
+    return report
+
+
+def _stages(timeline: dict) -> dict:
+    """What each stage added: ms from the latest stage before it (0 if it was reached before them: a slot
+    granted before the text came back, say). Example: {"request": 0, "opened": 1.2, "slot": 9.0, "text": 1.5,
+    "units": 6.0} -> {"opened": 1.2, "slot": 7.8, "text": 0.0, "units": 0.0}."""
+    names, stages, latest = list(timeline), {}, 0.0
+    for name in names[1:]:
+        stages[name] = round(max(0.0, timeline[name] - latest), 1)
+        latest = max(latest, timeline[name])
+    return stages
 
 
 def _free_port() -> int:
@@ -280,20 +327,34 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny random-weight engine, not the shipped voices")
     parser.add_argument("--trace-memory", action="store_true",
                         help="diagnosis: the server's Python allocations that grew, every minute on stderr (slower)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="diagnosis: per minute, where the server's first audios waited (stage by stage)")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the child process: serve on this port
     args = parser.parse_args()
     if args.serve:
         return _serve(args.serve, args.tiny, args.trace_memory)
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
+    timeline = None
+    env = dict(os.environ)
+    if args.timeline:
+        handle, timeline = tempfile.mkstemp(prefix="soak-timeline-", suffix=".jsonl")
+        os.close(handle)
+        env["TTS_TIMELINE_LOG"] = timeline
     child = subprocess.Popen([sys.executable, "-m", "bench.soak", "--serve", str(port)] + ["--tiny"] * args.tiny
-                             + ["--trace-memory"] * args.trace_memory)
+                             + ["--trace-memory"] * args.trace_memory, env=env)
     try:
         slots = _wait_healthy(base, child)["slots"]
         report = asyncio.run(soak(base, args.minutes, slots, psutil.Process(child.pid)))
     finally:
         child.terminate()
         child.wait(timeout=30)
+    if timeline is not None:
+        with open(timeline) as lines:
+            breakdown = timeline_by_minute([json.loads(line) for line in lines], STARTED[0], args.minutes)
+        os.unlink(timeline)
+        for minute, figures in zip(report["minutes"], breakdown):
+            minute["timeline"] = figures
     report = {"engine": "tiny_random" if args.tiny else "shipped", "cpu_cores": os.cpu_count(), **report}
     print(json.dumps(report, indent=2))
 

@@ -2,10 +2,10 @@
 
 `CodecWorker` (the CPU): chunks on a thread of their own, so that the next AR step runs while the last
 frames become audio. On 2 CPU cores the AR step and the codec decoder each get one, and a frame tick costs
-the longer of the two instead of their sum. The engine thread hands over one job per tick, in order,
-through a bounded queue (when the codec is the slower, a full queue makes the engine wait), so a slot's
-reset, its chunks and its end are handled in the order they were made, even when a new stream reuses the
-slot straight away.
+the longer of the two instead of their sum. The engine thread hands over one job per tick through a
+bounded queue (when the codec is the slower, a full queue makes the engine wait); a slot's reset, its chunks
+and its end are handled in the order they were made, even when a new stream reuses the slot straight away,
+and a new stream's first chunk goes ahead of the others' chunks (`CodecWorker`).
 
 `FrameCodec` (a GPU): every tick, one decoder call of one frame for every slot (idle rows masked: their
 state is left as it was), with static shapes, so that it is captured once as a CUDA graph per slot bucket
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import os
-import queue
 import threading
 import time
 import traceback
@@ -38,81 +37,146 @@ def fast_path_enabled(name: str) -> bool:
 
 
 class CodecWorker:
+    """The CPU codec thread. Jobs run in the order given, with one exception: a new stream's first chunk (and
+    its reset) goes ahead of every job queued before it that it does not depend on, so that a stream's first
+    audio does not wait for the 16-frame chunks of the streams already speaking (on the loaded 2-core machine
+    a backlog of those held first chunks back by up to 2 s, `python -m bench.soak --timeline`).
+
+    Decoder rows: each slot has two rows of decoder state, and a stream starting in a slot takes the one its
+    slot's previous stream did not use, so its reset and first chunk touch no row that the chunks still
+    queued for the previous stream touch. Example, 4 slots: slot 1 decodes in row 1; its stream ends with two
+    chunks queued; the next stream in slot 1 decodes in row 5 (1 + 4): its reset and first chunk can run
+    before those two chunks. The mapping is the engine thread's (every call below comes from it).
+
+    Dependencies (`_runnable`): a job touches its decoder rows and its streams; a first chunk may run before
+    an earlier job only if they share neither. Example: queue [decode rows {1, 2}, finish stream A, reset row 5
+    (first), decode row 5 (first)]: the reset runs next, then the first chunk, then the rest in order."""
+
     def __init__(self, codec: Codec, max_streams: int, device, depth: int = 64):
         self.codec = codec
-        self.state = codec.init_state(max_streams, device)
+        self.slots = max_streams
+        self.state = codec.init_state(2 * max_streams, device)  # two decoder rows per slot
         self.device = device
-        self.jobs: queue.Queue = queue.Queue(maxsize=depth)
+        self.depth = depth
+        self._row = list(range(max_streams))  # each slot's decoder row now
+        self._jobs: list[tuple] = []  # (kind, rows, streams, first, *payload), in the order given
+        self._firsts = 0  # first-chunk jobs among them
+        self._cond = threading.Condition()
         self.codec_ms = Recent(40_000, width=2)  # (ms, frames) per decode call
         self.decode_step = codec.decode_step  # (M, K, T) codes, state -> (M, T*hop) audio; see set_decode_step
         self._thread = threading.Thread(target=self._run, name="tts-codec", daemon=True)
         self._thread.start()
 
-    def reset(self, rows: list[int]) -> None:
-        """New streams start in ``rows``: their decoder state returns to the silent lead-in's."""
-        self.jobs.put(("reset", rows))
+    def reset(self, slots: list[int]) -> None:
+        """New streams start in ``slots``: each takes its slot's other decoder row, whose state returns to the
+        silent lead-in's (ahead of earlier jobs, as its first chunk)."""
+        for slot in slots:
+            self._row[slot] = slot + self.slots if self._row[slot] == slot else slot
+        self._put("reset", self._rows(slots), (), True)
 
-    def decode(self, rows: list[int], streams: list[Stream], codes: torch.Tensor, lengths: list[int]) -> None:
+    def decode(self, rows: list[int], streams: list[Stream], codes: torch.Tensor, lengths: list[int],
+               first: bool = False) -> None:
         """Decode the first ``lengths[i]`` frames of ``codes`` (M, K, T) for slot ``rows[i]``, each continuing its
         own state, and deliver the audio to ``streams[i]``. Rows of one length share a decoder call, except a
         stream with ``decode_alone`` (a seeded one): on the CPU a row's float result depends on the batch it
         is computed in (a 1-row matmul takes another kernel than a 4-row one, differing by ~1e-7), so such a
         stream gets a call of its own and its audio is the same bit for bit whoever else is speaking.
-        Example: lengths [4, 4, 4] with row 1 seeded -> calls {rows 0, 2} and {row 1}."""
-        self.jobs.put(("decode", rows, streams, codes, lengths))
+        Example: lengths [4, 4, 4] with row 1 seeded -> calls {rows 0, 2} and {row 1}. ``first``: these are the
+        streams' first chunks (they go ahead of earlier jobs they do not depend on)."""
+        self._put("decode", self._rows(rows), streams, first, codes, lengths)
 
     def set_decode_step(self, step) -> None:
         """Decode with ``step`` (None: the codec's own `decode_step`) from the next decode job on."""
         self.decode_step = step or self.codec.decode_step
 
     def finish(self, stream: Stream, error: Exception | None) -> None:
-        """End ``stream`` once everything queued before has been delivered."""
-        self.jobs.put(("finish", stream, error))
+        """End ``stream`` once everything queued before for it has been delivered."""
+        self._put("finish", (), (stream,), False, error)
 
     def capture(self, rows: list[int], done: Callable[[list[dict]], None]) -> None:
-        """Copy the decoder state of ``rows`` once the decodes queued before are done, and pass it, one dict of
-        (1, ...) tensors per row (`decoder_rows`), to ``done`` (called on the codec thread). Parking uses this:
-        a parked stream's state includes every chunk decoded up to the moment it was parked."""
-        self.jobs.put(("capture", rows, done))
+        """Copy the decoder state of slots ``rows`` once the decodes queued before are done, and pass it, one
+        dict of (1, ...) tensors per row (`decoder_rows`), to ``done`` (called on the codec thread). Parking uses
+        this: a parked stream's state includes every chunk decoded up to the moment it was parked."""
+        self._put("capture", self._rows(rows), (), False, done)
 
     def restore(self, rows: list[int], states: list[dict]) -> None:
-        """Put captured decoder states (`capture`) into ``rows``, before any later decode of those rows."""
-        self.jobs.put(("restore", rows, states))
+        """Put captured decoder states (`capture`) into slots ``rows``, before any later decode of those rows."""
+        self._put("restore", self._rows(rows), (), False, states)
 
     def close(self) -> None:
         """Stop after the jobs queued so far."""
-        self.jobs.put(("stop",))
+        self._put("stop", (), (), False)
         self._thread.join(timeout=2)
+
+    @property
+    def queued(self) -> int:
+        return len(self._jobs)
+
+    def _rows(self, slots: list[int]) -> tuple[int, ...]:
+        return tuple(self._row[slot] for slot in slots)
+
+    def _put(self, kind: str, rows: tuple, streams, first: bool, *payload) -> None:
+        """Queue a job; while ``depth`` jobs wait, the engine thread waits (the codec is the slower), except
+        for a first chunk or a reset (one or two per new stream): those never wait for the others' backlog."""
+        with self._cond:
+            self._cond.wait_for(lambda: first or len(self._jobs) < self.depth)
+            self._jobs.append((kind, rows, tuple(streams), first, *payload))
+            self._firsts += first
+            self._cond.notify_all()
+
+    def _take(self) -> tuple:
+        """The next job to run: the first first-chunk job that depends on no job before it, else the oldest."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._jobs)
+            at = self._runnable() if self._firsts else 0
+            job = self._jobs.pop(at)
+            self._firsts -= job[3]
+            self._cond.notify_all()
+            return job
+
+    def _runnable(self) -> int:
+        """Index of the first first-chunk job sharing no decoder row and no stream with a job before it (0 if
+        none). Example: [decode rows (1,), decode rows (5,) first] -> 1; [reset (5,) first, decode (5,) first] -> 0."""
+        rows, streams = set(), set()
+        for at, (_, job_rows, job_streams, first, *_) in enumerate(self._jobs):
+            if first and rows.isdisjoint(job_rows) and streams.isdisjoint(job_streams):
+                return at
+            rows.update(job_rows)
+            streams.update(job_streams)
+        return 0
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)
         while True:
-            job = self.jobs.get()
-            if job[0] == "stop":
+            job = self._take()
+            kind, rows, streams = job[:3]
+            if kind == "stop":
                 return
             try:
-                if job[0] == "reset":
-                    self.state.reset(slot_mask(self.state.buffers[0].shape[0], torch.tensor(job[1]), self.device))
-                elif job[0] == "decode":
-                    self._decode(*job[1:])
-                elif job[0] == "capture":
-                    rows = decoder_rows(self.state, torch.tensor(job[1], device=self.device))
-                    job[2]([{name: t[i:i + 1] for name, t in rows.items()} for i in range(len(job[1]))])
-                elif job[0] == "restore":
-                    put_decoder_rows(self.state, torch.tensor(job[1], device=self.device),
-                                     {name: torch.cat([state[name] for state in job[2]]) for name in job[2][0]
+                if kind == "reset":
+                    self.state.reset(slot_mask(self.state.buffers[0].shape[0], torch.tensor(rows), self.device))
+                elif kind == "decode":
+                    self._decode(list(rows), list(streams), *job[4:])
+                elif kind == "capture":
+                    captured = decoder_rows(self.state, torch.tensor(rows, device=self.device))
+                    job[4]([{name: t[i:i + 1] for name, t in captured.items()} for i in range(len(rows))])
+                elif kind == "restore":
+                    put_decoder_rows(self.state, torch.tensor(rows, device=self.device),
+                                     {name: torch.cat([state[name] for state in job[4]]) for name in job[4][0]
                                       if name.startswith("codec.")})
                 else:
-                    job[1].finish(job[2])
+                    streams[0].finish(job[4])
             except Exception as err:  # a bug must not leave readers hanging
                 traceback.print_exc()
                 from streaming.engine import EngineError
-                streams = job[2] if job[0] == "decode" else [job[1]] if job[0] == "finish" else []  # others: none
-                for stream in streams:
+                for stream in streams:  # (a decode's or a finish's; other jobs have none)
                     stream.finish(EngineError(f"internal error: {err}"))
 
     def _decode(self, rows: list[int], streams: list[Stream], codes: torch.Tensor, lengths: list[int]) -> None:
         step = self.decode_step  # one step for the whole job, even if another is set meanwhile
+        begun = time.perf_counter()
+        for stream in streams:
+            stream.mark("codec", begun)
         groups: dict[tuple[int, int], list[int]] = {}
         for i, length in enumerate(lengths):
             groups.setdefault((length, i if streams[i].decode_alone else -1), []).append(i)

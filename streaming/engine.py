@@ -17,6 +17,7 @@ runs).
 Codec: on the CPU a `CodecWorker` thread decodes due chunks (2, 4, 8, then 16 frames); on a GPU a
 `FrameCodec` decodes every completed frame each tick on its own CUDA stream (a CUDA graph), overlapping the
 next AR step, and the host hands out chunks on the same schedule.
+A new stream's first chunk goes ahead of the CPU codec worker's backlog (`CodecWorker`).
 
 Open streams and slots are counted apart: `open` admits up to ``max_open`` streams, and a stream holds one of
 the ``max_streams`` slots only while it can speak. A stream that could not step for ``park_after_s`` (its
@@ -116,6 +117,7 @@ class Utterance:
     closed_upto: int = -1  # units up to here were closed by a flush: speak them without more lookahead
     text_ended: bool = False
     spoke: bool = False
+    sounded: bool = False  # a chunk of it has been handed out (the next is not its first)
     done: bool = False  # its last chunk is handed out
     encoded: int = 0  # units encoded, encodable and its aligned unit, kept here while it holds no slot
     encodable: int = 0
@@ -232,6 +234,7 @@ class Engine:
         self._any_ready = False  # whether the last collected tick had a slot ready to step
         self._ticks = 0
         self._inflight: deque = deque()
+        self._unstepped: list[Utterance] = []  # started, not yet stepped: their first step is marked (`_collect`)
         self._handlers = {"start": self._on_start, "cancel": self._on_cancel, "text": self._on_text,
                           "flow": self._on_flow, "warm": self._on_warm, "attach": self._on_attach,
                           "hold": self._on_hold}
@@ -311,7 +314,21 @@ class Engine:
                 "max_open": self.max_open, "slots_used": int(self._live.sum()), "waiting_for_slot":
                 len(self._starts) + len(self._restores), **self.counters, "slot_wait_ms": recent(self.slot_wait_ms),
                 "parking": self.store.stats(), "step_kind": self.step_kind, "tick_ms": recent(self.tick_ms),
-                "step_ms": recent(self.step_ms), "codec_ms": recent(self.codec_ms, 0)}
+                "step_ms": recent(self.step_ms), "codec_ms": recent(self.codec_ms, 0),
+                "slowest_ticks_ms": self._slowest_ticks(),
+                "codec_queued": 0 if self.frame_codec else self.codec_worker.queued}
+
+    def _slowest_ticks(self, last: int = 2000) -> dict:
+        """What the slowest 1 % of the last ``last`` ticks spent their time on, mean ms per part: events and
+        prefill, launch (step and sampling; on the CPU the frame codec too), waiting for the device, handing out
+        (on the CPU: waiting for room in the codec worker's queue). Example: {"events": 1.0, "launch": 9.0,
+        "wait": 0.0, "hand_out": 30.0} says the codec held those ticks up."""
+        ticks, parts = self.tick_ms.values(last=last), self.tick_phases.values(last=last)
+        if not len(ticks) or len(ticks) != len(parts):
+            return {}
+        slow = parts[ticks >= np.percentile(ticks, 99)] * 1000
+        return {name: round(float(value), 1) for name, value in zip(("events", "launch", "wait", "hand_out"),
+                                                                      slow.mean(0))}
 
     @property
     def active_streams(self) -> int:
@@ -591,6 +608,8 @@ class Engine:
         if units is MOVING:
             self._start_detach(u)
             return
+        if units:
+            stream.mark("units")
         u.units += units
         if closed:
             u.closed_upto = u.received
@@ -699,6 +718,8 @@ class Engine:
             u.stream.resume_samples = u.stream.max_queued_samples
         else:
             self._todo.starts.append(u)
+            u.stream.mark("slot")
+            self._unstepped.append(u)
         self._todo.flags.append(u)  # text that came while it held no slot
         self._todo.paused.append((u, u.stream.paused))
 
@@ -1004,6 +1025,7 @@ class Engine:
             start = int(self._encoded[u.slot])
             lo, hi = max(0, start - look), min(u.received, stop + look)
             rows.append(u.slot)
+            u.stream.mark("prefill")
             windows.append(u.units[lo - u.unit_base:hi - u.unit_base])
             offsets.append(start - lo)
             counts.append(stop - start)
@@ -1136,6 +1158,8 @@ class Engine:
                                                                    stalled))
         step_ms, codec_ms = tick.timer.elapsed()
         self.step_ms.append(step_ms)
+        if self._unstepped:
+            self._mark_first_steps(tick, ready)
         self._schedule_units(tick.schedules)
         if self.frame_codec:
             completed = np.flatnonzero(meta[:, COMPLETED] & same)  # not a row restored since: it holds audio
@@ -1152,6 +1176,21 @@ class Engine:
                 self._end(u.stream, None if u.spoke else TextError("text has nothing speakable in it"))
                 self._drop(u)  # the row goes idle with the next tick's updates
 
+    def _mark_first_steps(self, tick: "_Tick", ready: np.ndarray) -> None:
+        """Mark the streams of ``tick`` that it stepped for the first time (`Stream.mark` "stepped": when that tick
+        was launched); forget those that left meanwhile. Only just-started streams are looked at."""
+        waiting = []
+        for u in self._unstepped:
+            if self._by_stream.get(u.stream) is not u:
+                continue
+            row = u.slot
+            if 0 <= row < tick.n and tick.utterances[row] is u and ready[row]:
+                u.stream.mark("stepped", tick.launched_at)
+                u.stream.ticks["stepped"] = tick.serial
+            else:
+                waiting.append(u)
+        self._unstepped = waiting
+
     def _schedule_units(self, schedules: list) -> None:
         """Tell each prefilled stream when its new units are spoken (its phoneme and word timings)."""
         for utterances, firsts, counts, schedule in schedules:
@@ -1162,16 +1201,25 @@ class Engine:
 
     def _hand_out(self, tick: "_Tick", rows: np.ndarray, frames: np.ndarray) -> None:
         streams = [tick.utterances[r].stream if tick.utterances[r] is not None else None for r in rows]
+        for stream in streams:
+            if stream is not None and "due" not in stream.marks:
+                stream.mark("due")
+                stream.ticks["due"] = tick.serial
         if self.frame_codec:
             for row, count, stream in zip(rows, frames, streams):
                 if stream is not None and not stream.cancelled:
                     stream.deliver(self.outbox.chunk(row, count))
             return
         keep = [i for i, s in enumerate(streams) if s is not None and not s.cancelled]
-        if keep:
-            rows_k = [int(rows[i]) for i in keep]
-            codes = self.slots.codes[torch.tensor(rows_k, device=self.device)]  # indexing copies
-            self.codec_worker.decode(rows_k, [streams[i] for i in keep], codes, [int(frames[i]) for i in keep])
+        firsts = [i for i in keep if not tick.utterances[rows[i]].sounded]
+        for part, first in ((firsts, True), ([i for i in keep if i not in firsts], False)):
+            if part:  # first chunks in a job of their own: it goes ahead of the others' chunks (`CodecWorker`)
+                rows_k = [int(rows[i]) for i in part]
+                codes = self.slots.codes[torch.tensor(rows_k, device=self.device)]  # indexing copies
+                self.codec_worker.decode(rows_k, [streams[i] for i in part], codes, [int(frames[i]) for i in part],
+                                         first)
+        for i in firsts:
+            tick.utterances[rows[i]].sounded = True
 
     # -- helpers --
     def _step_for(self, n: int) -> Callable:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import parse_qs, urlsplit
 
@@ -33,6 +36,8 @@ class Hub:
         self.sessions: set = set()  # the WebSocket sessions (server.Session), those waiting for a resume too
         self.resume_tokens: dict = {}  # resume token -> its session, or None once spent (resume_used)
         self.streams: set = set()  # engine streams open for clients, WebSocket and HTTP
+        path = os.environ.get("TTS_TIMELINE_LOG")
+        self.timeline_log = None if not path else open(path, "a", buffering=1)
 
     async def call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -73,17 +78,31 @@ class Hub:
         """(ticket, engine stream): a slot from admission (waiting in its queue if need be), then the stream.
         The caller hands both back to `close`."""
         engine = await self.engine()
+        asked = time.perf_counter()
         ticket = await self.admission.stream(clients, on_queued)
         stream = await self._open_stream(engine, ticket, voice, speed, seed)
+        stream.mark("request", asked)
         self.streams.add(stream)
         return ticket, stream
 
     def close(self, ticket, stream) -> None:
         """End an opened stream (a no-op once it has finished; else its engine slot frees) and free its slot
         in admission."""
+        if stream in self.streams and self.timeline_log is not None:
+            self._log_timeline(stream)
         stream.cancel()
         self.streams.discard(stream)
         ticket.release()
+
+    def _log_timeline(self, stream) -> None:
+        """One JSON line per stream to TTS_TIMELINE_LOG (a diagnosis, off by default): its way to the first
+        audio (`Stream.timeline`) and the engine ticks from its first step to its first chunk."""
+        ticks = stream.ticks
+        line = {"at": stream.marks.get("request"), "timeline_ms": stream.timeline(),
+                "ticks_to_due": ticks["due"] - ticks["stepped"] if {"due", "stepped"} <= set(ticks) else None,
+                "finished": stream.finished and stream.error is None and not stream.cancelled}
+        self.timeline_log.write(json.dumps(line) + "\n")
+        self.timeline_log.flush()
 
     async def _open_stream(self, engine, ticket, voice, speed, seed):
         """The engine stream for a granted ticket; on any failure the ticket is released, but only once the
@@ -122,7 +141,11 @@ class Hub:
                 raise ProtocolError("engine_error", f"speech generation failed: {err}") from None
             if chunk is None:
                 return
+            first = "read" not in stream.marks
+            stream.mark("read")
             yield chunk
+            if first:
+                stream.mark("sent")  # the caller asks for the next chunk once this one is sent
 
     def stats(self) -> dict:
         figures = {"status": "ok", "sample_rate": SAMPLE_RATE, **self.admission.stats(),

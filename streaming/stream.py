@@ -23,6 +23,14 @@ if TYPE_CHECKING:
     from streaming.engine import Engine
 
 
+# The way to a stream's first audio (`Stream.mark`): the server got the request; the engine opened the stream; it
+# got a slot; its first text; the engine got its first units (text thread round trip; a slot may come later); its first units
+# were encoded; the first tick that stepped it was launched; its first chunk was due (after the delay pattern);
+# the codec thread began that chunk's job; the chunk was delivered; the server read it; and sent it.
+TIMELINE = ("request", "opened", "slot", "text", "units", "prefill", "stepped", "due", "codec", "delivered", "read",
+            "sent")
+
+
 class _Moving(tuple):
     """The units a detaching stream's text thread hands on: none, and a mark (compared by identity)."""
 
@@ -56,6 +64,8 @@ class Stream:
         self.last_audio_at: float | None = None
         self.samples = 0
         self.error: Exception | None = None
+        self.marks: dict[str, float] = {"opened": self.opened_at}  # when it first reached each stage (`mark`)
+        self.ticks: dict[str, int] = {}  # the engine's tick serial at "stepped" and at "due"
         self._unscheduled: list[int] = []  # unit ids taken from the text, not yet scheduled
         self._timings: list[tuple[str, float, float]] = []
         self._schedules: list[tuple[int, list[int], list[int]]] = []  # for word timings, computed when asked
@@ -66,6 +76,7 @@ class Stream:
         self.text.push(text)
         if self.first_text_at is None and text.strip():
             self.first_text_at = time.perf_counter()
+            self.mark("text", self.first_text_at)
         self.engine.text_arrived(self)
 
     def flush(self) -> None:
@@ -135,6 +146,19 @@ class Stream:
         return [word for first, starts, durations in schedules
                 for word in self.text.word_timings(first, starts, durations, frame_s)]
 
+    def mark(self, stage: str, at: float | None = None) -> None:
+        """Note when the stream first reached ``stage`` (perf_counter; later calls keep the first). The engine,
+        its workers and the server mark the way to the first audio (`TIMELINE`), one dict write per stage."""
+        if stage not in self.marks:
+            self.marks[stage] = time.perf_counter() if at is None else at
+
+    def timeline(self) -> dict[str, float]:
+        """The marked stages in `TIMELINE` order, in ms since the first (the request, where the server marked it)."""
+        marks = self.marks
+        stages = [stage for stage in TIMELINE if stage in marks]
+        origin = marks[stages[0]] if stages else 0.0
+        return {stage: round((marks[stage] - origin) * 1000, 1) for stage in stages}
+
     # ---- engine side ----------------------------------------------------------------------------
     def take_text(self) -> tuple[list[int], bool, bool]:
         """Units ready to speak now, whether a flush or the end closed them (`TextStream.take`), and whether
@@ -159,7 +183,9 @@ class Stream:
 
     def deliver(self, chunk: np.ndarray) -> None:
         now = time.perf_counter()
-        self.first_audio_at = self.first_audio_at or now
+        if self.first_audio_at is None:
+            self.first_audio_at = now
+            self.mark("delivered", now)
         self.last_audio_at = now
         self.samples += len(chunk)
         with self._audio:

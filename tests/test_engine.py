@@ -478,3 +478,52 @@ def test_cap_silence_gives_a_frame_to_the_unit_that_makes_a_run_too_long():
     keep = torch.tensor([[True, True, False], [True, False, False]])
     assert slots.cap_silence(rows, torch.zeros(2, 3, dtype=torch.long), keep).tolist() == [[0, 0, 0], [0, 0, 0]]
     assert slots.silent.tolist() == [2, 1]  # the runs carry over to the next units
+
+
+def test_a_first_chunk_goes_ahead_of_the_codec_backlog_and_each_stream_decodes_in_order():
+    """The CPU codec worker: a new stream's first chunk runs before chunks queued earlier for other streams, even
+    in the slot a stream with chunks still queued has just left (each slot has two decoder rows), and every
+    stream's audio equals its own chunks decoded in order from the start state."""
+    from streaming.codec_worker import CodecWorker
+    from streaming.stream import Stream
+    engine = tiny_random(max_streams=1)
+    codec = engine.codec
+    gate, lengths = threading.Event(), []
+
+    def gated(codes, state):  # the codec's own decode, held at its first call until the test has queued the rest
+        lengths.append(codes.shape[-1])
+        if len(lengths) == 1:
+            gate.wait(30)
+        return codec.decode_step(codes, state)
+
+    worker = CodecWorker(codec, 1, "cpu")
+    worker.set_decode_step(gated)
+    a, b = (Stream(engine, "joe", 1.0, 1000, seed) for seed in (1, 2))
+    codes = torch.Generator().manual_seed(0)
+    a1, a2, b1 = (torch.randint(0, codec.cfg.codebook_size, (1, codec.cfg.codebooks, t), generator=codes)
+                  for t in (16, 16, 2))
+    worker.reset([0])
+    worker.decode([0], [a], a1, [16])
+    assert wait_until(lambda: lengths == [16])  # the worker is busy with a's first chunk
+    worker.decode([0], [a], a2, [16])
+    worker.finish(a, None)
+    worker.reset([0])  # b starts in the slot a left, while a's second chunk is still queued
+    worker.decode([0], [b], b1, [2], first=True)
+    gate.set()
+    audio = {}
+    for name, stream in (("a", a), ("b", b)):
+        chunks = []
+        while (chunk := stream.read(timeout=30)) is not None:
+            chunks.append(chunk)
+            if name == "b":
+                stream.finish()
+        audio[name] = np.concatenate(chunks)
+    assert lengths == [16, 2, 16]  # b's first chunk before a's second
+    with torch.no_grad():
+        state = codec.init_state(1)
+        expected_a = np.concatenate([codec.decode_step(c, state)[0].numpy() for c in (a1, a2)])
+        expected_b = codec.decode_step(b1, codec.init_state(1))[0].numpy()
+    np.testing.assert_allclose(audio["a"], expected_a, atol=1e-5)
+    np.testing.assert_allclose(audio["b"], expected_b, atol=1e-5)
+    worker.close()
+    engine.close()

@@ -1218,3 +1218,29 @@ def test_phoneme_timings_on_request(server):
     phonemes = [p for event_, _ in timings for p in event_["phonemes"]]
     assert phonemes and all(len(p) == 3 and p[1] < p[2] for p in phonemes)
     assert phonemes[-1][2] <= total_s + 0.2
+
+
+def test_timeline_log_marks_each_stage_on_the_way_to_the_first_audio(tiny_engine, make_server, tmp_path,
+                                                                       monkeypatch):
+    """TTS_TIMELINE_LOG (a diagnosis, `bench.soak --timeline`): one line per stream, every stage from the request
+    to the first audio sent, each at or after the stages it follows."""
+    log = tmp_path / "timeline.jsonl"
+    monkeypatch.setenv("TTS_TIMELINE_LOG", str(log))
+    server = make_server(tiny_engine)
+
+    async def go():
+        async with websockets.connect(server.ws_url) as ws:
+            return await utterance(ws, SENTENCE)
+
+    run(go())
+    assert wait_until(lambda: log.exists() and log.read_text().strip())
+    line = json.loads(log.read_text().splitlines()[0])
+    marks = line["timeline_ms"]
+    assert list(marks) == ["request", "opened", "slot", "text", "units", "prefill", "stepped", "due", "codec",
+                           "delivered", "read", "sent"]
+    after = {"opened": ["request"], "slot": ["opened"], "text": ["opened"], "units": ["text"],
+             "prefill": ["slot", "units"], "stepped": ["prefill"], "due": ["stepped"], "codec": ["due"],
+             "delivered": ["codec"], "read": ["delivered"], "sent": ["read"]}
+    for stage, befores in after.items():
+        assert all(marks[stage] >= marks[before] for before in befores), (stage, marks)
+    assert line["finished"] and line["ticks_to_due"] >= tiny_engine.cfg.codebooks
