@@ -157,9 +157,10 @@ async def http_utterance(http: httpx.AsyncClient, text: str, abort: bool, slow: 
     tally.add("http", text, sent, first)
 
 
-async def client(base: str, index: int, until: float, minutes: list[Tally], started: float) -> None:
+async def client(base: str, http: httpx.AsyncClient, index: int, until: float, minutes: list[Tally],
+                 started: float) -> None:
     rng = random.Random(index)
-    async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+    async with http:
         while time.monotonic() < until:
             tally = minutes[min(int((time.monotonic() - started) // 60), len(minutes) - 1)]
             text, abort, slow = rng.choice(SENTENCES), rng.random() < ABORT, rng.random() < SLOW
@@ -186,11 +187,16 @@ async def warm_up(base: str, clients: int) -> float:
 
 async def soak(base: str, minutes: int, clients: int, server: psutil.Process) -> dict:
     warm_up_s = await warm_up(base, clients)
+    # Each client's HTTP client is made before the clock starts: making one blocks this process's event loop
+    # ~25 ms (its TLS context), and 8 made at once held minute 1's first audios back 200-300 ms at the client
+    # after the server had sent them (`--timeline`: the server's own p99 that minute was 1.5x its p50).
+    https = [httpx.AsyncClient(base_url=base, timeout=120) for _ in range(clients)]
     started = time.monotonic()
     STARTED.append(time.perf_counter())
     tallies = [Tally() for _ in range(minutes)]
     rss_start = server.memory_info().rss / 2**20
-    tasks = [asyncio.create_task(client(base, i, started + 60 * minutes, tallies, started)) for i in range(clients)]
+    tasks = [asyncio.create_task(client(base, https[i], i, started + 60 * minutes, tallies, started))
+             for i in range(clients)]
     reports = []
     for minute in range(minutes):
         await asyncio.sleep(max(0.0, started + 60 * (minute + 1) - time.monotonic()))
