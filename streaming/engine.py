@@ -1319,26 +1319,13 @@ class Engine:
             finally:
                 copied.set()
 
-        class Pause:  # a job for the text thread (`TextWorker`), in the stream's place: it waits for the copy.
-            # It answers all the text thread reads of a job's stream (a missing one would end that thread: no
-            # stream's text would be taken again); it runs once (no hold: the thread sets no timer to take again).
-            cancelled = finished = detaching = False
-
-            class text:  # noqa: N801 (the job's front end, as a stream's `text`: nothing spoken, nothing held)
-                spoken_any = False
-
-                @staticmethod
-                def release_at() -> None:
-                    return None
-
-            def take_text(_) -> tuple[list[int], bool, bool]:
-                self._inbox.append(("snapshot", stream, capture))
-                self.wake()
-                copied.wait(timeout)
-                return [], False, False  # the engine finds no stream of this job's: nothing happens
+        def pause() -> None:  # on the text thread, in the stream's place: it waits there for the copy
+            self._inbox.append(("snapshot", stream, capture))
+            self.wake()
+            copied.wait(timeout)
 
         self._handlers.setdefault("snapshot", lambda _, run: run())
-        self.text_worker.arrived(Pause())
+        self.text_worker.run_in_turn(pause)
         if not done.wait(timeout):
             raise EngineError(f"no snapshot of the stream within {timeout:g} s")
         if "error" in taken:

@@ -41,6 +41,11 @@ class TextWorker:
             self._jobs.append(stream)
         self._wake.set()
 
+    def run_in_turn(self, call: Callable[[], None]) -> None:
+        """Run ``call`` on the text thread at its place in the queue: every stream queued before it has been
+        taken, and no take runs while it does (`Engine.snapshot` stops the text thread at a stream's place)."""
+        self.arrived(_InTurn(call))
+
     def close(self) -> None:
         self._closing = True
         self._wake.set()
@@ -50,6 +55,10 @@ class TextWorker:
         while not self._closing:
             self._wake.wait(self._due_in())
             while (stream := self._next()) is not None:
+                if isinstance(stream, _InTurn):
+                    with contextlib.suppress(Exception):  # its caller waits on the call's own result
+                        stream.call()
+                    continue
                 if stream.cancelled or stream.finished:
                     continue
                 try:
@@ -94,3 +103,10 @@ class TextWorker:
             stream = self._jobs.popleft()
             self._queued.discard(stream)
             return stream
+
+
+class _InTurn:
+    """A call queued among the streams (`TextWorker.run_in_turn`)."""
+
+    def __init__(self, call: Callable[[], None]):
+        self.call = call
