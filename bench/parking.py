@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--moved-slots", type=int, default=2,
+                        help="slots of the engine the detached stream is attached to (its batch bucket)")
     parser.add_argument("--switch-interval", type=float,
                         help="Python's thread switch interval in seconds (sys.setswitchinterval)")
     args = parser.parse_args()
@@ -115,8 +117,9 @@ def main() -> None:
     host = parked_round(engine, sentences, disk=False, restores=restores)
     parking.disk_after_s = 0.05
     disk = parked_round(engine, sentences, disk=True, restores=restores)
-    moved = moved_round(engine, Engine(model, codec, voices, max_streams=2, device=args.device, sampling=greedy),
-                        sentences[0])
+    other = Engine(model, codec, voices, max_streams=args.moved_slots, device=args.device, sampling=greedy,
+                   step_factory=factory)
+    moved = moved_round(engine, other, sentences[0])
     diffs = [float(np.abs(got - want).max()) if len(got) == len(want) else float("inf")
              for got, want in zip(host + disk + [moved], expected * 2 + expected[:1])]
     stats = engine.stats()
@@ -129,6 +132,9 @@ def main() -> None:
                                               ("park", "restore", "spill", "load", "park_host", "restore_host")},
                       "restore_ms_per_stream_by_round": restores, "max_abs_diff": max(diffs), "identical_streams": sum(d == 0 for d in diffs),
                       "streams_within_1e-4": sum(d <= 1e-4 for d in diffs), "step": engine.step_kind,
+                      "within_1e-4_by_round": {"host": sum(d <= 1e-4 for d in diffs[:len(host)]),
+                                               "disk": sum(d <= 1e-4 for d in diffs[len(host):-1]),
+                                               "moved": int(diffs[-1] <= 1e-4), "moved_slots": args.moved_slots},
                       "compared_streams": len(diffs)}, indent=2))
     engine.close()
 
