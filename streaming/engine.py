@@ -787,6 +787,8 @@ class Engine:
         parked = [p for _, p in restores]
         flats = [p.flat if p.flat is not None and p.layout is layout else layout.flatten(p.rows, pin=cuda)
                  for p in parked]
+        if cuda and self.frame_codec:  # the last tick's decode writes every decoder row (masked) on its stream:
+            torch.cuda.current_stream(self.device).wait_stream(self.codec_stream)  # after it, not under it
         if cuda:
             for at in range(0, len(rows), len(self._staging)):
                 part = flats[at:at + len(self._staging)]
