@@ -713,15 +713,22 @@ def serve(host: str = "127.0.0.1", port: int = 8000, engine=None, log_level: str
 
 def serve_workers(count: int, host: str, port: int, factory, max_streams: int | None, compile: bool, log_level: str,
                   limits: Limits, app_options: dict) -> None:
-    """`count` server processes accepting from one socket (streaming/workers.py), until SIGINT/SIGTERM.
+    """`count` server processes behind one port (streaming/workers.py), until SIGINT/SIGTERM.
     Split over the workers: the engine slots (``max_streams``, default the engine's own: CPU_STREAMS on a CPU,
     GPU_STREAMS_CAP on a GPU), max_connections (each worker's engine opens as many streams) and max_queue. Per
     worker: the per-client caps (a client's connections spread over the workers), and every other limit."""
-    from streaming.engine import CPU_STREAMS, GPU_STREAMS_CAP
     if factory is None:
         from tts.api import get_engine
         factory = functools.partial(get_engine, compile=compile)
-    elif not callable(factory) or hasattr(factory, "open"):
+    pool = _pool(count, host, port, factory, max_streams, limits, log_level, app_options)
+    pool.run()
+
+
+def _pool(count: int, host: str, port: int, factory, max_streams: int | None, limits: Limits, log_level: str,
+          app_options: dict) -> workers.Supervisor:
+    """`count` workers started and listening on ``port`` (0: a free one), each with its own socket on it."""
+    from streaming.engine import CPU_STREAMS, GPU_STREAMS_CAP
+    if not callable(factory) or hasattr(factory, "open"):
         raise TypeError("with workers, `engine` is a factory(max_streams=, max_open=) each worker calls, not an engine")
     if max_streams is None:
         import torch
@@ -737,7 +744,7 @@ def serve_workers(count: int, host: str, port: int, factory, max_streams: int | 
     pool.start()
     log.info("%d server workers listening on http://%s:%d (%d slots in all); their own addresses: %s", count,
              host, public[0].getsockname()[1], max_streams, ", ".join(f"{h}:{p}" for h, p in pool.workers[0].peers))
-    pool.run()
+    return pool
 
 
 def _worker(worker: workers.Worker, public: socket.socket, private: socket.socket, ready, factory, max_streams: int,
@@ -772,7 +779,19 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
-class ServerThread:
+class _Addresses:
+    """The URLs of a server listening on ``self.host``, ``self.port``."""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://{self.host}:{self.port}/v1/stream"
+
+
+class ServerThread(_Addresses):
     """The real server in a background thread, on a free loopback port by default (tests, benchmarks).
 
     >>> with ServerThread(engine) as server:   # doctest: +SKIP
@@ -788,14 +807,6 @@ class ServerThread:
         self._server = _server(self.app, self.limits, log_level)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="tts-server", daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://{self.host}:{self.port}/v1/stream"
 
     @property
     def hub(self) -> Hub:
@@ -817,6 +828,38 @@ class ServerThread:
 
     def __enter__(self) -> "ServerThread":
         return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class ServerProcesses(_Addresses):
+    """`serve(workers=count)` for a benchmark: worker processes on a free loopback port, each building its engine
+    with ``factory(max_streams=, max_open=)`` (picklable), until `stop`. ``hub`` sums what their /health say
+    (`streaming.workers.PoolView`; ``parking``, the engines' own, is for its readers)."""
+
+    def __init__(self, factory, count: int, max_streams: int, parking=None, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning", **limits):
+        from tts.codec import CodecConfig
+        self.limits, self.host, self._view = Limits(**limits), host, (1 / CodecConfig().frame_rate, parking)
+        self._start = (count, host, port, factory, max_streams, self.limits, log_level, {})
+        self._pool: workers.Supervisor | None = None
+
+    def start(self) -> "ServerProcesses":
+        self._pool = _pool(*self._start)
+        self.port = self._pool.public[0].getsockname()[1]
+        self.hub = workers.PoolView(self._pool.workers[0].peers, *self._view)
+        return self
+
+    def cpu_seconds(self) -> float:
+        """CPU time the workers have used so far, user and system (Linux /proc; 0.0 elsewhere)."""
+        return sum(workers.cpu_seconds(p.pid) for p in self._pool.processes)
+
+    def stop(self) -> None:
+        self._pool.stop()
+
+    def __enter__(self) -> "ServerProcesses":
+        return self if self._pool is not None else self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -2,9 +2,10 @@
 
 One Python process serves a few hundred real-time streams before its event loop and its interpreter lock are
 full (docs/scale-out.md). N worker processes, each its own interpreter, event loop and engine (on a GPU: its own
-CUDA context; the workers time-share the device), accept from one listening socket that the parent binds and
-hands to each, as uvicorn's and vLLM's multi-process servers do. The kernel queues a connection on the shared
-socket and whichever worker's event loop accepts first takes it.
+CUDA context; the workers time-share the device), accept on one port: the parent binds one socket per worker on
+it (SO_REUSEPORT) and hands each its own, and the kernel hashes each new connection to one of them. (One socket
+shared by all, as uvicorn's own workers have it, let the first worker to wake take a burst of connections
+whole: see docs/scale-out.md.)
 
 A WebSocket session lives in the worker that accepted it. Its resume token starts with that worker's index
 (``"2." + 128 random bits``), and every worker also listens on a private loopback address of its own; a resume
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import json
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -30,7 +32,10 @@ import secrets
 import signal
 import socket
 import time
+import urllib.request
 from dataclasses import dataclass
+
+import numpy as np
 
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
@@ -40,7 +45,9 @@ from streaming.resume import dropped
 log = logging.getLogger("tts.workers")
 FORWARDED_HEADERS = ("authorization", "x-api-key")  # the client's credentials, for the owner's access check
 RELAY_OPEN_TIMEOUT_S = 5.0
-STOP_TIMEOUT_S = 10.0  # a worker still running this long after SIGTERM is killed
+STOP_TIMEOUT_S = 10.0
+PERCENTILES = ("p50", "p99")
+STATS_REUSE_S = 0.05  # PoolView: figures this fresh are not asked for again  # a worker still running this long after SIGTERM is killed
 
 
 @dataclass(frozen=True)
@@ -197,7 +204,7 @@ class Supervisor:
         self._context = multiprocessing.get_context("spawn")
 
     def start(self) -> None:
-        """Start every worker and return once each listens; RuntimeError (after stopping the rest) if one
+        """Start every worker and return once each listens; ChildProcessError (after stopping the rest) if one
         dies or does not listen within start_timeout_s."""
         for i in range(self.count):
             self._spawn(i)
@@ -226,7 +233,7 @@ class Supervisor:
         process.join(1)
         why = f"exit code {process.exitcode}" if process.exitcode is not None else \
             f"not listening after {self.start_timeout_s:g} s"
-        raise RuntimeError(f"server worker {i} failed to start ({why}); see its log above")
+        raise ChildProcessError(f"server worker {i} failed to start ({why}); see its log above")
 
     def run(self) -> None:
         """Until SIGINT/SIGTERM: restart a worker that dies; then stop them all."""
@@ -239,7 +246,7 @@ class Supervisor:
                                   "sessions are lost)", i, process.pid, process.exitcode)
                         self.restarts += 1
                         self._spawn(i)
-                        self._await_ready(i)  # RuntimeError (the server stops) if it cannot start again
+                        self._await_ready(i)  # ChildProcessError (the server stops) if it cannot start again
                 multiprocessing.connection.wait([p.sentinel for p in self.processes], 0.5)
         finally:
             for s, handler in previous.items():
@@ -267,6 +274,16 @@ class Supervisor:
             sock.close()
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time process ``pid`` has used, user and system (Linux /proc; 0.0 where unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
 def notify_when_listening(server, ready) -> asyncio.Task:
     """A task that sends one message on ``ready`` once the uvicorn ``server`` listens on all its sockets."""
     async def watch():
@@ -275,3 +292,53 @@ def notify_when_listening(server, ready) -> asyncio.Task:
         ready.send(os.getpid())
         ready.close()
     return asyncio.get_running_loop().create_task(watch())
+
+
+class PoolView:
+    """What the workers' /health say, summed, in the shape one engine's and one hub's figures have, for a
+    benchmark that watches a pool as it watches one process: ``stats()`` (an engine's: counts summed,
+    percentiles the highest worker's, as the slowest worker bounds the pool), ``admission.stats()`` (a hub's
+    connections), ``max_streams``, ``frame_seconds``, and ``tick_ms.values(last)`` (each worker's recent tick p50:
+    a worker's single ticks are not on /health)."""
+
+    def __init__(self, peers: tuple[tuple[str, int], ...], frame_seconds: float, parking=None):
+        self.peers, self.frame_seconds, self.parking = peers, frame_seconds, parking
+        self.max_streams = sum(h["slots"] for h in self._health())
+        self.admission, self.tick_ms = self, self
+        self._last = (0.0, {})  # (when, figures): a sampler reads engine and admission figures back to back
+
+    def _health(self) -> list[dict]:
+        figures = []
+        for host, port in self.peers:
+            with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=10) as response:
+                figures.append(json.load(response))
+        return figures
+
+    def stats(self) -> dict:
+        if time.monotonic() - self._last[0] < STATS_REUSE_S:
+            return self._last[1]
+        healths = self._health()
+        figures = {**merge([h["engine"] for h in healths]), "connections": sum(h["connections"] for h in healths)}
+        self._last = (time.monotonic(), figures)
+        return figures
+
+    def close(self) -> None:
+        """Nothing: the workers' engines end with their processes."""
+
+    def values(self, last: int) -> np.ndarray:
+        ticks = [h["engine"]["tick_ms"]["p50"] for h in self._health()]
+        return np.array([t for t in ticks if t is not None][:last])
+
+
+def merge(figures: list[dict]):
+    """Several workers' figures as one: numbers summed, percentiles (p50, p99) the highest, texts the first's
+    (or all, joined, when they differ). Example: [{"parks": 2, "tick_ms": {"p50": 3}}, {"parks": 1, "tick_ms":
+    {"p50": 5}}] -> {"parks": 3, "tick_ms": {"p50": 5}}."""
+    first = figures[0]
+    if isinstance(first, dict):
+        return {key: max((f[key] for f in figures if f.get(key) is not None), default=None) if key in PERCENTILES
+                else merge([f[key] for f in figures if key in f]) for key in first}
+    if isinstance(first, (int, float)) or first is None:
+        numbers = [f for f in figures if f is not None]
+        return sum(numbers) if numbers else None
+    return first if len(set(map(str, figures))) == 1 else "+".join(map(str, figures))
