@@ -39,15 +39,16 @@ import numpy as np
 
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
+from websockets.protocol import State
 
 from streaming.resume import dropped
 
 log = logging.getLogger("tts.workers")
 FORWARDED_HEADERS = ("authorization", "x-api-key")  # the client's credentials, for the owner's access check
 RELAY_OPEN_TIMEOUT_S = 5.0
-STOP_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 10.0  # a worker still running this long after SIGTERM is killed
 PERCENTILES = ("p50", "p99")
-STATS_REUSE_S = 0.05  # PoolView: figures this fresh are not asked for again  # a worker still running this long after SIGTERM is killed
+STATS_REUSE_S = 0.05  # PoolView: figures this fresh are not asked for again
 
 
 @dataclass(frozen=True)
@@ -126,31 +127,34 @@ class Relay:
         except (OSError, InvalidHandshake, TimeoutError) as err:
             log.warning("resume relay to worker at %s:%d failed: %s", *self.owner, err)
             with contextlib.suppress(Exception):
-                await ws.send_text('{"type": "error", "code": "resume_expired", "message": "no session to resume: '
-                                   'the worker that served it is not running"}')
+                await ws.send_text(json.dumps({"type": "error", "code": "resume_expired", "message": "no session "
+                                               "to resume: the worker that served it is not running"}))
                 await ws.close(1013, "resume_expired")
             return None
-        async with owner:
-            await owner.send(self.resume)
-            legs = [asyncio.create_task(_client_to_owner(ws, owner)), asyncio.create_task(_owner_to_client(owner, ws))]
-            _, pending = await asyncio.wait(legs, return_when=asyncio.FIRST_COMPLETED)
-            for leg in pending:
-                leg.cancel()
-            await asyncio.gather(*legs, return_exceptions=True)
+        legs = [asyncio.create_task(_client_to_owner(ws, owner, self.resume)),
+                asyncio.create_task(_owner_to_client(owner, ws))]
+        _, pending = await asyncio.wait(legs, return_when=asyncio.FIRST_COMPLETED)
+        for leg in pending:
+            leg.cancel()
+        await asyncio.gather(*legs, return_exceptions=True)
+        if owner.state is not State.CLOSED:  # not closed cleanly by either side (a send to the client failed,
+            owner.transport.abort()  # say): to the owner a drop, so that it holds the session for a resume
         return None
 
     async def close(self) -> None:
         """Nothing to free: the relay holds no session, slot or place in the caps (the owner's session does)."""
 
 
-async def _client_to_owner(ws, owner) -> None:
+async def _client_to_owner(ws, owner, resume: str) -> None:
+    await owner.send(resume)
     while True:
         message = await ws.receive()
         if message["type"] == "websocket.disconnect":
             if dropped(message):
                 owner.transport.abort()  # the owner must see a drop, not a close: it then waits for a resume
-            else:
-                await owner.close(message.get("code") or 1000, message.get("reason") or "")
+            else:  # 1005: a close frame without a code, which cannot be sent on
+                code = message.get("code") or 1000
+                await owner.close(1000 if code == 1005 else code, message.get("reason") or "")
             return
         if message.get("text") is not None:
             await owner.send(message["text"])
