@@ -25,7 +25,6 @@ import functools
 import gc
 import json
 import logging
-import secrets
 import socket
 import threading
 import time
@@ -41,7 +40,7 @@ from starlette.routing import Match, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
-from streaming import http_api
+from streaming import http_api, workers
 from streaming.limits import Limits
 from streaming.containers import Encoder
 from streaming.hub import Hub, clients_of
@@ -211,7 +210,7 @@ class Session:
         """Spend the tokens that resume the session (a second resume with one is resume_used) and make one."""
         for token in self.tokens:
             self.hub.resume_tokens[token] = None
-        self.token = secrets.token_urlsafe(16)  # 128 random bits
+        self.token = workers.resume_token()  # 128 random bits (after the worker's index, in a pool of workers)
         self._accept_token(self.token)
 
     def _accept_token(self, token: str) -> None:
@@ -234,6 +233,8 @@ class Session:
         """(the session `msg.token` names, (where each of its contexts resumes, the token)), or resume_expired /
         resume_used / resume_offset. Claiming spends the token (synchronously: of two resumes racing with one
         token, one wins)."""
+        if (relay := workers.relay_for(msg)) is not None:  # another worker's session: carried to it
+            return relay, None
         tokens = hub.resume_tokens
         if msg.token in tokens and tokens[msg.token] is None:
             raise ProtocolError("resume_used", "this resume token has been used; a resumed session's token is the "
@@ -617,10 +618,30 @@ def create_app(engine=None, limits: Limits | None = None, *, api_keys=(), allow_
                                         allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type",
                                                                                       "X-API-Key"],
                                         expose_headers=["X-Sample-Rate", "Retry-After"]))
+    if (worker := workers.this_worker()) is not None:
+        middleware.append(Middleware(_WorkerHeader, worker=worker))
     app = Starlette(routes=routes, middleware=middleware, lifespan=functools.partial(_lifespan, hub),
                     exception_handlers={HTTPException: api.http_exception, Exception: api.server_error})
     app.state.hub = hub
     return app
+
+
+class _WorkerHeader:
+    """In a pool of workers (`tts serve --workers N`) every HTTP response names the worker that answered,
+    ``x-tts-worker: INDEX/COUNT``: its /health describes that worker alone (docs/scale-out.md)."""
+
+    def __init__(self, app, worker: workers.Worker):
+        self.app, self.header = app, (b"x-tts-worker", f"{worker.index}/{worker.count}".encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_named(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self.header]}
+            await send(message)
+        await self.app(scope, receive, send_named)
 
 
 @contextlib.asynccontextmanager
@@ -650,10 +671,13 @@ async def _trim_heap(every_s: float) -> None:
 
 
 # ---- running it -----------------------------------------------------------------------------------
-def _bind(host: str, port: int, limits: Limits) -> socket.socket:
-    """A listening socket; accepted connections inherit its send buffer size."""
+def _bind(host: str, port: int, limits: Limits, reuse_port: bool = False) -> socket.socket:
+    """A listening socket; accepted connections inherit its send buffer size. ``reuse_port``: others may bind
+    the same port (SO_REUSEPORT), and the kernel spreads new connections over them."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limits.send_buffer_bytes)
     sock.bind((host, port))
     return sock
@@ -668,18 +692,83 @@ def _server(app: Starlette, limits: Limits, log_level: str) -> uvicorn.Server:
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, engine=None, log_level: str = "info", compile: bool = True,
-          api_keys=(), allow_origins=(), **limits) -> None:
+          api_keys=(), allow_origins=(), workers: int = 1, max_streams: int | None = None, **limits) -> None:
     """Serve until interrupted. `limits` are the fields of `Limits` (max_connections=..., ...); `api_keys` and
     `allow_origins` as in `create_app`. The engine loads, and compiles its step unless ``compile`` is false (or
-    TTS_NO_COMPILE=1), before the socket opens, so missing weights fail here and the first client waits for neither."""
+    TTS_NO_COMPILE=1), before the socket opens, so missing weights fail here and the first client waits for neither.
+    ``workers`` > 1: that many server processes behind the one port (`serve_workers`); ``engine`` is then None
+    or a picklable ``factory(max_streams=, max_open=) -> Engine`` that each worker calls."""
     lim = Limits(**limits)
+    if workers > 1:
+        return serve_workers(workers, host, port, engine, max_streams, compile, log_level, lim,
+                             {"api_keys": tuple(api_keys), "allow_origins": tuple(allow_origins)})
     if engine is None:
         from tts.api import get_engine
-        engine = get_engine(compile=compile, max_open=lim.max_connections)
+        engine = get_engine(max_streams=max_streams, compile=compile, max_open=lim.max_connections)
     sock = _bind(host, port, lim)
     app = create_app(engine, lim, api_keys=api_keys, allow_origins=allow_origins)
     _freeze_heap()
     _server(app, lim, log_level).run(sockets=[sock])
+
+
+def serve_workers(count: int, host: str, port: int, factory, max_streams: int | None, compile: bool, log_level: str,
+                  limits: Limits, app_options: dict) -> None:
+    """`count` server processes behind one port (streaming/workers.py), until SIGINT/SIGTERM.
+    Split over the workers: the engine slots (``max_streams``, default the engine's own: CPU_STREAMS on a CPU,
+    GPU_STREAMS_CAP on a GPU), max_connections (each worker's engine opens as many streams) and max_queue. Per
+    worker: the per-client caps (a client's connections spread over the workers), and every other limit."""
+    if factory is None:
+        from tts.api import get_engine
+        factory = functools.partial(get_engine, compile=compile)
+    pool = _pool(count, host, port, factory, max_streams, limits, log_level, app_options)
+    pool.run()
+
+
+def _pool(count: int, host: str, port: int, factory, max_streams: int | None, limits: Limits, log_level: str,
+          app_options: dict) -> workers.Supervisor:
+    """`count` workers started and listening on ``port`` (0: a free one), each with its own socket on it."""
+    from streaming.engine import CPU_STREAMS, GPU_STREAMS_CAP
+    if not callable(factory) or hasattr(factory, "open"):
+        raise TypeError("with workers, `engine` is a factory(max_streams=, max_open=) each worker calls, not an engine")
+    if max_streams is None:
+        import torch
+        max_streams = GPU_STREAMS_CAP if torch.cuda.is_available() else CPU_STREAMS
+    if max_streams < count:
+        raise ValueError(f"{count} workers need at least {count} engine slots, not {max_streams}")
+    # One socket per worker on the one port (SO_REUSEPORT): the kernel hashes each new connection to one of them.
+    # One socket shared by all (uvicorn's way) let the first worker to wake take a burst whole: 24 WebSockets
+    # opened at once went 16/8, 16/0 (16: its per-client cap, the rest refused); SO_REUSEPORT: 11/13, 12/12.
+    public = [_bind(host, port, limits, reuse_port=True)]
+    public += [_bind(host, public[0].getsockname()[1], limits, reuse_port=True) for _ in range(count - 1)]
+    pool = workers.Supervisor(_worker, public, (factory, max_streams, limits, log_level, app_options))
+    pool.start()
+    log.info("%d server workers listening on http://%s:%d (%d slots in all); their own addresses: %s", count,
+             host, public[0].getsockname()[1], max_streams, ", ".join(f"{h}:{p}" for h, p in pool.workers[0].peers))
+    return pool
+
+
+def _worker(worker: workers.Worker, public: socket.socket, private: socket.socket, ready, factory, max_streams: int,
+            limits: Limits, log_level: str, app_options: dict) -> None:
+    """One worker process of `serve_workers`: its engine, its share of the limits, both its sockets."""
+    import dataclasses
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops every worker
+    workers.join(worker)
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s:     [worker {worker.index}] %(message)s")
+    i, n = worker.index, worker.count
+    limits = dataclasses.replace(limits, max_connections=workers.split(limits.max_connections, n, i),
+                                 max_queue=workers.split(limits.max_queue, n, i))
+    engine = factory(max_streams=workers.split(max_streams, n, i), max_open=limits.max_connections)
+    server = _server(create_app(engine, limits, **app_options), limits, log_level)
+    _freeze_heap()
+
+    async def run():
+        listening = workers.notify_when_listening(server, ready)
+        await server.serve(sockets=[public, private])
+        listening.cancel()
+    with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:  # uvicorn's loop, as in run()
+        runner.run(run())
+    engine.close()
 
 
 def _freeze_heap() -> None:
@@ -690,7 +779,19 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
-class ServerThread:
+class _Addresses:
+    """The URLs of a server listening on ``self.host``, ``self.port``."""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://{self.host}:{self.port}/v1/stream"
+
+
+class ServerThread(_Addresses):
     """The real server in a background thread, on a free loopback port by default (tests, benchmarks).
 
     >>> with ServerThread(engine) as server:   # doctest: +SKIP
@@ -706,14 +807,6 @@ class ServerThread:
         self._server = _server(self.app, self.limits, log_level)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="tts-server", daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://{self.host}:{self.port}/v1/stream"
 
     @property
     def hub(self) -> Hub:
@@ -735,6 +828,38 @@ class ServerThread:
 
     def __enter__(self) -> "ServerThread":
         return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class ServerProcesses(_Addresses):
+    """`serve(workers=count)` for a benchmark: worker processes on a free loopback port, each building its engine
+    with ``factory(max_streams=, max_open=)`` (picklable), until `stop`. ``hub`` sums what their /health say
+    (`streaming.workers.PoolView`; ``parking``, the engines' own, is for its readers)."""
+
+    def __init__(self, factory, count: int, max_streams: int, parking=None, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning", **limits):
+        from tts.codec import CodecConfig
+        self.limits, self.host, self._view = Limits(**limits), host, (1 / CodecConfig().frame_rate, parking)
+        self._start = (count, host, port, factory, max_streams, self.limits, log_level, {})
+        self._pool: workers.Supervisor | None = None
+
+    def start(self) -> "ServerProcesses":
+        self._pool = _pool(*self._start)
+        self.port = self._pool.public[0].getsockname()[1]
+        self.hub = workers.PoolView(self._pool.workers[0].peers, *self._view)
+        return self
+
+    def cpu_seconds(self) -> float:
+        """CPU time the workers have used so far, user and system (Linux /proc; 0.0 elsewhere)."""
+        return sum(workers.cpu_seconds(p.pid) for p in self._pool.processes)
+
+    def stop(self) -> None:
+        self._pool.stop()
+
+    def __enter__(self) -> "ServerProcesses":
+        return self if self._pool is not None else self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import multiprocessing
 import os
@@ -360,6 +361,11 @@ def offered_only(args) -> dict:
             "real_time_possible": streams <= capacity}
 
 
+def worker_engine(args, parking, max_streams: int, max_open: int):
+    """(procs) One worker's engine under --workers: build_engine's, on the worker's share of the slots."""
+    return build_engine(argparse.Namespace(**{**vars(args), "slots": max_streams}), parking)
+
+
 def build_engine(args, parking):
     """The engine of the run: on the CPU, the shipped model as every user path gets it (`get_engine`); on a
     GPU, as `bench.latency --device cuda` builds it, every slot bucket's graphs captured now; ``--tiny``: the
@@ -406,6 +412,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warm-up-clients", type=int, default=1, help="clients of the warm-up (default 1)")
     parser.add_argument("--warm-up-s", type=float, default=5.0, help="length of the warm-up (default 5 s)")
     parser.add_argument("--offered-only", action="store_true", help="print the offered load alone (no server)")
+    parser.add_argument("--workers", type=int, default=1, help="server processes (`tts serve --workers`)")
     parser.add_argument("--words-per-s", type=float, default=3.18, help="speaking rate for --offered-only")
     parser.add_argument("--tick-ms", type=float, default=None,
                         help="--offered-only: whole-tick ms with the slots full (default: the last measured, "
@@ -424,19 +431,26 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_host_gb is not None:
         parking.max_host_bytes = int(args.max_host_gb * 2**30)
     building = time.perf_counter()
-    engine = build_engine(args, parking)
-    engine_start_s = round(time.perf_counter() - building, 1)
-    from server import ServerThread
+    from server import ServerProcesses, ServerThread
     room = HEADROOM * args.clients
     limits = dict(max_connections=room, max_connections_per_client=room, max_streams_per_client=room,
                   max_queue=room)
+    if args.workers > 1:  # (procs) N server processes, each its own engine of slots / N (streaming/workers.py)
+        serving = ServerProcesses(functools.partial(worker_engine, args, parking), args.workers, args.slots,
+                                  parking, **limits).start()
+        engine = serving.hub  # the workers' /health, summed
+    else:
+        engine = build_engine(args, parking)
+        serving = ServerThread(engine, **limits)
+    engine_start_s = round(time.perf_counter() - building, 1)
     load_before = load_average()
-    with ServerThread(engine, **limits) as server:
+    with serving as server:
         warm_up(server, engine, args)
         used, held, full_ticks, stop, before = [], [], [], threading.Event(), engine.stats()
         sampler = threading.Thread(target=sample_server, args=(server, engine, stop, used, held, full_ticks),
                                    daemon=True)
         host, started = HostLoad(server.url).start(), time.perf_counter()
+        workers_cpu = args.workers > 1 and server.cpu_seconds()
         sampler.start()
         results, loads = run_elsewhere(server.ws_url, args.clients, args.minutes * 60, args.ahead_s,
                                        args.client_processes, args.grace_s)
@@ -444,8 +458,11 @@ def main(argv: list[str] | None = None) -> None:
         stop.set()
         sampler.join()
         host = {**host.stop(), **client_load(loads)}
+        if args.workers > 1:  # (procs) server_process_cores is this parent's alone; the workers' own:
+            host["worker_process_cores"] = round((server.cpu_seconds() - workers_cpu) / run_s, 3)
         result = report(results, held, used, engine, args, load_before, before, full_ticks, host, run_s)
-        print(json.dumps({**result, "engine_start_s": engine_start_s, **gpu_figures(args.device)}, indent=2),
+        print(json.dumps({**result, "engine_start_s": engine_start_s, "workers": args.workers,
+                          **(gpu_figures(args.device) if args.workers == 1 else {})}, indent=2),
               flush=True)
     engine.close()
 

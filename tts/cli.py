@@ -189,6 +189,8 @@ def cmd_serve(args) -> int:
     """Loads the engine (about a second: its step and codec decoder run ONNX Runtime from the graphs shipped
     for the model, `kernels.weightless`; a model without them starts on the fastest step ready while a
     faster one is built in the background and swapped in), then listens."""
+    if args.workers < 1 or (args.ray and args.workers > 1):
+        raise InputError("--workers must be at least 1, and is not used with --ray (use --replicas)")
     if args.ray:
         return serve_on_ray(args)
     import logging
@@ -196,6 +198,12 @@ def cmd_serve(args) -> int:
     from server import serve
     from streaming.limits import limits_from
     from tts.api import get_engine
+    if args.workers > 1:  # each worker loads its own engine (streaming/workers.py): none here
+        if args.wyoming_uri:
+            raise InputError("--wyoming-uri is not served with --workers (run `tts wyoming` beside it)")
+        serve(host=args.host, port=args.port, api_keys=args.api_key, allow_origins=args.allow_origin,
+              compile=not args.no_compile, workers=args.workers, max_streams=args.max_streams, **limits_from(args))
+        return 0
     # streams waiting for text or for their reader are parked without a slot: open as many as connections
     engine = get_engine(max_streams=args.max_streams, compile=not args.no_compile, max_open=args.max_connections)
     with contextlib.ExitStack() as also:
@@ -258,6 +266,10 @@ def serve_parser(sub) -> None:
     serve.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                        help="a browser origin, besides the server's own, that may use the API and gets CORS "
                             "headers (repeatable; '*' allows any)")
+    serve.add_argument("--workers", type=int, default=1, metavar="INT",
+                       help="server processes behind the one port, each with its own engine of --max-streams / "
+                            "INT slots and its share of --max-connections and --max-queue (default 1; "
+                            "docs/scale-out.md)")
     serve.add_argument("--no-compile", action="store_true",
                        help="run the plain eager decode step, no faster one (TTS_NO_COMPILE=1 does the same)")
     serve.add_argument("--wyoming-uri", help="also serve Home Assistant's Wyoming protocol, e.g. tcp://0.0.0.0:10200")

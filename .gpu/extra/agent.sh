@@ -13,6 +13,9 @@
 # them, else from ./voices (the root of the checkout the device machine received). Usage, there:
 #     bash PATH/TO/THIS/TREE/.gpu/extra/agent.sh [CLIENTS ...]
 # CPU rehearsal: DEVICE=cpu SLOTS=4 MINUTES=0.3 CLIENT_PROCESSES=2 WARM_UP_CLIENTS=4 NO_WHEELS=1 EXTRA=--tiny
+# WORKERS=N (default 1): N server processes (`tts serve --workers N`, streaming/workers.py), each with its own
+# engine of SLOTS / N slots and CUDA context on the one GPU; files are then agent_N_wWORKERS.*, and
+# gpu_apps_N_wWORKERS.csv samples each process's GPU memory every 15 s. E.g. WORKERS=4 bash agent.sh 512 1024
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 TREE=$(cd "$HERE/../.." && pwd)
@@ -29,6 +32,8 @@ DEVICE=${DEVICE:-cuda}
 SLOTS=${SLOTS:-1024}
 WARM_UP_CLIENTS=${WARM_UP_CLIENTS:-1024}
 EXTRA=${EXTRA:-}
+WORKERS=${WORKERS:-1}
+SUFFIX=$([ "$WORKERS" -gt 1 ] && echo "_w$WORKERS")
 [ -n "${NO_WHEELS:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/agent-site "$HERE"/wheels/*.whl || { echo "agent.sh: the wheels did not install"; exit 1; }
 VOICES=$TREE/voices
@@ -38,7 +43,7 @@ export PYTHONPATH=$TREE:/tmp/agent-site:$HERE/site PYTHONUNBUFFERED=1 TTS_HARVAR
 ulimit -n 1048576 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 cd "$TREE" || exit 1
 echo "agent.sh: $(date -u +%T) tree $TREE, voices $VOICES, $CORES cores, $PROCESSES client processes," \
-     "open files $(ulimit -n), counts ${COUNTS[*]}, $MINUTES min each"
+     "open files $(ulimit -n), counts ${COUNTS[*]}, $MINUTES min each, $WORKERS server process(es)"
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader 2>/dev/null
 python3 -c "import torch, websockets, starlette, uvicorn, pydantic, soxr, rapidfuzz, piper; print('torch', torch.__version__,
 torch.cuda.get_device_name() if '$DEVICE'.startswith('cuda') else 'cpu')" || { echo "agent.sh: imports failed"; exit 1; }
@@ -55,15 +60,23 @@ for n in "${COUNTS[@]}"; do
         echo "agent.sh: $(date -u +%T) $left s left of the call: skipping $n clients"
         continue
     fi
-    echo "agent.sh: $(date -u +%T) $n clients on $SLOTS slots ($left s left)"
+    echo "agent.sh: $(date -u +%T) $n clients on $SLOTS slots, $WORKERS worker(s) ($left s left)"
     limit=$(( left - 10 < CAP ? left - 10 : CAP ))
+    sampler=
+    if [ "$WORKERS" -gt 1 ] && command -v nvidia-smi > /dev/null; then
+        (while sleep 15; do date -u +%T; nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
+         done) > "$OUT/gpu_apps_$n$SUFFIX.csv" 2>&1 &
+        sampler=$!
+    fi
     # shellcheck disable=SC2086
     timeout -k 10 "$limit" python3 -m bench.agent --device "$DEVICE" --slots "$SLOTS" --clients "$n" \
         --client-processes "$PROCESSES" --minutes "$MINUTES" --grace-s 15 --warm-up-clients "$WARM_UP_CLIENTS" \
-        --warm-up-s 5 --max-host-gb 16 $EXTRA > "$OUT/agent_$n.json" 2> "$OUT/agent_$n.err"
+        --warm-up-s 5 --max-host-gb 16 --workers "$WORKERS" $EXTRA > "$OUT/agent_$n$SUFFIX.json" \
+        2> "$OUT/agent_$n$SUFFIX.err"
     echo "agent.sh: exit $? after $(( SECONDS - STARTED )) s"
-    tail -n 4 "$OUT/agent_$n.err"
-    python3 - "$OUT/agent_$n.json" <<'EOF' || true
+    [ -z "$sampler" ] || kill "$sampler"
+    tail -n 4 "$OUT/agent_$n$SUFFIX.err"
+    python3 - "$OUT/agent_$n$SUFFIX.json" <<'EOF' || true
 import json, sys
 d = json.load(open(sys.argv[1]))
 keys = ("clients", "connections_held", "slots_used", "real_time_fraction", "clients_spoke", "stalls", "errors",
