@@ -113,15 +113,19 @@ class Link:
 
     def __init__(self, ws: WebSocket, first_seq: int, timeout_s: float):
         self.ws, self.first_seq, self.timeout_s = ws, first_seq, timeout_s
-        self.broken = asyncio.Event()
+        self.broken = False
         self.dropped = False  # ended without a clean close: the session waits for a resume
         self.replaced = False  # a resume took the session to another socket
         self.heard = False  # a message has come from the client on it
+        self._racing: set[asyncio.Task] = set()  # the tasks awaiting a send or receive in `race`
+        self._interrupted: set[asyncio.Task] = set()  # those of them `cut` cancelled
 
     def cut(self, *, dropped: bool = False, replaced: bool = False) -> None:
-        if not self.broken.is_set():
-            self.dropped, self.replaced = dropped, replaced
-            self.broken.set()
+        if not self.broken:
+            self.dropped, self.replaced, self.broken = dropped, replaced, True
+            self._interrupted |= self._racing
+            for task in self._racing:
+                task.cancel()
 
     async def send_text(self, text: str) -> None:
         await self.race(self.ws.send_text(text), self.timeout_s)
@@ -136,28 +140,27 @@ class Link:
                                              "audio": base64.b64encode(data).decode("ascii")}))
 
     async def race(self, work, timeout_s: float):
-        """Await `work` for at most `timeout_s` (TimeoutError), or until the link breaks (LinkBroken)."""
-        if self.broken.is_set():
+        """Await `work` for at most `timeout_s` (TimeoutError), or until the link breaks (LinkBroken). In the
+        awaiting task itself (a task and a future per message sent or received cost the event loop more than
+        the send), with `cut` cancelling it."""
+        if self.broken:
             work.close()
             raise LinkBroken("the connection is gone")
-        task, cut = asyncio.ensure_future(work), asyncio.ensure_future(self.broken.wait())
-        task.add_done_callback(_retrieve)  # a failure once the link is given up is no news
+        task = asyncio.current_task()
+        self._racing.add(task)
         try:
-            await asyncio.wait((task, cut), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            async with asyncio.timeout(timeout_s):
+                return await work
+        except asyncio.CancelledError:
+            if task in self._interrupted:
+                self._interrupted.discard(task)
+                if task.uncancel() == 0:  # cancelled by `cut` alone
+                    raise LinkBroken("the connection is gone") from None
+            raise
+        except TimeoutError:
+            raise TimeoutError(f"no progress for {timeout_s:g} s") from None
         finally:
-            cut.cancel()
-            if not task.done():
-                task.cancel()
-        if task.done() and not task.cancelled():
-            return task.result()
-        if self.broken.is_set():
-            raise LinkBroken("the connection is gone")
-        raise TimeoutError(f"no progress for {timeout_s:g} s")
-
-
-def _retrieve(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()
+            self._racing.discard(task)
 
 
 def dropped(message: dict) -> bool:
