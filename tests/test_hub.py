@@ -167,3 +167,45 @@ def test_idle_readers_hold_no_pool_thread_and_audio_still_arrives(make_server, e
     idle, audio, done = run(go())
     assert idle <= 4, f"{idle} pool threads for 50 waiting readers"
     assert audio > 0 and done["type"] == "done" and not done["cancelled"]
+
+
+class _Socket:
+    """A WebSocket whose receive waits until it is given a message (`give`)."""
+
+    def __init__(self):
+        self.messages: asyncio.Queue = asyncio.Queue()
+
+    async def receive(self):
+        return await self.messages.get()
+
+
+def test_a_link_times_out_breaks_and_passes_other_cancellations_on():
+    """`Link.race`: a wait past its timeout raises TimeoutError, `cut` ends a wait with LinkBroken, a
+    cancellation from elsewhere stays a cancellation, and a wait that gets its message returns it."""
+    from streaming.resume import Link, LinkBroken
+
+    async def go():
+        ws = _Socket()
+        link = Link(ws, 0, 30.0)
+        with pytest.raises(TimeoutError):
+            await link.race(ws.receive(), 0.05)
+        waiting = asyncio.ensure_future(link.race(ws.receive(), 30.0))
+        await asyncio.sleep(0.01)
+        ws.messages.put_nowait("hello")
+        assert await waiting == "hello"
+        elsewhere = asyncio.ensure_future(link.race(ws.receive(), 30.0))
+        await asyncio.sleep(0.01)
+        elsewhere.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await elsewhere
+        racing = [asyncio.ensure_future(link.race(ws.receive(), 30.0)) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        link.cut(dropped=True)
+        for waiting in racing:
+            with pytest.raises(LinkBroken):
+                await waiting
+        with pytest.raises(LinkBroken):
+            await link.race(ws.receive(), 30.0)  # a broken link waits for nothing
+        assert link.dropped
+
+    run(go())
