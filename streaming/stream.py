@@ -146,9 +146,10 @@ class Stream:
         caller leaves the stream as it was."""
         if (chunk := self.poll()) is not NOT_YET:
             return chunk
-        waker = LoopWaker.of(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        waker = LoopWaker.of(loop)
         while True:
-            woken = waker.loop.create_future()
+            woken = loop.create_future()
             if (chunk := self.poll(lambda: waker.wake(woken))) is not NOT_YET:
                 return chunk
             await woken
@@ -313,13 +314,13 @@ class LoopWaker:
     """Wakes futures of one event loop from any thread, in batches: the first wake of a batch schedules one
     call on the loop (`call_soon_threadsafe`), and the wakes that come before that call runs join it. So the
     codec thread delivering a tick's chunks to a hundred streams costs the loop one wake-up, not a hundred.
-    One per loop (`of`)."""
+    One per loop (`of`), gone with its loop (it holds the loop weakly)."""
 
     _loops: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker]" = weakref.WeakKeyDictionary()
     _made = threading.Lock()
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
+        self._loop = weakref.ref(loop)
         self._due: list[asyncio.Future] = []
         self._lock = threading.Lock()
 
@@ -336,9 +337,12 @@ class LoopWaker:
             self._due.append(future)
             if len(self._due) > 1:
                 return  # the call that wakes the batch is scheduled already
+        loop = self._loop()
         try:
-            self.loop.call_soon_threadsafe(self._run)
-        except RuntimeError:  # the loop is closed: nobody waits any more
+            if loop is None:
+                raise RuntimeError("the loop is gone")
+            loop.call_soon_threadsafe(self._run)
+        except RuntimeError:  # the loop is closed or gone: nobody waits any more
             with self._lock:
                 self._due.clear()
 
