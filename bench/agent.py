@@ -59,8 +59,8 @@ import time
 
 import numpy as np
 
-from bench.agent_load import (MEASURED_TICK_MS, FULL, HostLoad, capacity_streams, client_load, limited_by,
-                              loop_lag)
+from bench.agent_load import (MEASURED_TICK_MS, FULL, HostLoad, capacity_streams, client_load, cpu_per_audio_s,
+                              limited_by, loop_lag)
 from bench.common import harvard, percentiles
 
 SAMPLE_RATE = 24_000
@@ -343,6 +343,7 @@ def report(results: list[list], held: list[int], used: list[int], engine, args, 
         "slot_wait_ms": stats["slot_wait_ms"],
         "tiers_ms": {kind: parking[f"{kind}_ms"] for kind in ("park", "restore", "spill", "load")},
         "tick_ms": stats["tick_ms"], "step_ms": stats["step_ms"],
+        "server_cpu_ms_per_audio_s": cpu_per_audio_s(host, audio_s),
         "host": host, "limited_by": limited_by(offered, capacity, tick_full and tick_full["p50"], frame_ms, host),
     }
 

@@ -1,6 +1,7 @@
 """What every connection of the server shares: the engine, the limits and admission, the voice aliases, the API
-keys, and a thread pool for the engine's blocking calls; and who a connection is (its address, its API key).
-server.py (the WebSocket) and streaming/http_api.py (HTTP) use it; it serves no endpoint itself."""
+keys, and a thread pool for the engine's blocking calls (opening a stream; audio is awaited without a thread,
+`Hub.chunks`); and who a connection is (its address, its API key). server.py (the WebSocket) and
+streaming/http_api.py (HTTP) use it; it serves no endpoint itself."""
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,6 @@ from streaming.protocol import ProtocolError
 from streaming.server_admission import Admission
 from tts import SAMPLE_RATE
 from tts.text import TextError
-
-POLL_S = 0.05  # how long one blocking engine read may wait; bounds how late a cancelled read notices
 
 
 class Hub:
@@ -128,13 +127,12 @@ class Hub:
             raise
 
     async def chunks(self, stream):
-        """The stream's audio chunks as they are decoded; a read waits in the pool, never in the event loop.
-        A failure of this stream alone (its text, or the engine) raises ProtocolError."""
+        """The stream's audio chunks as they are decoded (`Stream.next_chunk`: the engine's threads wake this
+        loop; no thread waits per stream). A failure of this stream alone (its text, or the engine) raises
+        ProtocolError."""
         while True:
             try:
-                chunk = await self.call(stream.read, POLL_S)
-            except TimeoutError:
-                continue
+                chunk = await stream.next_chunk()
             except TextError as err:  # nothing speakable, or text the front end refused
                 raise ProtocolError("bad_text", str(err)) from None
             except Exception as err:  # EngineError, or whatever else the engine attributed to this stream

@@ -113,15 +113,19 @@ class Link:
 
     def __init__(self, ws: WebSocket, first_seq: int, timeout_s: float):
         self.ws, self.first_seq, self.timeout_s = ws, first_seq, timeout_s
-        self.broken = asyncio.Event()
+        self.broken = False
         self.dropped = False  # ended without a clean close: the session waits for a resume
         self.replaced = False  # a resume took the session to another socket
         self.heard = False  # a message has come from the client on it
+        self._racing: dict[asyncio.Task, float] = {}  # the tasks awaiting a send or receive in `race`: deadline
+        self._stopped: dict[asyncio.Task, str] = {}  # those of them this link cancelled: "cut" or "timeout"
+        self._timer: asyncio.TimerHandle | None = None  # at the earliest deadline, or later (`_expire`)
 
     def cut(self, *, dropped: bool = False, replaced: bool = False) -> None:
-        if not self.broken.is_set():
-            self.dropped, self.replaced = dropped, replaced
-            self.broken.set()
+        if not self.broken:
+            self.dropped, self.replaced, self.broken = dropped, replaced, True
+            for task in self._racing:
+                self._stop(task, "cut")
 
     async def send_text(self, text: str) -> None:
         await self.race(self.ws.send_text(text), self.timeout_s)
@@ -136,28 +140,50 @@ class Link:
                                              "audio": base64.b64encode(data).decode("ascii")}))
 
     async def race(self, work, timeout_s: float):
-        """Await `work` for at most `timeout_s` (TimeoutError), or until the link breaks (LinkBroken)."""
-        if self.broken.is_set():
+        """Await `work` for at most `timeout_s` (TimeoutError), or until the link breaks (LinkBroken). In the
+        awaiting task itself, which `cut` or the link's one timer cancels: a task, a future and a timer per
+        message sent or received cost the event loop more than the send (50-65 us a message against 1.4-2.1 us,
+        measured)."""
+        if self.broken:
             work.close()
             raise LinkBroken("the connection is gone")
-        task, cut = asyncio.ensure_future(work), asyncio.ensure_future(self.broken.wait())
-        task.add_done_callback(_retrieve)  # a failure once the link is given up is no news
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        self._racing[task] = deadline = loop.time() + timeout_s
+        if self._timer is None or self._timer.when() > deadline:
+            self._arm(loop, deadline)
         try:
-            await asyncio.wait((task, cut), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            return await work
+        except asyncio.CancelledError:
+            why = self._stopped.pop(task, None)
+            if why is not None and task.uncancel() == 0:  # cancelled by this link alone
+                if why == "cut":
+                    raise LinkBroken("the connection is gone") from None
+                raise TimeoutError(f"no progress for {timeout_s:g} s") from None
+            raise
         finally:
-            cut.cancel()
-            if not task.done():
-                task.cancel()
-        if task.done() and not task.cancelled():
-            return task.result()
-        if self.broken.is_set():
-            raise LinkBroken("the connection is gone")
-        raise TimeoutError(f"no progress for {timeout_s:g} s")
+            del self._racing[task]
 
+    def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_at(when, self._expire, loop)
 
-def _retrieve(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()
+    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The timer: stop the races past their deadline; wait for the earliest of the others. A race that
+        ended early leaves the timer where it was, so an active link's timer goes off about once per timeout,
+        not once per message. Example: timeout 30 s, a send each 0.3 s: the timer set by the first send goes
+        off at 30 s, finds the send then in flight due at 59.9 s, and is set for then."""
+        self._timer, now = None, loop.time()
+        for task, deadline in self._racing.items():
+            if deadline <= now:
+                self._stop(task, "timeout")
+        if pending := [deadline for task, deadline in self._racing.items() if task not in self._stopped]:
+            self._arm(loop, min(pending))
+
+    def _stop(self, task: asyncio.Task, why: str) -> None:
+        if task not in self._stopped:
+            self._stopped[task] = why
+            task.cancel()
 
 
 def dropped(message: dict) -> bool:

@@ -1,18 +1,20 @@
 """One utterance being spoken: the thread-safe handle callers hold while the engine thread fills it.
 
-Caller side: `push_text`, `flush`, `end`, `cancel`, `hold`, `release`, `read`, `take_timings`, `take_word_timings`,
-`stats`.
+Caller side: `push_text`, `flush`, `end`, `cancel`, `hold`, `release`, `read` (blocking) or `next_chunk` (awaited
+on an event loop), `poll`, `take_timings`, `take_word_timings`, `stats`.
 Engine side (the engine and its codec and text workers call these): `take_text`, `schedule`, `deliver`,
 `finish`; and for moving a stream to another engine (`Engine.detach`/`attach`): `take_unread`,
 `export_state`, `from_state`.
 """
 from __future__ import annotations
 
+import asyncio
 import copy
 import threading
 import time
+import weakref
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -36,6 +38,7 @@ class _Moving(tuple):
 
 
 MOVING = _Moving()
+NOT_YET = object()  # `Stream.poll`: no audio yet, and more may come
 
 
 class Stream:
@@ -46,7 +49,8 @@ class Stream:
         self.engine, self.voice, self.speed, self.seed = engine, voice, speed, seed
         self.text = TextStream(max_chars, lookahead_words=lookahead_words, hold_start=engine.model.cfg)
         self._chunks: deque[np.ndarray] = deque()  # audio not yet read
-        self._audio = threading.Condition()  # guards _chunks, queued_samples, _closed and moved
+        self._audio = threading.Condition()  # guards _chunks, queued_samples, _closed, moved and _waker
+        self._waker: Callable[[], None] | None = None  # `poll`'s, called once when there may be more to read
         self._closed = False  # no audio comes after what is queued (finished or cancelled)
         self.queued_samples = 0
         self.max_queued_samples = int(engine.max_queued * engine.sample_rate)
@@ -93,7 +97,9 @@ class Stream:
             self._chunks.clear()
             self.queued_samples = 0
             self._closed = True
-            self._audio.notify_all()
+            waker = self._news()
+        if waker is not None:
+            waker()
         self.engine.cancelled(self)
 
     def hold(self) -> None:
@@ -114,20 +120,62 @@ class Stream:
         """Next audio chunk, or None once the utterance is finished (or moved to another engine). Raises
         TimeoutError, or the error the utterance failed with once its audio is read."""
         with self._audio:
-            if not self._audio.wait_for(lambda: self._chunks or self._closed or self.moved, timeout):
+            if not self._audio.wait_for(self._readable, timeout):
                 raise TimeoutError("no audio yet")
-            if self.moved:
-                return None
-            if not self._chunks:
-                if self.error is not None:
-                    raise self.error
-                return None
-            chunk = self._chunks.popleft()
-            self.queued_samples -= len(chunk)
-            resume = self.paused and self.queued_samples <= self.resume_samples
+            chunk, resume = self._pop()
         if resume:
             self.engine.flow_changed(self)
         return chunk
+
+    def poll(self, waker: Callable[[], None] | None = None):
+        """`read` without waiting: the next chunk, None, the error, or NOT_YET when there is nothing yet. With
+        NOT_YET, ``waker`` (if given; it replaces an earlier one) is called once, from the thread that has news
+        (a chunk, the end, a cancel, a move), with no lock held: then poll again."""
+        with self._audio:
+            if not self._readable():
+                self._waker = waker
+                return NOT_YET
+            chunk, resume = self._pop()
+        if resume:
+            self.engine.flow_changed(self)
+        return chunk
+
+    async def next_chunk(self) -> np.ndarray | None:
+        """`read` for a caller on an event loop: waits without a thread. The engine's threads wake the loop
+        once per batch of news (`LoopWaker`), not once per chunk, and nothing polls meanwhile. Cancelling the
+        caller leaves the stream as it was."""
+        if (chunk := self.poll()) is not NOT_YET:
+            return chunk
+        loop = asyncio.get_running_loop()
+        waker = LoopWaker.of(loop)
+        while True:
+            woken = loop.create_future()
+            if (chunk := self.poll(lambda: waker.wake(woken))) is not NOT_YET:
+                return chunk
+            await woken
+
+    def _readable(self) -> bool:
+        return bool(self._chunks) or self._closed or self.moved
+
+    def _pop(self) -> tuple[np.ndarray | None, bool]:
+        """(the next chunk or None, whether the engine should resume this paused stream); holding _audio, with
+        `_readable` true. Raises the utterance's error once its audio is read."""
+        if self.moved:
+            return None, False
+        if not self._chunks:
+            if self.error is not None:
+                raise self.error
+            return None, False
+        chunk = self._chunks.popleft()
+        self.queued_samples -= len(chunk)
+        return chunk, self.paused and self.queued_samples <= self.resume_samples
+
+    def _news(self):
+        """Holding _audio, after a change a reader waits for: wake blocked readers; return `poll`'s waker (to
+        be called once the lock is released) and forget it."""
+        self._audio.notify_all()
+        waker, self._waker = self._waker, None
+        return waker
 
     def take_timings(self) -> list[tuple[str, float, float]]:
         """Phoneme units scheduled since the last call: (unit, start s, end s) on the stream's audio clock.
@@ -193,8 +241,10 @@ class Stream:
                 return
             self.queued_samples += len(chunk)
             self._chunks.append(chunk)
-            self._audio.notify_all()
+            waker = self._news()
             behind = not self.paused and self.queued_samples > self.max_queued_samples
+        if waker is not None:
+            waker()
         if behind:
             self.engine.flow_changed(self)  # backpressure: the engine pauses this stream until the reader reads
 
@@ -205,7 +255,9 @@ class Stream:
         self.finished = True
         with self._audio:
             self._closed = True
-            self._audio.notify_all()
+            waker = self._news()
+        if waker is not None:
+            waker()
 
     # ---- moving to another engine -----------------------------------------------------------------
     def take_unread(self) -> list[np.ndarray]:
@@ -215,7 +267,9 @@ class Stream:
             chunks = list(self._chunks)
             self._chunks.clear()
             self.queued_samples = 0
-            self._audio.notify_all()
+            waker = self._news()
+        if waker is not None:
+            waker()
         return chunks
 
     def export_state(self) -> dict:
@@ -254,6 +308,50 @@ class Stream:
         return {"audio_seconds": round(audio_s, 3), "ttfa_ms": None if ttfa is None else round(ttfa, 1),
                 "rtf": None if not busy or not audio_s else round(busy / audio_s, 3),
                 "frames": self.samples // self.engine.codec.cfg.hop}
+
+
+class LoopWaker:
+    """Wakes futures of one event loop from any thread, in batches: the first wake of a batch schedules one
+    call on the loop (`call_soon_threadsafe`), and the wakes that come before that call runs join it. So the
+    codec thread delivering a tick's chunks to a hundred streams costs the loop one wake-up, not a hundred.
+    One per loop (`of`), gone with its loop (it holds the loop weakly)."""
+
+    _loops: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker]" = weakref.WeakKeyDictionary()
+    _made = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = weakref.ref(loop)
+        self._due: list[asyncio.Future] = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "LoopWaker":
+        if (waker := cls._loops.get(loop)) is None:
+            with cls._made:
+                waker = cls._loops.setdefault(loop, cls(loop))
+        return waker
+
+    def wake(self, future: asyncio.Future) -> None:
+        """Resolve ``future`` (with None) on the loop soon; a no-op if it is done by then (say, cancelled)."""
+        with self._lock:
+            self._due.append(future)
+            if len(self._due) > 1:
+                return  # the call that wakes the batch is scheduled already
+        loop = self._loop()
+        try:
+            if loop is None:
+                raise RuntimeError("the loop is gone")
+            loop.call_soon_threadsafe(self._run)
+        except RuntimeError:  # the loop is closed or gone: nobody waits any more
+            with self._lock:
+                self._due.clear()
+
+    def _run(self) -> None:
+        with self._lock:
+            due, self._due = self._due, []
+        for future in due:
+            if not future.done():
+                future.set_result(None)
 
 
 _LOCKS = (type(threading.Lock()), type(threading.RLock()))

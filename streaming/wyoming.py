@@ -42,7 +42,6 @@ from tts.text import TextError
 from tts.voices import attribution
 
 LANGUAGE = "en_US"
-POLL_S = 0.05       # how long one blocking engine read waits; bounds how late a cancelled read notices
 OPEN_WAIT_S = 5.0   # how long a request waits for a free engine slot before `server_full`
 SAMPLE_WIDTH, CHANNELS = 2, 1  # s16le mono
 SERVICE_TYPE = "_wyoming._tcp.local."  # what Home Assistant browses for
@@ -183,14 +182,11 @@ class WyomingHandler(AsyncEventHandler):
     async def _send_audio(self, stream) -> None:
         """Engine -> client: audio-start with the first chunk, every chunk as s16le, audio-stop at the end.
         A stream that fails reports an ``error`` (and ends its audio if it had started)."""
-        loop, encoder, started = asyncio.get_running_loop(), Encoder("pcm_s16le"), False
+        encoder, started = Encoder("pcm_s16le"), False
         audio_format = dict(rate=self.engine.sample_rate, width=SAMPLE_WIDTH, channels=CHANNELS)
         try:
             while True:
-                try:
-                    chunk = await loop.run_in_executor(self.pool, stream.read, POLL_S)
-                except TimeoutError:
-                    continue
+                chunk = await stream.next_chunk()
                 if chunk is None:
                     break
                 if not started:

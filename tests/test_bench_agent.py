@@ -1,7 +1,7 @@
 """bench.agent: the capacity arithmetic, what a run names as its limit, merged client loads, and clients against
 a real server (tiny engine) whose turn still speaking at the end of the grace is cut and kept."""
 from bench import agent
-from bench.agent_load import HostLoad, capacity_streams, client_load, limited_by
+from bench.agent_load import HostLoad, capacity_streams, client_load, cpu_per_audio_s, limited_by
 from server import ServerThread
 from tests.helpers import tiny_random
 
@@ -29,6 +29,14 @@ def test_a_run_names_what_limited_it():
         "server interpreter lock (Python threads near one core)"]
     unknown = {**QUIET, "server_thread_cores": None, "server_python_cores": None}  # no per-thread figures
     assert limited_by(None, None, None, 20.0, unknown) == []
+
+
+def test_server_cpu_per_second_of_audio():
+    host = {"server_wall_s": 50.0, "server_process_cores": 0.9,
+            "server_thread_cores": {"tts-server": 0.1, "tts-io": 0.02, "tts-engine": 0.6}}
+    assert cpu_per_audio_s(host, 500.0) == {"process": 90.0, "host_side": 12.0}
+    assert cpu_per_audio_s({**host, "server_thread_cores": None}, 500.0)["host_side"] is None
+    assert cpu_per_audio_s(host, 0.0) is None
 
 
 def test_client_loads_merge():
