@@ -99,8 +99,10 @@ class CodecWorker:
         this: a parked stream's state includes every chunk decoded up to the moment it was parked."""
         self._put("capture", self._rows(rows), (), False, done)
 
-    def restore(self, rows: list[int], states: list[dict]) -> None:
-        """Put captured decoder states (`capture`) into slots ``rows``, before any later decode of those rows."""
+    def restore(self, rows: list[int], states: Callable[[], list[dict]]) -> None:
+        """Put captured decoder states (`capture`) into slots ``rows``, before any later decode of those rows.
+        ``states`` is called when the job runs: a stream parked and restored at once has its decoder rows
+        captured by a job queued before this one, which has not run when the engine asks for the restore."""
         self._put("restore", self._rows(rows), (), False, states)
 
     def close(self) -> None:
@@ -161,8 +163,9 @@ class CodecWorker:
                     captured = decoder_rows(self.state, torch.tensor(rows, device=self.device))
                     job[4]([{name: t[i:i + 1] for name, t in captured.items()} for i in range(len(rows))])
                 elif kind == "restore":
+                    states = job[4]()
                     put_decoder_rows(self.state, torch.tensor(rows, device=self.device),
-                                     {name: torch.cat([state[name] for state in job[4]]) for name in job[4][0]
+                                     {name: torch.cat([state[name] for state in states]) for name in states[0]
                                       if name.startswith("codec.")})
                 else:
                     streams[0].finish(job[4])

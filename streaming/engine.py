@@ -802,7 +802,7 @@ class Engine:
             self.outbox.audio[rows] = torch.cat([p.loose["outbox"] for p in parked]).numpy()
             self._codec_resets = [r for r in self._codec_resets if r not in rows]
         else:
-            self.codec_worker.restore(rows, [p.rows for p in parked])
+            self.codec_worker.restore(rows, lambda: [p.rows for p in parked])
         if cuda:
             timer.mark()
         self._note("restore", started, timer, len(restores))

@@ -390,3 +390,46 @@ def test_text_arriving_as_the_grace_ends_is_never_lost():
         audio, finished = read_all(stream, timeout=10)
         assert finished and audio, f"utterance {i} never finished"
     engine.close()
+
+
+def test_codec_restore_reads_the_rows_its_capture_queued_before_it_made():
+    """A stream parked and restored at once (the CPU codec worker still busy): the restore's decoder rows are
+    read when its job runs, after the capture queued before it, not when the engine asks (then they were not
+    there yet: KeyError 'codec.h' in the codec thread, and the slot kept another stream's decoder state)."""
+    import torch
+
+    from streaming.codec_worker import CodecWorker
+    from streaming.stream import Stream
+    engine = tiny_random(max_streams=2)
+    codec = engine.codec
+    gate, calls = threading.Event(), []
+
+    def gated(codes, state):  # held at its first call until the capture and the restore are queued
+        calls.append(codes.shape[-1])
+        if len(calls) == 1:
+            gate.wait(30)
+        return codec.decode_step(codes, state)
+
+    worker = CodecWorker(codec, 2, "cpu")
+    worker.set_decode_step(gated)
+    a, b, c = (Stream(engine, "joe", 1.0, 1000, seed) for seed in (1, 2, 3))
+    gen = torch.Generator().manual_seed(0)
+    first, second = (torch.randint(0, codec.cfg.codebook_size, (1, codec.cfg.codebooks, 4), generator=gen)
+                     for _ in range(2))
+    worker.reset([0, 1])
+    worker.decode([0], [a], first, [4])
+    assert wait_until(lambda: calls == [4])  # busy with slot 0's chunk
+    captured: list[dict] = []
+    worker.capture([0], captured.extend)
+    worker.restore([1], lambda: captured)  # slot 1 continues as slot 0 would
+    gate.set()
+    worker.decode([0], [b], second, [4])
+    worker.decode([1], [c], second, [4])
+    worker.finish(a, None)
+    out = {}
+    for name, stream in (("a", a), ("b", b), ("c", c)):
+        out[name] = stream.read(timeout=30)
+        assert out[name] is not None
+    np.testing.assert_array_equal(out["b"], out["c"])
+    worker.close()
+    engine.close()
