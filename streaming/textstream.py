@@ -81,14 +81,16 @@ FRAME_S = 1 / CodecConfig().frame_rate  # 20 ms; ENGINE_UNITS and DELAY_FRAMES c
 PIECE_LAG = 2.0
 LAG_PACE = 1.2
 START_LATENCY_S = 0.07  # from the start to the first chunk on 2 cores (`bench.incremental`'s engine_ms, whole text)
+NO_PACE_FRAMES = 14  # text in one piece so far starts once the units of its first 14 frames (3 chunks) are there
 HOLD_HORIZON_FRAMES = 150  # the prediction looks 3 s ahead: text slower than speech waits that long, then stalls
 
 
-def engine_lookahead(cfg: ModelConfig) -> tuple[int, int]:
-    """(ENGINE_UNITS, DELAY_FRAMES) of a model: the units a frame needs from its own on (text encoder's right
-    context + the AR step's + itself) and the steps from a frame's start to its completion (codebooks - 1).
-    Example, the shipped shapes (text_lookahead 6, ahead 4, 8 codebooks): (11, 7)."""
-    return cfg.text_lookahead + cfg.ahead + 1, cfg.codebooks - 1
+def engine_lookahead(cfg: ModelConfig, speculative: bool = True) -> tuple[int, int]:
+    """(ENGINE_UNITS, DELAY_FRAMES) of a model: the units a frame needs from its own on (the AR step's right
+    context + itself; without speculative encoding also the text encoder's right context, `Engine._on_text`)
+    and the steps from a frame's start to its completion (codebooks - 1). Example, the shipped shapes
+    (text_lookahead 6, ahead 4, 8 codebooks): (5, 7); not speculative (11, 7)."""
+    return cfg.text_lookahead * (not speculative) + cfg.ahead + 1, cfg.codebooks - 1
 
 
 def read_sentence(tokens: list[Token], first: int, closed: bool) -> tuple[list[str], list[int]]:
@@ -257,6 +259,12 @@ class TextStream:
             self.marks["released"] = self.clock()
         return ids, closes
 
+    def set_engine_lookahead(self, units: int, delay_frames: int) -> None:
+        """What the engine needs (`engine_lookahead`), when it is not the default (an engine that does not encode
+        speculatively): the start hold (`_may_start`) counts with it."""
+        with self._lock:
+            self._engine_units, self._delay_frames = units, delay_frames
+
     def _every(self) -> float:
         """Seconds between pieces so far (two pushes or more)."""
         return (self._pushes[1] - self._pushes[0]) / (self._pieces - 1)
@@ -276,7 +284,7 @@ class TextStream:
         whole, or a client's first batch of words) starts once the first chunk's 13.8 are there (the engine
         waits for about that many)."""
         if len(self._pushes) < 2 or self._pushes[1] <= self._pushes[0]:  # no pace known: the first chunk's units
-            return units >= self._first_chunk_units()
+            return units >= self._units_for(NO_PACE_FRAMES)
         last, every = self._pushes[1], self._every()
         piece = UNITS_PER_CHAR * (self._chars - self._first_chars) / (self._pieces - 1)  # units a piece
         since = (self.clock() if at is None else at) - last + START_LATENCY_S  # last piece -> first chunk plays
