@@ -490,8 +490,8 @@ def _simulated_chunks(arrived: list, durations: list[int], cfg, schedule: tuple,
 class Timeline:
     """When each hand-off of a stream's start first happened, by spying on public methods (nothing in the engine
     changes): the text arriving (`TextStream.push`), read into units and the hold (`TextStream.marks`), handed to
-    the engine (the text worker's hand-off), the engine's first tick with it (`Stream.schedule`: the tick that
-    encoded its first units, collected), its first chunk due (`CodecWorker.decode`), decoded (`Stream.deliver`).
+    the engine (the text worker's hand-off), the engine's first tick with it (the stream's "prefill" mark: the
+    tick that encoded its first units; `Stream.schedule` hears only of confirmed units, later with speculation), its first chunk due (`CodecWorker.decode`), decoded (`Stream.deliver`).
     The reader's side (a read, or bytes on the client's socket) the bench adds."""
 
     STAGES = ("pushed", "read", "enough", "released", "handed", "first_tick", "chunk_due", "delivered")
@@ -509,20 +509,16 @@ class Timeline:
     def _opened(self, *args, **kwargs):
         stream = self._open(*args, **kwargs)
         marks = self.marks[stream] = {}
-        push, schedule, deliver = stream.text.push, stream.schedule, stream.deliver
+        push, deliver = stream.text.push, stream.deliver
 
         def pushed(text):
             marks.setdefault("pushed", time.perf_counter())
             push(text)
 
-        def scheduled(*args):
-            marks.setdefault("first_tick", time.perf_counter())
-            schedule(*args)
-
         def delivered(chunk):
             marks.setdefault("delivered", time.perf_counter())
             deliver(chunk)
-        stream.text.push, stream.schedule, stream.deliver = pushed, scheduled, delivered
+        stream.text.push, stream.deliver = pushed, delivered
         return stream
 
     def _hand(self, stream, news) -> None:
@@ -540,6 +536,8 @@ class Timeline:
         """The last stream's stages in ms after ``started`` (the first word sent), and ``heard`` (the reader)."""
         stream, marks = self.marks.popitem()
         marks |= stream.text.marks
+        if "prefill" in stream.marks:
+            marks["first_tick"] = stream.marks["prefill"]
         return {k: round(1000 * (marks[k] - started), 2) for k in self.STAGES if k in marks} | {
             "heard": round(1000 * (heard - started), 2)}
 
