@@ -92,7 +92,11 @@ START_LATENCY_S = 0.07  # from the start to the first chunk on 2 cores (`bench.i
 # the first chunk's alone (7.8 units) a first piece of 2 words started at once and stalled (100-199, 5 w/s: 8
 # stalls/min at (2, 1.2), 1.0 with 14 frames; 30 frames changed nothing more)
 NO_PACE_FRAMES = 14
-HOLD_HORIZON_FRAMES = 150  # the prediction looks 3 s ahead: text slower than speech waits that long, then stalls
+# The prediction looks 4 s ahead: text slower than speech waits that long, then stalls. 3 s (150 frames) before
+# speculative encoding; with 5 units of need it started "The birch canoe slid on the" at 2.5 words/s (slower than
+# speech) before the next word, bound to stall (`test_protocol`'s hold case). Simulated 0-49 unchanged but 1.2x p99
+# (1,388 -> 1,459 ms): faster text is bound by its first chunks, not by this horizon.
+HOLD_HORIZON_FRAMES = 200
 
 
 def engine_lookahead(cfg: ModelConfig, speculative: bool = True) -> tuple[int, int]:
