@@ -52,13 +52,14 @@ def words_of(sentence: str) -> list[str]:
 
 class TextClock:
     """When the text thread has handed a stream what the engine's first step needs: units 0..`ahead` encoded,
-    each with `text_lookahead` units of right context, so ``text_lookahead + ahead + 1`` units (or fewer, once
-    closed by a flush or the end). Wraps the engine's text worker's hand-off; `since` reads the latest. The
+    so ``ahead + 1`` units (`engine_lookahead`; without speculative encoding each with `text_lookahead` units of
+    right context: ``text_lookahead + ahead + 1``), or fewer, once closed by a flush or the end. Wraps the engine's text worker's hand-off; `since` reads the latest. The
     first chunk (2 frames) needs the steps through its 2nd frame (the delay pattern: step 8), whose unit's
     lookahead asks for a few units more (about 14), so ``engine_ms`` includes any wait for those."""
 
     def __init__(self, engine):
-        self.needed = engine.cfg.text_lookahead + engine.cfg.ahead + 1
+        from streaming.textstream import engine_lookahead
+        self.needed = engine_lookahead(engine.cfg, engine.speculative)[0]
         self.units: dict = {}
         self.ready_at: float | None = None
         self._deliver, engine.text_worker.deliver = engine.text_worker.deliver, self
@@ -226,14 +227,14 @@ def summary(audios: list, scores: list, runs: list | None) -> dict:
 def units_report(sentences: list[str], lookaheads: list, rates: list[float]) -> dict:
     """Without the model: units taken word by word against the whole sentence's, the cost of a take, and
     ``text_ready_ms``: when (after the first word, at each rate) the units the engine needs for its first
-    step are there (a unit is encoded once the text encoder's right context exists, and the first step
-    reads `ahead` units past the first: text_lookahead + ahead + 1 units)."""
+    step are there (the first step reads `ahead` units past the first, encoded speculatively: ahead + 1 units,
+    `engine_lookahead`)."""
     from rapidfuzz.distance import Levenshtein
-    from streaming.textstream import TextStream
+    from streaming.textstream import TextStream, engine_lookahead
     from tts.model import MODEL_PRESETS
     from tts.text import SYMBOLS, text_to_sentences
     cfg = MODEL_PRESETS["shipped"]
-    needed = cfg.text_lookahead + cfg.ahead + 1
+    needed = engine_lookahead(cfg)[0]
     report = {"units_for_first_step": needed}
     for lookahead in lookaheads:
         same = edits = total = takes = 0
@@ -337,19 +338,20 @@ def _burst_engine(n: int, shipped: bool):
     return Engine(model, codec, presets, max_streams=n, step_factory=kernels.default_step_factory("cpu", True))
 
 
-def simulate_report(sentences: list[str], rates: list, hold: bool = True) -> dict:
+def simulate_report(sentences: list[str], rates: list, hold: bool = True, speculative: bool = True) -> dict:
     """Without timing noise: the text front end driven on a virtual clock (word i at i / rate, `end` after the
     last) and the engine's rules for when it may step, each unit's frames from the shipped model's durations
     (default voice), fixed costs for the work (SIM_COSTS_S: a first prefill, an AR step, a codec call; about
     the idle slower 2-core machine) and a player that starts at the first chunk. Per rate: first audio and
     stalls as the timed run reports them, and ``stall_free_start_ms``: the earliest start of the player that
-    never runs dry. Rules: units are encoded once ``text_lookahead`` more arrived (all once the text ended), a
-    step at unit p needs units to p + ahead encoded (`Slots.plan`), frame f completes at step f + K - 1, chunks
+    never runs dry. Rules: units are encoded as they arrive (``speculative``, `Engine._prefill`; else once
+    ``text_lookahead`` more arrived, all once the text ended), a step at unit p needs units to p + ahead encoded
+    (`Slots.plan`), each unit's frames are its final ones (a speculative unit's may differ a little), frame f completes at step f + K - 1, chunks
     go out by `CHUNK_SCHEDULE`. On the idle machine (last session, 20 sentences, this front end then) it gave
     5 / 10 / 20 words/s and 1.2x: 460 / 260 / 160 / 587 ms p50 and 34.6 / 8.4 / 0 / 44.2 stalls a minute,
     against 451 / 254 / 145 / 581 ms and 37.0 / 9.6 / 0 / 44.2 measured."""
     from streaming.slots import CHUNK_SCHEDULE
-    from streaming.textstream import TextStream
+    from streaming.textstream import TextStream, engine_lookahead
     from tts.voices import load_shipped
     model, _, presets = load_shipped()
     cfg, frames = model.cfg, _durations(model, presets)
@@ -360,6 +362,7 @@ def simulate_report(sentences: list[str], rates: list, hold: bool = True) -> dic
 
     def chunks(sentence, rate):
         text, units, arrived = Virtual(hold_start=cfg if hold else False), [], []  # (seconds, units so far, ended)
+        text.set_engine_lookahead(*engine_lookahead(cfg, speculative))
         for i, piece in enumerate(words_of(sentence)):
             clock[0] = i / rate
             text.push(piece)
@@ -372,7 +375,7 @@ def simulate_report(sentences: list[str], rates: list, hold: bool = True) -> dic
         text.end()
         units += text.take()[0]
         arrived.append((clock[0], len(units), True))
-        return _simulated_chunks(arrived, frames(units), cfg, CHUNK_SCHEDULE)
+        return _simulated_chunks(arrived, frames(units), cfg, CHUNK_SCHEDULE, speculative)
 
     whole = [chunks(s, 1e9) for s in sentences]
     speech_rate = sum(len(s.split()) for s in sentences) / sum(n for c in whole for _, n in c) * SAMPLE_RATE
@@ -442,7 +445,8 @@ def stalls_report(engine, sentences: list[str], rates: list, hold: bool = True) 
                 units = [u for *_, ids in handed for u in ids]
                 replay = [(at - started, n, ended) for at, n, ended, _ in handed]
                 replay[-1] = (*replay[-1][:2], True)
-                simulated = _simulated_chunks(replay, frames(units), engine.model.cfg, CHUNK_SCHEDULE)
+                simulated = _simulated_chunks(replay, frames(units), engine.model.cfg, CHUNK_SCHEDULE,
+                                              engine.speculative)
                 count = stalls(arrivals)[0]
                 real, text = real + count, text + min(count, stalls(simulated)[0])
                 minutes += len(audio) / SAMPLE_RATE / 60
@@ -455,7 +459,7 @@ def stalls_report(engine, sentences: list[str], rates: list, hold: bool = True) 
     return report
 
 
-def _simulated_chunks(arrived: list, durations: list[int], cfg, schedule: tuple) -> list:
+def _simulated_chunks(arrived: list, durations: list[int], cfg, schedule: tuple, speculative: bool = True) -> list:
     """(seconds, samples) of each chunk, given when units arrived (seconds, units so far, ended)."""
     first_cost, step_cost, codec_cost = SIM_COSTS_S
     ends = np.cumsum(durations)
@@ -465,7 +469,7 @@ def _simulated_chunks(arrived: list, durations: list[int], cfg, schedule: tuple)
         while True:  # the first arrival after which this step may run
             at, received, ended = arrived[k]
             ended = ended and received == total
-            encoded = received if ended else max(0, received - cfg.text_lookahead)
+            encoded = received if ended or speculative else max(0, received - cfg.text_lookahead)
             known = int(ends[encoded - 1]) if encoded else 0
             frame = min(step, known - 1)
             owners = [u for u in range(encoded) if starts[u] <= frame and durations[u] > 0]
@@ -486,8 +490,8 @@ def _simulated_chunks(arrived: list, durations: list[int], cfg, schedule: tuple)
 class Timeline:
     """When each hand-off of a stream's start first happened, by spying on public methods (nothing in the engine
     changes): the text arriving (`TextStream.push`), read into units and the hold (`TextStream.marks`), handed to
-    the engine (the text worker's hand-off), the engine's first tick with it (`Stream.schedule`: the tick that
-    encoded its first units, collected), its first chunk due (`CodecWorker.decode`), decoded (`Stream.deliver`).
+    the engine (the text worker's hand-off), the engine's first tick with it (the stream's "prefill" mark: the
+    tick that encoded its first units; `Stream.schedule` hears only of confirmed units, later with speculation), its first chunk due (`CodecWorker.decode`), decoded (`Stream.deliver`).
     The reader's side (a read, or bytes on the client's socket) the bench adds."""
 
     STAGES = ("pushed", "read", "enough", "released", "handed", "first_tick", "chunk_due", "delivered")
@@ -505,20 +509,16 @@ class Timeline:
     def _opened(self, *args, **kwargs):
         stream = self._open(*args, **kwargs)
         marks = self.marks[stream] = {}
-        push, schedule, deliver = stream.text.push, stream.schedule, stream.deliver
+        push, deliver = stream.text.push, stream.deliver
 
         def pushed(text):
             marks.setdefault("pushed", time.perf_counter())
             push(text)
 
-        def scheduled(*args):
-            marks.setdefault("first_tick", time.perf_counter())
-            schedule(*args)
-
         def delivered(chunk):
             marks.setdefault("delivered", time.perf_counter())
             deliver(chunk)
-        stream.text.push, stream.schedule, stream.deliver = pushed, scheduled, delivered
+        stream.text.push, stream.deliver = pushed, delivered
         return stream
 
     def _hand(self, stream, news) -> None:
@@ -536,6 +536,8 @@ class Timeline:
         """The last stream's stages in ms after ``started`` (the first word sent), and ``heard`` (the reader)."""
         stream, marks = self.marks.popitem()
         marks |= stream.text.marks
+        if "prefill" in stream.marks:
+            marks["first_tick"] = stream.marks["prefill"]
         return {k: round(1000 * (marks[k] - started), 2) for k in self.STAGES if k in marks} | {
             "heard": round(1000 * (heard - started), 2)}
 
@@ -616,6 +618,8 @@ def main() -> None:
     parser.add_argument("--stalls", action="store_true", help="whose stalls: the text's or the engine's")
     parser.add_argument("--no-hold", action="store_true", help="no start hold (the engine path, --simulate, --stalls)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-speculative", action="store_true",
+                        help="encode units only once their right context is there (the engine before issue 29)")
     parser.add_argument("--timeline", action="store_true", help="where the first audio's time goes, stage by stage")
     args = parser.parse_args()
     lookaheads = [None if a in (None, "default") else a if a == "auto" else int(a) for a in args.lookahead]
@@ -626,7 +630,7 @@ def main() -> None:
         return
     sentences = harvard(args.n)
     if args.simulate:
-        print(json.dumps(simulate_report(sentences, args.rates, not args.no_hold), indent=1))
+        print(json.dumps(simulate_report(sentences, args.rates, not args.no_hold, not args.no_speculative), indent=1))
         return
     if args.units:
         rates = [float(r) for r in args.rates if r != "1.2x"]
@@ -635,6 +639,7 @@ def main() -> None:
         return
     from tts.api import get_engine
     engine = get_engine(compile=True)  # as `tts serve` runs it
+    engine.speculative = not args.no_speculative
     if args.pauses:
         print(json.dumps(pauses_report(engine, [250, 500, 1000, 2000]), indent=1))
         return
@@ -655,7 +660,8 @@ def main() -> None:
         return
     score = Scorer(not args.no_dnsmos)
     clock = TextClock(engine)
-    report = {"sentences": "harvard", "path": "server" if args.server else "engine", "hold": not args.no_hold}
+    report = {"sentences": "harvard", "path": "server" if args.server else "engine", "hold": not args.no_hold,
+              "speculative": engine.speculative, "load_avg_1min_start": round(os.getloadavg()[0], 2)}
     if args.server:
         from server import ServerThread
         with ServerThread(engine) as server:

@@ -56,6 +56,7 @@ from streaming.sampling import sample
 from streaming.slots import CHUNK_SCHEDULE, META, Slots
 from streaming.stream import MOVING, Stream
 from streaming.text_worker import TextWorker
+from streaming.textstream import engine_lookahead
 from tts.alignment import predicted_frames, start_frames
 from tts.codec import Codec
 from tts.model import TTSModel
@@ -64,6 +65,10 @@ from tts.voices import blend_preset
 
 StepFactory = Callable[..., Callable]  # factory(model, caches, batch, device) -> step (see COMMON contracts)
 UNIT, READY, COMPLETED, PENDING, DUE, DONE = range(len(META))
+# A stream's unit counts (`Utterance`), in the host state a detach or snapshot carries; a state from before
+# speculative encoding lacks the last two: its counts then are the encoded and encodable ones (all final)
+COUNTS = ("encoded", "encodable", "unit", "confirmed", "final")
+COUNTS_BEFORE = ("encoded", "encodable", "unit", "encoded", "encodable")
 URGENT_LEAD = 8  # units encoded ahead of a slot's aligned unit below which its next units are encoded at once
 FIGURES_KEPT = 40_000  # ticks of live figures kept (13 min of one stream's 50 ticks a second; benches clear them per load)
 ROUTINE_TICKS = 8  # otherwise top-ups wait for every 8th tick, so one text-encoder call serves many slots
@@ -122,6 +127,8 @@ class Utterance:
     encoded: int = 0  # units encoded, encodable and its aligned unit, kept here while it holds no slot
     encodable: int = 0
     unit: int = 0
+    confirmed: int = 0  # of those encoded, units encoded with their whole right context (final), and units
+    final: int = 0  # whose right context is there (`Engine._on_text`): kept here while it holds no slot
     parked: Parked | None = None  # its slot state while parked
     parked_paused: bool = False  # parked while its reader was behind: the reader catching up restores it
     news: bool = False  # text came while parked (and its reader was behind): the reader catching up restores it
@@ -142,7 +149,7 @@ class Engine:
                  device: str = "cpu", sampling: SamplingConfig | None = None, max_chars: int = MAX_TEXT_CHARS,
                  max_queued_seconds: float = 4.0, seed: int = 0, step_factory: StepFactory | None = None,
                  max_waiting: int | None = None, frame_codec: bool | None = None, max_open: int | None = None,
-                 parking: ParkingConfig | None = None):
+                 parking: ParkingConfig | None = None, speculative: bool = True):
         self.model, self.codec, self.device = model.eval(), codec.eval(), torch.device(device)
         self.cfg, self.voices = model.cfg, voices
         self.default_voice = next((n for n, v in voices.items() if v.get("default")), next(iter(voices)))
@@ -154,6 +161,7 @@ class Engine:
         self.store = ParkingStore(self.parking, on_loaded=self.wake)
         self._fingerprint: str | None = None
         self.max_chars, self.max_queued = max_chars, max_queued_seconds
+        self.speculative = speculative  # encode units before their right context is there (`_on_text`)
         self.sampling = sampling or SamplingConfig()
         self.seeds = torch.Generator().manual_seed(seed)  # draws the seed of every unseeded stream
         if self.device.type == "cpu" and not Engine._cores_split:  # the AR step and the codec worker run side
@@ -216,6 +224,8 @@ class Engine:
         self._free = list(range(batch))  # a heap: the lowest free slot first
         self._encoded = np.zeros(batch, dtype=np.int64)  # units encoded, per slot
         self._encodable = np.zeros(batch, dtype=np.int64)  # units that may be encoded now, per slot
+        self._final = np.zeros(batch, dtype=np.int64)  # units whose encoding is final (right context there)
+        self._confirmed = np.zeros(batch, dtype=np.int64)  # units encoded with their final encoding
         self._unit = np.zeros(batch, dtype=np.int64)  # each slot's aligned unit at the last collected tick
         self._live = np.zeros(batch, dtype=bool)
         self._generation = np.zeros(batch, dtype=np.int64)  # counts the streams each slot has held
@@ -226,7 +236,7 @@ class Engine:
         self._restores: deque[Utterance] = deque()  # parked streams with work to do, waiting for a slot: first
         self._starts: deque[Utterance] = deque()  # new streams waiting for a slot
         self._parking: list[Utterance] = []  # holds and detaches waiting for the tick in flight (frame codec)
-        self.counters = {"parks": 0, "restores": 0, "slot_waits": 0}
+        self.counters = {"parks": 0, "restores": 0, "slot_waits": 0, "revised_units": 0}  # revised: encoded again
         self.slot_wait_ms = Recent(FIGURES_KEPT)
         self._todo = _DeviceUpdates()  # event updates for the device, applied at the next tick
         self._codec_resets: list[int] = []  # slots whose frame decoder state restarts at the next tick
@@ -259,6 +269,8 @@ class Engine:
                 seed = int(torch.randint(0, 2**62, (), generator=self.seeds))
         stream = Stream(self, preset["name"], float(speed), self.max_chars, seed % 2**63, lookahead_words)
         stream.decode_alone = seeded  # bit-identical audio whatever else runs (see CodecWorker.decode)
+        if not self.speculative:  # the start hold waits for the text encoder's right context too
+            stream.text.set_engine_lookahead(*engine_lookahead(self.cfg, speculative=False))
         try:
             self.admission.admit(stream, wait_s, lambda s: self._inbox.append(("start", s, preset)))
         except Full as err:
@@ -372,8 +384,8 @@ class Engine:
                 u.parked.copied.synchronize()
             rows = u.parked.rows
         host = {"stream": stream.export_state(), "units": list(u.units), "unit_base": u.unit_base,
-                "closed_upto": u.closed_upto, "text_ended": u.text_ended, "spoke": u.spoke, "encoded": u.encoded,
-                "encodable": u.encodable, "unit": u.unit, "frame_codec": self.frame_codec}
+                "closed_upto": u.closed_upto, "text_ended": u.text_ended, "spoke": u.spoke,
+                **{name: getattr(u, name) for name in COUNTS}, "frame_codec": self.frame_codec}
         return pack(host, rows, stream.take_unread(), self.fingerprint)
 
     def attach(self, state: bytes, wait_s: float = 0.0) -> Stream:
@@ -527,7 +539,7 @@ class Engine:
             return
         u = Utterance(stream, -1, preset, stream.speed * preset["pace"], units=list(host["units"]),
                       unit_base=host["unit_base"], closed_upto=host["closed_upto"], text_ended=host["text_ended"],
-                      spoke=host["spoke"], encoded=host["encoded"], encodable=host["encodable"], unit=host["unit"])
+                      spoke=host["spoke"], **{name: host.get(name, host[old]) for name, old in zip(COUNTS, COUNTS_BEFORE)})
         self._by_stream[stream] = u
         if not rows:  # it never had a slot
             self._wait_for_slot(u, "start")
@@ -617,15 +629,18 @@ class Engine:
         if ended and not u.received:
             self._fail(stream, TextError("text has nothing speakable in it"))
             return
-        look = self.cfg.text_lookahead
+        # A unit's encoding is final once the text encoder's right context (text_lookahead units) is there or
+        # nothing more comes before it (closed, ended); speculatively it is encoded at once, and again when final
+        # (`_prefill`). Example, lookahead 6, 10 units received, open: 4 final, 10 encodable (4 without speculation)
         complete = ended or u.closed_upto == u.received
-        encodable = u.received if complete else max(0, u.received - look)
+        final = u.received if complete else max(0, u.received - self.cfg.text_lookahead)
+        encodable = u.received if self.speculative else final
         if u.slot >= 0:
-            self._encodable[u.slot] = encodable
+            self._encodable[u.slot], self._final[u.slot] = encodable, final
             self._todo.flags.append(u)
             self._stalled_since[u.slot] = np.inf  # not parked in this tick: the news is not applied yet
             return
-        u.encodable = encodable
+        u.encodable, u.final = encodable, final
         if u.parked is not None and (units or closed or ended):
             u.news = True
             if not stream.paused:  # else the reader catching up restores it
@@ -667,10 +682,15 @@ class Engine:
         slot = u.slot
         self.utterances[slot], u.slot = None, -1
         self._live[slot] = False
-        self._encoded[slot] = self._encodable[slot] = 0
+        for table in self._count_tables()[:2] + self._count_tables()[3:]:  # (its aligned unit stays till a start)
+            table[slot] = 0
         self._stalled_since[slot] = np.inf
         heapq.heappush(self._free, slot)
         self._todo.frees.append(slot)
+
+    def _count_tables(self) -> list[np.ndarray]:
+        """The per-slot host counts named in COUNTS, in that order."""
+        return [self._encoded, self._encodable, self._unit, self._confirmed, self._final]
 
     def _release(self) -> None:
         """A reservation ends: the first caller waiting in `open` gets it (its start comes next tick)."""
@@ -709,7 +729,8 @@ class Engine:
         self.utterances[slot] = u
         self._live[slot] = True
         self._generation[slot] += 1
-        self._encoded[slot], self._encodable[slot], self._unit[slot] = u.encoded, u.encodable, u.unit
+        for name, table in zip(COUNTS, self._count_tables()):
+            table[slot] = getattr(u, name)
         if why == "restore":
             self.store.take(u.parked)
             self._todo.restores.append((u, u.parked))
@@ -736,7 +757,8 @@ class Engine:
             self._park(self.utterances[slot])
 
     def _park(self, u: Utterance) -> None:
-        u.encoded, u.encodable, u.unit = (int(a[u.slot]) for a in (self._encoded, self._encodable, self._unit))
+        for name, table in zip(COUNTS, self._count_tables()):
+            setattr(u, name, int(table[u.slot]))
         u.parked, u.parked_paused, u.news = Parked(), u.stream.paused, False
         if u.parked_paused:  # restore once the reader has half the queue to play, not at the first read
             u.stream.resume_samples = u.stream.max_queued_samples // 2
@@ -909,14 +931,17 @@ class Engine:
         low = self.slots.encode_limit(0) // 2 if self._ticks % ROUTINE_TICKS == 0 else URGENT_LEAD
         stalled = self._stalled_since < np.inf
         room = self._encoded < self.slots.encode_limit(unit)
-        need = np.flatnonzero((self._encodable > self._encoded) & room
-                              & ((lead <= low) | (self._encoded == 0) | stalled))
+        # speculative units whose right context grew: revised as soon as the AR may come near them
+        revise = (self._final > self._confirmed) & (self._confirmed < self._encoded) & (self._confirmed - unit <= low)
+        need = np.flatnonzero(((self._encodable > self._encoded) & room
+                               & ((lead <= low) | (self._encoded == 0) | stalled)) | revise)
         if len(need) > PREFILL_ROWS:  # the lowest leads now, the rest next tick
             need = np.sort(need[np.argsort(lead[need], kind="stable")[:PREFILL_ROWS]])
         chosen = []
         for slot in need:
             stop = min(int(self._encodable[slot]), self.slots.encode_limit(int(unit[slot])),
                        int(self._encoded[slot]) + self.slots.encode_limit(0))
+            stop = max(stop, int(self._encoded[slot]))  # a revision alone re-encodes what is there
             chosen.append((self.utterances[slot], stop))
         return chosen
 
@@ -950,8 +975,8 @@ class Engine:
         flagged = {u.slot: u for u in todo.flags + [u for u, _ in prefill] if holds(u)}
         if flagged:
             rows = list(flagged)
-            closed = [self._encoded[s] == flagged[s].closed_upto == flagged[s].received for s in rows]
-            ended = [flagged[s].text_ended and self._encoded[s] == flagged[s].received for s in rows]
+            closed = [self._confirmed[s] == flagged[s].closed_upto == flagged[s].received for s in rows]
+            ended = [flagged[s].text_ended and self._confirmed[s] == flagged[s].received for s in rows]
             rows_d = upload(rows)
             self.slots.closed[rows_d] = upload(closed, torch.bool)
             self.slots.ended[rows_d] = upload(ended, torch.bool)
@@ -992,12 +1017,17 @@ class Engine:
         return self._blend_prefixes[key]
 
     def _prefill(self, chosen: list[tuple[Utterance, int]]) -> None:
-        """Encode the chosen slots' next units in one padded text-encoder call: durations -> frames on the
-        device, keys/values written into the text ring. Each row reads ``text_lookahead`` units of context on
-        either side, which is exactly what the encoder's convolutions see, so a unit's state does not depend
-        on where a prefill starts. Example (lookahead 6): units 33..48 of 80 are encoded from units 27..54,
-        so row i's units (M, L) hold 27..54 (L >= 28, zero-padded), offset 6 and count 16 pick 33..48."""
-        units, rows, offsets, counts, firsts, voices, rates = self._prefill_windows(chosen)
+        """Encode the chosen slots' units from their confirmed count up to ``stop`` in one padded text-encoder call:
+        durations -> frames on the device, keys/values written into the text ring. Each row reads
+        ``text_lookahead`` units of context on either side, which is exactly what the encoder's convolutions see,
+        so a unit's state does not depend on where a prefill starts. Units whose right context has not all arrived
+        are encoded speculatively (zero padding past the last unit received) and again by the next prefill; those
+        whose frames have started meanwhile are kept as they are (`Slots.place`). Example (lookahead 6): units
+        33..48 of 80 are encoded from units 27..54, so row i's units (M, L) hold 27..54 (L >= 28, zero-padded),
+        offset 6 and count 16 pick 33..48, all confirmed. Speculative: 41 units received, 33 confirmed, 39 encoded:
+        units 33..40 are encoded from units 27..40 (padded after 40), offset 6, count 8, of which 33 and 34 (final:
+        35 = 41 - 6) are confirmed and reported to the stream's timings; 35..40 stay speculative."""
+        units, rows, offsets, counts, firsts, settles, voices, rates = self._prefill_windows(chosen)
         upload = self._upload
         rows_d, counts_d, first_d = upload(rows), upload(counts), upload(firsts)
         with exact_convolutions(benchmark=False):  # (M, L, C), (M, L)
@@ -1007,42 +1037,48 @@ class Engine:
         columns = (upload(offsets)[:, None] + at).clamp(max=units.shape[1] - 1)
         durations = predicted_frames(log_dur.gather(1, columns), upload(rates, torch.float32)[:, None]) * keep
         durations[:, 0] += (first_d == 0) & (durations.sum(1) == 0)  # an utterance has at least one frame
-        durations = self.slots.cap_silence(rows_d, durations, keep)  # never stuck behind silent units
-        begin = self.slots.frames[rows_d][:, None] + start_frames(durations)  # (M, E) first frame of each unit
-        states = states.gather(1, columns[:, :, None].expand(-1, -1, self.cfg.dim))
         positions = first_d[:, None] + at
-        self.caches.write_text(self.model.text_keys_values(states, begin), positions, keep, rows_d)
-        self.slots.add_units(rows_d, positions, keep, begin, begin + durations)
-        schedule = torch.stack([begin, durations])  # (2, M, E): for the streams' timings, read at collect
-        if self.device.type == "cuda":
-            schedule = _to_host(schedule)
-        self._schedules.append(([u for u, _ in chosen], firsts, counts, schedule))
+        # frames chained from the confirmed units' end; started units kept; never stuck behind silent units
+        begin, durations, write = self.slots.place(rows_d, positions, keep, durations, upload(settles))
+        states = states.gather(1, columns[:, :, None].expand(-1, -1, self.cfg.dim))
+        self.caches.write_text(self.model.text_keys_values(states, begin), positions, write, rows_d)
+        self.slots.add_units(rows_d, positions, keep, begin, begin + durations, write)
+        if any(settles):  # the confirmed units' final frames, for the streams' timings (read at collect)
+            schedule = torch.stack([begin, durations])  # (2, M, E)
+            if self.device.type == "cuda":
+                schedule = _to_host(schedule)
+            self._schedules.append(([u for u, _ in chosen], firsts, settles, schedule))
 
     def _prefill_windows(self, chosen: list[tuple[Utterance, int]]):
-        """Host side of a prefill: each row's unit window (padded into one (M, L) array) and what to take
-        from it; the slots' encoded counts move on, and units no later prefill reads are forgotten."""
+        """Host side of a prefill: each row's unit window (padded into one (M, L) array) and what to take from it,
+        from the slot's confirmed count to ``stop``, and how many of those it confirms; the slots' encoded and
+        confirmed counts move on, and units no later prefill reads are forgotten."""
         look = self.cfg.text_lookahead
-        rows, windows, offsets, counts, firsts, voices, rates = [], [], [], [], [], [], []
+        rows, windows, offsets, counts, firsts, settles, voices, rates = [], [], [], [], [], [], [], []
         for u, stop in chosen:
-            start = int(self._encoded[u.slot])
+            slot = u.slot
+            start = max(int(self._confirmed[slot]), stop - self.slots.ring)  # older ones are no longer read
             lo, hi = max(0, start - look), min(u.received, stop + look)
-            rows.append(u.slot)
+            rows.append(slot)
             u.stream.mark("prefill")
             windows.append(u.units[lo - u.unit_base:hi - u.unit_base])
             offsets.append(start - lo)
             counts.append(stop - start)
             firsts.append(start)
+            confirmed = min(int(self._final[slot]), stop)
+            settles.append(max(0, confirmed - start))
             voices.append(u.voice["weights"])  # (V,): one-hot for a shipped voice
             rates.append(u.rate)
-            self._encoded[u.slot] = stop
-            old = stop - look - 1 - u.unit_base  # host memory stays flat on long speech
+            self.counters["revised_units"] += max(0, int(self._encoded[slot]) - start)
+            self._encoded[slot], self._confirmed[slot] = stop, max(start, confirmed)
+            old = int(self._confirmed[slot]) - look - 1 - u.unit_base  # host memory stays flat on long speech
             if old > 1024:
                 del u.units[:old]
                 u.unit_base += old
         units = np.zeros((len(rows), max(map(len, windows))), dtype=np.int64)  # (M, L), 0 = padding
         for i, window in enumerate(windows):
             units[i, :len(window)] = window
-        return units, rows, offsets, counts, firsts, voices, rates
+        return units, rows, offsets, counts, firsts, settles, voices, rates
 
     # -- the batched tick --
     def _launch(self, n: int) -> None:
@@ -1198,7 +1234,7 @@ class Engine:
         for utterances, firsts, counts, schedule in schedules:
             begin, durations = (schedule.numpy() if isinstance(schedule, torch.Tensor) else schedule)
             for i, (u, first, count) in enumerate(zip(utterances, firsts, counts)):
-                if self._holds(u):
+                if count and self._holds(u):
                     u.stream.schedule(first, begin[i, :count].tolist(), durations[i, :count].tolist())
 
     def _hand_out(self, tick: "_Tick", rows: np.ndarray, frames: np.ndarray) -> None:
@@ -1295,11 +1331,11 @@ class Engine:
                 u = self._by_stream.get(stream)
                 if u is None or u.parked is not None or u.detach is not None:
                     raise EngineError("the stream is parked, moving or gone: no snapshot now")
-                counts = [int(a[u.slot]) for a in (self._encoded, self._encodable, self._unit)] if u.slot >= 0 \
-                    else [u.encoded, u.encodable, u.unit]
+                counts = [int(a[u.slot]) for a in self._count_tables()] if u.slot >= 0 \
+                    else [getattr(u, name) for name in COUNTS]
                 taken["host"] = {"stream": stream.export_state(), "units": list(u.units), "unit_base": u.unit_base,
                                  "closed_upto": u.closed_upto, "text_ended": u.text_ended, "spoke": u.spoke,
-                                 **dict(zip(("encoded", "encodable", "unit"), counts)), "frame_codec": False}
+                                 **dict(zip(COUNTS, counts)), "frame_codec": False}
                 rows = taken["rows"] = {}
                 if u.slot < 0:  # waiting for its first slot: nothing spoken, no rows
                     taken["samples"] = stream.samples

@@ -20,6 +20,23 @@ frame (the delay-pattern tail) it is the last frame's unit. Example: entries uni
 [10, 13), [13, 13), [13, 15): frame 12 -> unit 4, frame 13 -> unit 6 (unit 5 has no frames), and with
 15 frames known, step 17 (tail) -> frame 14 -> unit 6.
 
+**Speculative units.** Units may be encoded before their text encoder's right context (``text_lookahead``
+units) has arrived, with zero padding for what is not known yet, and encoded again when more arrives
+(`Engine._prefill`). Units ``[0, encoded)`` are in the ring; of these, ``[0, confirmed)`` (a host count) had
+their whole right context (or the text was closed) and never change again; the rest are speculative. A
+re-encode writes units ``c .. stop - 1`` from the confirmed count ``c``: their keys/values, and their frames,
+chained from ``settled`` (the end frame of the confirmed units) instead of ``frames``. A unit whose frames have
+started (``unit_start < step``: the AR has produced or is producing its first frame) is *frozen*: its entry,
+begin and end stay as they are (its old duration is used to chain the next units' frames), so a step never sees
+the frames of its own unit move. Units started form a prefix of the window (begins do not decrease), so frozen
+ones do too. The silent-run count (`cap_silence`) is kept at the confirmed boundary, so capping a window again
+from ``c`` gives the frozen units their old (capped) durations back. Worked example, lookahead 6: units 0..9
+received, so 0..3 are final and 4..9 speculative; all 10 are encoded (``settled`` = end of unit 3, say frame 20;
+units 4..9 get frames [20, 23), [23, 25), [25, 30), ...). The AR steps to frame 24 (unit 5; step = 25). Units
+10..12 arrive: units 4..6 become final; the re-encode covers units 4..12 from frame 20: units 4 and 5 have
+started (begins 20, 23 < 25) and keep [20, 23), [23, 25); unit 6 (begin 25, not started) and the rest are
+revised: new keys, durations predicted again, begins chained from 25. ``settled`` becomes the end of unit 6.
+
 **Silent runs.** A unit may be predicted zero frames, but not too many in a row: the aligned unit only moves
 on to a unit with frames, and the ring only takes units below ``p + R - behind``, so a run of more than
 ``R - behind - ahead - 2`` zero-frame units after the aligned unit ``p`` would leave the next unit with frames
@@ -46,6 +63,7 @@ from __future__ import annotations
 import torch
 
 from streaming.sampling import stream_key
+from tts.alignment import start_frames
 from tts.model import ModelConfig
 
 # Frames per codec decode: small first chunks for a fast first sound, then 320 ms. On 2 CPU cores the
@@ -71,7 +89,8 @@ class Slots:
         self.schedule = schedule
         self.live, self.paused, self.closed, self.ended = (zeros(batch, dtype=torch.bool) for _ in range(4))
         self.step, self.frames, self.encoded, self.pending, self.chunks = (zeros(batch) for _ in range(5))
-        self.silent = zeros(batch)  # zero-frame units in a row at the end of those encoded (`cap_silence`)
+        self.silent = zeros(batch)  # zero-frame units in a row at the end of those confirmed (`cap_silence`)
+        self.settled = zeros(batch)  # end frame of the confirmed units: a re-encode chains its frames from here
         self.key = zeros(batch)  # each stream's sampling-noise key (`streaming.sampling.stream_key` of its seed)
         self.temperature = torch.ones(batch, 1, 1, device=device)  # (B, 1, 1)
         self.tokens = torch.full((batch, books), self.empty, dtype=torch.long, device=device)  # (B, K) last step's
@@ -83,7 +102,7 @@ class Slots:
         """Rows where ``mask`` (B,) is true return to an empty, idle slot (not live)."""
         for flag in (self.live, self.paused, self.closed, self.ended):
             flag.masked_fill_(mask, False)
-        for count in (self.step, self.frames, self.encoded, self.pending, self.chunks, self.silent):
+        for count in (self.step, self.frames, self.encoded, self.pending, self.chunks, self.silent, self.settled):
             count.masked_fill_(mask, 0)
         self.tokens.masked_fill_(mask[:, None], self.empty)
         self.history.masked_fill_(mask[:, None, None], 0)
@@ -92,7 +111,7 @@ class Slots:
         """Every per-slot tensor by name, batch first: a slot's state is row ``s`` of each (what parking copies
         out and back, `streaming.parking`). The chunk schedule is included: a stream moved to another slot keeps
         its staggered chunk sizes."""
-        names = ("live", "paused", "closed", "ended", "step", "frames", "encoded", "pending", "chunks", "silent", "key",
+        names = ("live", "paused", "closed", "ended", "step", "frames", "encoded", "pending", "chunks", "silent", "settled", "key",
                  "temperature", "tokens", "history", "unit_start", "unit_end", "codes", "schedule")
         return {name: getattr(self, name) for name in names}
 
@@ -110,32 +129,59 @@ class Slots:
         """Units below this may be written into the ring while the slot is at ``unit`` (module docstring)."""
         return unit + self.ring - self.behind
 
-    def cap_silence(self, rows: torch.Tensor, durations: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def cap_silence(self, rows: torch.Tensor, durations: torch.Tensor, keep: torch.Tensor,
+                    settle: torch.Tensor | None = None) -> torch.Tensor:
         """``durations`` (M, E) of the next units of the slots ``rows`` (M,) (``keep``: which are real), with
         one frame given to each unit that would make a run of zero-frame units longer than the most the ring
         lets a stream step past (module docstring, Silent runs); the slots' runs carry over to their next units.
+        The run kept is the one after the first ``settle`` (M,) units (default: all real ones; 0 keeps the slot's
+        run): those confirmed, where the next re-encode starts (Speculative units).
         Example, at most 2 in a row, a run of 1 before: durations [0, 0, 3, 0, 0, 0] -> [0, 1, 3, 0, 0, 1]
-        (runs 2, 3 -> forced, 0, 1, 2, 3 -> forced), leaving a run of 0."""
+        (runs 2, 3 -> forced, 0, 1, 2, 3 -> forced), leaving a run of 0 (with ``settle`` 5, a run of 2)."""
         most = self.ring - self.behind - self.ahead - 2
         at = torch.arange(durations.shape[1], device=durations.device)  # (E,)
         silent = (durations == 0) & keep  # (M, E)
         last_sound = torch.where(silent, -1, at).cummax(1).values  # (M, E) the last unit with frames so far
         run = at - last_sound + torch.where(last_sound < 0, self.silent[rows][:, None], 0)  # 0 where it has frames
         forced = silent & (run % (most + 1) == 0)
-        last = (keep.sum(1) - 1).clamp(min=0)[:, None]  # (M, 1) each row's last real unit
+        settle = keep.sum(1) if settle is None else settle  # (M,)
+        last = (settle - 1).clamp(min=0)[:, None]  # (M, 1) each row's last unit counted
         after = torch.where(forced | ~silent, 0, run % (most + 1)).gather(1, last)[:, 0]
-        self.silent[rows] = torch.where(keep.any(1), after, self.silent[rows])
+        self.silent[rows] = torch.where(settle > 0, after, self.silent[rows])
         return durations + forced
 
+    def place(self, rows: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, durations: torch.Tensor,
+              settle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Frames of the units at ``positions`` (M, E) (from each slot's confirmed count on, ``keep``: which are
+        real) encoded now with predicted ``durations`` (M, E), of which the first ``settle`` (M,) are confirmed by
+        this encode (module docstring, Speculative units): units already in the ring whose frames started keep
+        their frames (and their ring entries: not in ``write``), the others are capped (`cap_silence`) and chained
+        from ``settled``, which moves to the end of the confirmed ones. Returns begin (M, E), durations (M, E) and
+        ``write`` (M, E): the units to write. With nothing speculative (no units in the ring at ``positions``, all
+        confirmed) it is the plain encode: begin = frames + start_frames(durations)."""
+        at = positions % self.ring
+        batch = rows[:, None].expand_as(at)
+        old = self.unit_end[batch, at] - self.unit_start[batch, at]  # (M, E)
+        in_ring = keep & (positions < self.encoded[rows][:, None])
+        frozen = in_ring & (self.unit_start[batch, at] < self.step[rows][:, None])  # started: never revised
+        durations = torch.where(frozen, old, durations)
+        durations = torch.where(frozen, old, self.cap_silence(rows, durations, keep, settle))
+        begin = self.settled[rows][:, None] + start_frames(durations)  # (M, E)
+        last = (settle - 1).clamp(min=0)[:, None]  # (M, 1)
+        self.settled[rows] = torch.where(settle > 0, (begin + durations).gather(1, last)[:, 0], self.settled[rows])
+        return begin, durations, keep & ~frozen
+
     def add_units(self, rows: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, start: torch.Tensor,
-                  end: torch.Tensor) -> None:
+                  end: torch.Tensor, write: torch.Tensor | None = None) -> None:
         """Record encoded units: ``positions`` (M, E) unit indices (distinct modulo R) of the slots ``rows`` (M,),
-        ``keep`` (M, E) which are real, ``start``/``end`` (M, E) their frames. The units' keys and values go
+        ``keep`` (M, E) which are real, ``start``/``end`` (M, E) their frames, ``write`` (M, E) the entries to
+        write (default ``keep``; not the frozen ones of a re-encode, `place`). The units' keys and values go
         into the text ring by `StepCaches.write_text` at the same ring slots."""
         at = positions % self.ring
         batch = rows[:, None].expand_as(at)
-        self.unit_start[batch, at] = torch.where(keep, start, self.unit_start[batch, at])
-        self.unit_end[batch, at] = torch.where(keep, end, self.unit_end[batch, at])
+        write = keep if write is None else write
+        self.unit_start[batch, at] = torch.where(write, start, self.unit_start[batch, at])
+        self.unit_end[batch, at] = torch.where(write, end, self.unit_end[batch, at])
         self.encoded[rows] = torch.where(keep, positions + 1, 0).amax(1)
         self.frames[rows] = torch.where(keep, end, 0).amax(1)
 

@@ -44,8 +44,8 @@ _TO_COME = Token("people", 0, 0)  # never taken: its index is past every ready t
 _GAP = " ,;:"  # units between two words of a sentence
 # FLUENT (lookahead 0): words wait only for a next word that changes the words ("$5" million), not for one that
 # changes only their sounds ("the" apple: ðɪ; "on the": ɔnðə): such a word is read as before any word, and the gap
-# after the last complete word goes with it (`TextStream._gap_with_word`). Why: the engine speaks a unit only once
-# 11 more are there (text_lookahead 6 + ahead 4 + 1), and with Harvard sentences' many "the"s and "on the"s, words
+# after the last complete word goes with it (`TextStream._gap_with_word`). Why: the engine spoke a unit only once
+# 11 more were there (text_lookahead 6 + ahead 4 + 1; 5 since speculative encoding), and with Harvard sentences' many "the"s and "on the"s, words
 # waiting for their next made the text come in lumps (4, 7, 7, 5, 0, 0, 12 units a word for "The birch canoe slid
 # on the smooth"), which the start hold had to wait out and which still stalled. Before, only a stream's first 16
 # units read this way. Cost, 720 Harvard sentences (lookahead 0): units equal to the whole sentence's in 476 (609
@@ -59,9 +59,10 @@ _GAP = " ,;:"  # units between two words of a sentence
 DEFAULT_LOOKAHEAD = 0
 # A stream's first units are handed on only once a player starting at the first chunk is predicted never to run
 # dry at the text's pace so far (`TextStream._may_start`). Why: the engine speaks a frame once ENGINE_UNITS follow
-# its unit (text encoder +6, AR step +4, and itself) and completes it DELAY_FRAMES steps later (delay pattern),
-# and hands out chunks of 2, 4, 8, then 16 frames (`CHUNK_SCHEDULE`), so the text it needs runs ahead of the player
-# by 8 frames + 11 units at the first chunk and 22 frames + 11 units from the 4th. Text 1.2 times faster than
+# its unit (AR step +4, and itself: units are encoded speculatively, before the text encoder's +6 is there,
+# `Engine._prefill`) and completes it DELAY_FRAMES steps later (delay pattern), and hands out chunks of 2, 4, 8,
+# then 16 frames (`CHUNK_SCHEDULE`), so the text it needs runs ahead of the player by 8 frames + 5 units at the
+# first chunk and 22 frames + 5 units from the 4th. Text 1.2 times faster than
 # speech closes only a fifth of that gap per second: slow text must be waited for before the start, fast text
 # not (at 10 words/s the units of the first chunk are about enough).
 SPEECH_UNITS_PER_S = 17.4  # the shipped voices at speed 1: 3.16 words/s, 5.47 units a word (Harvard sentences)
@@ -78,17 +79,32 @@ FRAME_S = 1 / CodecConfig().frame_rate  # 20 ms; ENGINE_UNITS and DELAY_FRAMES c
 # / 0.3 / 5.5; lag 0.5: 634 / 262 / 141 / 890, 8.4 / 0.7 / 0.3 / 12.6; these (2, 1.2): 825 / 282 / 144 / 1211,
 # 1.2 / 0.5 / 0.3 / 0.5; (1.5, 1.5): 806 / 282 / 144 / 1111, 1.5 / 0.5 / 0.3 / 1.7. At 10 w/s 282 ms is the 3rd
 # word (200 ms) and the simulated engine's 82 ms: no margin starts sooner where the first chunk needs 3 words.
+# Re-tuned for speculative encoding (5 units of right context, not 11; NO_PACE_FRAMES 14, it was the first chunk's
+# 2), same sentences, first audio p50 and stalls/min at 5 / 10 w/s and 1.2x: (2, 1.2) 591 / 182 / 927 ms, 1.0 /
+# 0.3 / 1.5; (1, 0.6) 409 / 182 / 613, 5.7 / 0.3 / 12.6; (1.5, 1.2) 526 / 182 / 830, 2.2 / 0.3 / 3.5; (2.5, 1.2)
+# 656 / 191 / 1047, 0.3 / 0.3 / 0.7; (3, 1.2) 682 / 210 / 1153, 0 / 0.3 / 0.3; these (2, 1.5) 656 / 191 / 959,
+# 0.3 / 0.3 / 0.7. The earliest start that never stalls (hindsight, no hold; sentences 0-49) is 358 ms p50 at
+# 5 w/s and 574 at 1.2x: what is left is the hold's prediction of text it has not seen, not the engine.
 PIECE_LAG = 2.0
-LAG_PACE = 1.2
+LAG_PACE = 1.5
 START_LATENCY_S = 0.07  # from the start to the first chunk on 2 cores (`bench.incremental`'s engine_ms, whole text)
-HOLD_HORIZON_FRAMES = 150  # the prediction looks 3 s ahead: text slower than speech waits that long, then stalls
+# Text in one piece so far (no pace known) starts once the units of its first 14 frames (3 chunks) are there: with
+# the first chunk's alone (7.8 units) a first piece of 2 words started at once and stalled (100-199, 5 w/s: 8
+# stalls/min at (2, 1.2), 1.0 with 14 frames; 30 frames changed nothing more)
+NO_PACE_FRAMES = 14
+# The prediction looks 4 s ahead: text slower than speech waits that long, then stalls. 3 s (150 frames) before
+# speculative encoding; with 5 units of need it started "The birch canoe slid on the" at 2.5 words/s (slower than
+# speech) before the next word, bound to stall (`test_protocol`'s hold case). Simulated 0-49 unchanged but 1.2x p99
+# (1,388 -> 1,459 ms): faster text is bound by its first chunks, not by this horizon.
+HOLD_HORIZON_FRAMES = 200
 
 
-def engine_lookahead(cfg: ModelConfig) -> tuple[int, int]:
-    """(ENGINE_UNITS, DELAY_FRAMES) of a model: the units a frame needs from its own on (text encoder's right
-    context + the AR step's + itself) and the steps from a frame's start to its completion (codebooks - 1).
-    Example, the shipped shapes (text_lookahead 6, ahead 4, 8 codebooks): (11, 7)."""
-    return cfg.text_lookahead + cfg.ahead + 1, cfg.codebooks - 1
+def engine_lookahead(cfg: ModelConfig, speculative: bool = True) -> tuple[int, int]:
+    """(ENGINE_UNITS, DELAY_FRAMES) of a model: the units a frame needs from its own on (the AR step's right
+    context + itself; without speculative encoding also the text encoder's right context, `Engine._on_text`)
+    and the steps from a frame's start to its completion (codebooks - 1). Example, the shipped shapes
+    (text_lookahead 6, ahead 4, 8 codebooks): (5, 7); not speculative (11, 7)."""
+    return cfg.text_lookahead * (not speculative) + cfg.ahead + 1, cfg.codebooks - 1
 
 
 def read_sentence(tokens: list[Token], first: int, closed: bool) -> tuple[list[str], list[int]]:
@@ -257,6 +273,12 @@ class TextStream:
             self.marks["released"] = self.clock()
         return ids, closes
 
+    def set_engine_lookahead(self, units: int, delay_frames: int) -> None:
+        """What the engine needs (`engine_lookahead`), when it is not the default (an engine that does not encode
+        speculatively): the start hold (`_may_start`) counts with it."""
+        with self._lock:
+            self._engine_units, self._delay_frames = units, delay_frames
+
     def _every(self) -> float:
         """Seconds between pieces so far (two pushes or more)."""
         return (self._pushes[1] - self._pushes[0]) / (self._pieces - 1)
@@ -266,17 +288,16 @@ class TextStream:
         size every mean interval, counted ``lag`` pieces late: PIECE_LAG, fewer for text faster than LAG_PACE
         times speech), would hand out every chunk before a player that starts at the first one (START_LATENCY_S
         after ``at``, default now) reaches it. A chunk ending at frame E goes out once frame E - 1 is complete,
-        i.e. step E + 6 ran, whose unit needs ENGINE_UNITS - 1 after it: ``(E + 6) * 0.348 + 11`` units (17.4
+        i.e. step E + 6 ran, whose unit needs ENGINE_UNITS - 1 after it: ``(E + 6) * 0.348 + 5`` units (17.4
         units/s of speech); it is due when the player reaches its first frame. Example, 10 words/s ("The ",
-        "birch ", "canoe ": 6.5 units a piece every 100 ms; lag 2 * 1.2 * 1.74 / 6.5 = 0.64 pieces): after
-        "birch " 11 units wait, and the first chunk needs 8 * 0.348 + 11 = 13.8; the check passes from 0.194 s,
-        when the first chunk would play at 0.264 s, after "canoe " (due at 0.2 s) is counted at 0.264 s; the
-        3rd chunk (frames 6-13, due 0.12 s after the first) needs 18.0 of the 24 counted by then, and each later
-        one 5.6 more per 16 frames while 6.5 come every 5. Text in one piece so far (no pace known: a text sent
-        whole, or a client's first batch of words) starts once the first chunk's 13.8 are there (the engine
-        waits for about that many)."""
+        "birch ", "canoe ": 6.5 units a piece every 100 ms; lag 2 * min(1, 1.5 * 1.74 / 6.5) = 0.8 pieces): after
+        "birch " (0.1 s) 11 units wait; the first chunk needs 8 * 0.348 + 5 = 7.8, the 3rd (frames 6-13, due
+        0.12 s after the first) 20 * 0.348 + 5 = 12.0, which "canoe " brings in time, and each later one 5.6 more
+        per 16 frames while 6.5 come every 5: the check passes at once. Text in one piece so far (no pace known: a
+        text sent whole, or a client's first batch of words) starts once the units of the first NO_PACE_FRAMES
+        frames are there (12.0)."""
         if len(self._pushes) < 2 or self._pushes[1] <= self._pushes[0]:  # no pace known: the first chunk's units
-            return units >= self._first_chunk_units()
+            return units >= self._units_for(NO_PACE_FRAMES)
         last, every = self._pushes[1], self._every()
         piece = UNITS_PER_CHAR * (self._chars - self._first_chars) / (self._pieces - 1)  # units a piece
         since = (self.clock() if at is None else at) - last + START_LATENCY_S  # last piece -> first chunk plays

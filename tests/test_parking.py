@@ -34,19 +34,23 @@ def read_all(stream, timeout=30.0, chunks=None) -> tuple[list[np.ndarray], bool]
     return out, False
 
 
-def unparked(text, seed, sampling, frame_codec=False) -> np.ndarray:
-    return _unparked(text, seed, sampling.temperature, frame_codec)
+def unparked(text, seed, sampling, frame_codec=False, cut=None) -> np.ndarray:
+    return _unparked(text, seed, sampling.temperature, frame_codec, cut)
 
 
 @functools.lru_cache(maxsize=None)
-def _unparked(text, seed, temperature, frame_codec) -> np.ndarray:
-    """The stream's audio from a one-slot engine that never parks."""
+def _unparked(text, seed, temperature, frame_codec, cut=None) -> np.ndarray:
+    """The stream's audio from a one-slot engine that never parks; with ``cut``, its text comes in two pieces, the
+    second once the first is spoken (the AR read the first piece's last units speculatively, `Engine._prefill`)."""
     engine = tiny_random(max_streams=1, sampling=SamplingConfig(temperature=temperature), frame_codec=frame_codec,
                          parking=NEVER)
     stream = engine.open(seed=seed)
-    stream.push_text(text)
+    stream.push_text(text[:cut])
+    first = read_until_dry(stream) if cut else []
+    stream.push_text(text[cut:] if cut else "")
     stream.end()
     audio, finished = read_all(stream)
+    audio = first + audio
     engine.close()
     assert finished
     return np.concatenate(audio)
@@ -82,7 +86,7 @@ def test_a_parked_stream_gives_its_slot_away_and_continues_exactly(frame_codec, 
     first.end()
     after, finished = read_all(first)
     assert finished
-    assert_same(before + after, unparked(TEXT, 5, sampling, frame_codec))
+    assert_same(before + after, unparked(TEXT, 5, sampling, frame_codec, CUT))
     assert_same(other, unparked(OTHER, 6, sampling, frame_codec))
     stats = engine.stats()
     assert stats["parks"] >= 1 and stats["restores"] >= 1 and stats["parking"]["park_ms"]["count"] >= 1

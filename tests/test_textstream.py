@@ -309,13 +309,13 @@ def test_hold_off_hands_units_on_as_a_stream_without_the_hold_does():
 def test_a_held_start_ends_between_pieces_at_release_at_without_more_text():
     stream, unheld, units = _Clocked(hold_start=True), _Clocked(), []
     for i, piece in enumerate(WORDS[:3]):
-        _Clocked.now = i / 5
+        _Clocked.now = i / 4  # 4 words/s: 3 words are held (at 5 the 3rd is enough with speculative encoding)
         stream.push(piece)
         unheld.push(piece)
         assert stream.take()[0] == []
         units += unheld.take()[0]
     at = stream.release_at()
-    assert 0.4 < at < 0.6  # before the next piece is due
+    assert 0.5 < at < 0.75  # before the next piece is due
     _Clocked.now = at - 0.006
     assert stream.take()[0] == []  # a little sooner: still held
     _Clocked.now = at
