@@ -105,6 +105,8 @@ class EngineServer:
     def __init__(self, engine_factory, engine_kwargs: dict, app_factory, app_kwargs: dict, failover: bool = True,
                  checkpoint_audio_s: float = CHECKPOINT_AUDIO_S):
         self.engine = engine_factory(**engine_kwargs)
+        if failover:  # a replay feeds the text after a checkpoint at once: the audio must depend on the text alone,
+            self.engine.speculative = False  # not on when its pieces came (what speculative encoding reads)
         served = Checkpointing(self.engine) if failover else self.engine  # a replay may attach a checkpoint
         self.server_app = app_factory(served, **app_kwargs)
         self.hub = self.server_app.state.hub
