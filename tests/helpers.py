@@ -1,6 +1,7 @@
 """Test helpers: a tiny random-weight engine for fast tests of everything around the model."""
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -39,3 +40,20 @@ def wait_until(condition, seconds: float = 10.0) -> bool:
             return False
         time.sleep(0.005)
     return True
+
+
+def held_codec_worker(codec: Codec, slots: int):
+    """A CPU `CodecWorker` whose first decode waits until the test sets the returned gate (so the test can queue
+    jobs behind it): (worker, gate, lengths of the decodes run so far)."""
+    from streaming.codec_worker import CodecWorker
+    gate, lengths = threading.Event(), []
+
+    def held(codes, state):
+        lengths.append(codes.shape[-1])
+        if len(lengths) == 1:
+            gate.wait(30)
+        return codec.decode_step(codes, state)
+
+    worker = CodecWorker(codec, slots, "cpu")
+    worker.set_decode_step(held)
+    return worker, gate, lengths

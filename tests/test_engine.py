@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_model_and_codec, tiny_random, wait_until
+from helpers import held_codec_worker, tiny_model_and_codec, tiny_random, wait_until
 
 from streaming.decode import TEXT_RING, decode_step
 from streaming.engine import Engine, EngineError, SamplingConfig, ServerFull, UnknownVoice
@@ -484,20 +484,10 @@ def test_a_first_chunk_goes_ahead_of_the_codec_backlog_and_each_stream_decodes_i
     """The CPU codec worker: a new stream's first chunk runs before chunks queued earlier for other streams, even
     in the slot a stream with chunks still queued has just left (each slot has two decoder rows), and every
     stream's audio equals its own chunks decoded in order from the start state."""
-    from streaming.codec_worker import CodecWorker
     from streaming.stream import Stream
     engine = tiny_random(max_streams=1)
     codec = engine.codec
-    gate, lengths = threading.Event(), []
-
-    def gated(codes, state):  # the codec's own decode, held at its first call until the test has queued the rest
-        lengths.append(codes.shape[-1])
-        if len(lengths) == 1:
-            gate.wait(30)
-        return codec.decode_step(codes, state)
-
-    worker = CodecWorker(codec, 1, "cpu")
-    worker.set_decode_step(gated)
+    worker, gate, lengths = held_codec_worker(codec, 1)  # its first decode held until the test has queued the rest
     a, b = (Stream(engine, "joe", 1.0, 1000, seed) for seed in (1, 2))
     codes = torch.Generator().manual_seed(0)
     a1, a2, b1 = (torch.randint(0, codec.cfg.codebook_size, (1, codec.cfg.codebooks, t), generator=codes)

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import tiny_random, wait_until
+from helpers import held_codec_worker, tiny_random, wait_until
 
 from streaming.engine import BadState, EngineError, SamplingConfig, ServerFull
 from streaming.parking import ParkingConfig, ParkingStore, pack, unpack
@@ -402,20 +402,10 @@ def test_codec_restore_reads_the_rows_its_capture_queued_before_it_made():
     there yet: KeyError 'codec.h' in the codec thread, and the slot kept another stream's decoder state)."""
     import torch
 
-    from streaming.codec_worker import CodecWorker
     from streaming.stream import Stream
     engine = tiny_random(max_streams=2)
     codec = engine.codec
-    gate, calls = threading.Event(), []
-
-    def gated(codes, state):  # held at its first call until the capture and the restore are queued
-        calls.append(codes.shape[-1])
-        if len(calls) == 1:
-            gate.wait(30)
-        return codec.decode_step(codes, state)
-
-    worker = CodecWorker(codec, 2, "cpu")
-    worker.set_decode_step(gated)
+    worker, gate, calls = held_codec_worker(codec, 2)  # its first decode held until the capture and restore are queued
     a, b, c = (Stream(engine, "joe", 1.0, 1000, seed) for seed in (1, 2, 3))
     gen = torch.Generator().manual_seed(0)
     first, second = (torch.randint(0, codec.cfg.codebook_size, (1, codec.cfg.codebooks, 4), generator=gen)
