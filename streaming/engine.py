@@ -1039,7 +1039,8 @@ class Engine:
         durations[:, 0] += (first_d == 0) & (durations.sum(1) == 0)  # an utterance has at least one frame
         positions = first_d[:, None] + at
         # frames chained from the confirmed units' end; started units kept; never stuck behind silent units
-        begin, durations, write = self.slots.place(rows_d, positions, keep, durations, upload(settles))
+        flush = upload([self._ends_flush(u, stop) for u, stop in chosen], torch.bool)
+        begin, durations, write = self.slots.place(rows_d, positions, keep, durations, upload(settles), flush)
         states = states.gather(1, columns[:, :, None].expand(-1, -1, self.cfg.dim))
         self.caches.write_text(self.model.text_keys_values(states, begin), positions, write, rows_d)
         self.slots.add_units(rows_d, positions, keep, begin, begin + durations, write)
@@ -1048,6 +1049,11 @@ class Engine:
             if self.device.type == "cuda":
                 schedule = _to_host(schedule)
             self._schedules.append(([u for u, _ in chosen], firsts, settles, schedule))
+
+    def _ends_flush(self, u: Utterance, stop: int) -> bool:
+        """Whether this prefill confirms the last unit of text a flush closed (not the end): it gets a pause
+        after it, so that all its frames complete before more text comes (`streaming.slots`, Flush)."""
+        return not u.text_ended and u.closed_upto == u.received == stop == int(self._confirmed[u.slot])
 
     def _prefill_windows(self, chosen: list[tuple[Utterance, int]]):
         """Host side of a prefill: each row's unit window (padded into one (M, L) array) and what to take from it,

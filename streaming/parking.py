@@ -100,10 +100,12 @@ class RowLayout:
 
     def flatten(self, rows: dict[str, torch.Tensor], pin: bool = False) -> torch.Tensor:
         """Named (1, ...) rows (a parked state from disk or another engine) packed into one (row_bytes,) row
-        (in pinned memory with ``pin``: its copy to the GPU is then asynchronous)."""
+        (in pinned memory with ``pin``: its copy to the GPU is then asynchronous). A row the state lacks (made
+        before that row existed, e.g. ``flushed``) stays zero, its value in a fresh slot."""
         flat = torch.zeros(self.row_bytes, dtype=torch.uint8, pin_memory=pin)
         for name, view in self.views(flat).items():
-            view.copy_(rows[name])
+            if name in rows:
+                view.copy_(rows[name])
         return flat
 
     @staticmethod

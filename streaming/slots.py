@@ -57,6 +57,15 @@ or parked stream would no longer repeat bit for bit). Example, (2, 4, 8, 16, 16)
 a stream's chunks hold frames 0-1, 2-5, 6-13, 14-29, 30-45, ..., and the tail. With ``stagger`` the fourth
 chunk of slot s is ``16 - s % 8`` frames, so streams that started in the same tick hand out their 16-frame
 chunks in 8 different ticks, not all in one: slot 3's chunks hold frames 0-1, 2-5, 6-13, 14-26, 27-42, ...
+
+**Flush.** A flush closes the text so far, and its audio must all come out without more text; but frame f is
+complete only at step f + K - 1, whose codebook 0 belongs to frame f + K - 1. So the last unit a flush closes
+gets K - 1 frames of pause after its predicted ones (`place`), the stream steps through them, and a chunk is
+due once the closed text's last frame is complete (``flushed``), whatever its size; the chunk schedule then
+starts again. Both depend on the text alone, not on when it came. Example, K = 8, chunks (2, 4, 8, 16): a
+flushed sentence's frames are 0-37; its last unit ends at frame 45 instead of 38, steps run to 44, which
+completes frame 37, and the chunk of frames 30-37 goes out (8 frames, not 16). The pause's frames 38-44
+complete as the next text's first frames step (steps 45-51), in chunks of 2, 4, 8, ... again.
 """
 from __future__ import annotations
 
@@ -91,6 +100,7 @@ class Slots:
         self.step, self.frames, self.encoded, self.pending, self.chunks = (zeros(batch) for _ in range(5))
         self.silent = zeros(batch)  # zero-frame units in a row at the end of those confirmed (`cap_silence`)
         self.settled = zeros(batch)  # end frame of the confirmed units: a re-encode chains its frames from here
+        self.flushed = zeros(batch)  # end frame of the text the last flush closed (0: none): a chunk ends there
         self.key = zeros(batch)  # each stream's sampling-noise key (`streaming.sampling.stream_key` of its seed)
         self.temperature = torch.ones(batch, 1, 1, device=device)  # (B, 1, 1)
         self.tokens = torch.full((batch, books), self.empty, dtype=torch.long, device=device)  # (B, K) last step's
@@ -102,7 +112,8 @@ class Slots:
         """Rows where ``mask`` (B,) is true return to an empty, idle slot (not live)."""
         for flag in (self.live, self.paused, self.closed, self.ended):
             flag.masked_fill_(mask, False)
-        for count in (self.step, self.frames, self.encoded, self.pending, self.chunks, self.silent, self.settled):
+        for count in (self.step, self.frames, self.encoded, self.pending, self.chunks, self.silent, self.settled,
+                      self.flushed):
             count.masked_fill_(mask, 0)
         self.tokens.masked_fill_(mask[:, None], self.empty)
         self.history.masked_fill_(mask[:, None, None], 0)
@@ -111,8 +122,8 @@ class Slots:
         """Every per-slot tensor by name, batch first: a slot's state is row ``s`` of each (what parking copies
         out and back, `streaming.parking`). The chunk schedule is included: a stream moved to another slot keeps
         its staggered chunk sizes."""
-        names = ("live", "paused", "closed", "ended", "step", "frames", "encoded", "pending", "chunks", "silent", "settled", "key",
-                 "temperature", "tokens", "history", "unit_start", "unit_end", "codes", "schedule")
+        names = ("live", "paused", "closed", "ended", "step", "frames", "encoded", "pending", "chunks", "silent", "settled",
+                 "flushed", "key", "temperature", "tokens", "history", "unit_start", "unit_end", "codes", "schedule")
         return {name: getattr(self, name) for name in names}
 
     def start(self, rows: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
@@ -151,14 +162,16 @@ class Slots:
         return durations + forced
 
     def place(self, rows: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, durations: torch.Tensor,
-              settle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              settle: torch.Tensor, flush: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Frames of the units at ``positions`` (M, E) (from each slot's confirmed count on, ``keep``: which are
         real) encoded now with predicted ``durations`` (M, E), of which the first ``settle`` (M,) are confirmed by
         this encode (module docstring, Speculative units): units already in the ring whose frames started keep
         their frames (and their ring entries: not in ``write``), the others are capped (`cap_silence`) and chained
         from ``settled``, which moves to the end of the confirmed ones. Returns begin (M, E), durations (M, E) and
         ``write`` (M, E): the units to write. With nothing speculative (no units in the ring at ``positions``, all
-        confirmed) it is the plain encode: begin = frames + start_frames(durations)."""
+        confirmed) it is the plain encode: begin = frames + start_frames(durations). ``flush`` (M,) bool: rows
+        whose confirmed units end the text a flush closed; their last one gets a pause after it (module
+        docstring, Flush)."""
         at = positions % self.ring
         batch = rows[:, None].expand_as(at)
         old = self.unit_end[batch, at] - self.unit_start[batch, at]  # (M, E)
@@ -166,9 +179,14 @@ class Slots:
         frozen = in_ring & (self.unit_start[batch, at] < self.step[rows][:, None])  # started: never revised
         durations = torch.where(frozen, old, durations)
         durations = torch.where(frozen, old, self.cap_silence(rows, durations, keep, settle))
-        begin = self.settled[rows][:, None] + start_frames(durations)  # (M, E)
         last = (settle - 1).clamp(min=0)[:, None]  # (M, 1)
+        if flush is not None:
+            pause = torch.where(flush & (settle > 0), self.books - 1, 0)[:, None]  # (M, 1)
+            durations = durations.scatter_add(1, last, pause)
+        begin = self.settled[rows][:, None] + start_frames(durations)  # (M, E)
         self.settled[rows] = torch.where(settle > 0, (begin + durations).gather(1, last)[:, 0], self.settled[rows])
+        if flush is not None:
+            self.flushed[rows] = torch.where(pause[:, 0] > 0, self.settled[rows] - pause[:, 0], self.flushed[rows])
         return begin, durations, keep & ~frozen
 
     def add_units(self, rows: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, start: torch.Tensor,
@@ -236,8 +254,10 @@ class Slots:
         done = self.live[s] & ended & (step >= self.total_steps(s))
         chunks = self.chunks[s]
         size = self.schedule[s].gather(1, chunks.clamp(max=self.schedule.shape[1] - 1)[:, None])[:, 0]
-        due = (pending >= size) | (done & (pending > 0))
+        flushed = completed & (done_frame == self.flushed[s] - 1)  # the flushed text's last frame: all of it out
+        due = (pending >= size) | (done & (pending > 0)) | flushed
         meta = torch.stack([unit, ready.long(), completed.long(), pending, due.long(), done.long()], 1)
         pending.masked_fill_(due, 0)
         chunks += due
+        chunks.masked_fill_(flushed, 0)  # what comes after a flush starts with the small chunks again
         return meta, codes

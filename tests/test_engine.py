@@ -517,3 +517,39 @@ def test_a_first_chunk_goes_ahead_of_the_codec_backlog_and_each_stream_decodes_i
     np.testing.assert_allclose(audio["b"], expected_b, atol=1e-5)
     worker.close()
     engine.close()
+
+
+def _read_until_quiet(stream, quiet_s=1.5) -> list[np.ndarray]:
+    """The chunks a stream hands out until none comes for ``quiet_s`` (it has said all it can)."""
+    chunks = []
+    while True:
+        try:
+            chunk = stream.read(timeout=quiet_s)
+        except TimeoutError:
+            return chunks
+        assert chunk is not None
+        chunks.append(chunk)
+
+
+def test_a_flush_hands_out_all_of_the_closed_texts_audio_without_more_text():
+    """A flush's text is spoken to its last frame before any more text comes (a pause of K - 1 frames after it
+    lets the delay pattern complete its frames), and the stream goes on when text comes, with small chunks again."""
+    engine = tiny_random(max_streams=1, sampling=SamplingConfig(temperature=0.0))
+    hop, books = engine.codec.cfg.hop, engine.slots.books
+    first, rest = "The birch canoe slid on the smooth planks.", "Glue the sheet to the dark blue background."
+    whole = synthesize(first, engine=engine, seed=4)  # `end` right after: the utterance's own tail
+    stream = engine.open(seed=4)
+    stream.push_text(first)
+    stream.flush()
+    said = np.concatenate(_read_until_quiet(stream))
+    assert len(said) == len(whole)  # every frame of the flushed text, nothing of the pause
+    same = len(whole) - (books - 1) * hop  # the last K - 1 frames' later codebooks saw the pause, not the end
+    np.testing.assert_allclose(said[:same], whole[:same], atol=1e-5)
+    stream.push_text(rest)
+    stream.end()
+    after = []
+    while (chunk := stream.read(timeout=60)) is not None:
+        after.append(chunk)
+    assert len(after[0]) == 2 * hop  # the chunk schedule starts again: the pause's first frames
+    assert sum(map(len, after)) > (books - 1) * hop
+    engine.close()
