@@ -61,11 +61,13 @@ chunks in 8 different ticks, not all in one: slot 3's chunks hold frames 0-1, 2-
 **Flush.** A flush closes the text so far, and its audio must all come out without more text; but frame f is
 complete only at step f + K - 1, whose codebook 0 belongs to frame f + K - 1. So the last unit a flush closes
 gets K - 1 frames of pause after its predicted ones (`place`), the stream steps through them, and a chunk is
-due once the closed text's last frame is complete (``flushed``), whatever its size; the chunk schedule then
-starts again. Both depend on the text alone, not on when it came. Example, K = 8, chunks (2, 4, 8, 16): a
-flushed sentence's frames are 0-37; its last unit ends at frame 45 instead of 38, steps run to 44, which
-completes frame 37, and the chunk of frames 30-37 goes out (8 frames, not 16). The pause's frames 38-44
-complete as the next text's first frames step (steps 45-51), in chunks of 2, 4, 8, ... again.
+due once the closed text's last frame is complete (``flushed``), whatever its size. Both depend on the text
+alone, not on when it came. The schedule goes on (a player that ran dry waiting for the next text restarts
+with one whole chunk, not with chunks doubling from 2 frames, which a busy engine's ticks cannot keep ahead
+of). Example, K = 8, chunks (2, 4, 8, 16): a flushed sentence's frames are 0-37; its last unit ends at frame
+45 instead of 38, steps run to 44, which completes frame 37, and the chunk of frames 30-37 goes out (8 frames,
+not 16). The pause's frames 38-44 complete as the next text's first frames step (steps 45-51) and go out in
+the next chunk, frames 38-53.
 """
 from __future__ import annotations
 
@@ -259,5 +261,4 @@ class Slots:
         meta = torch.stack([unit, ready.long(), completed.long(), pending, due.long(), done.long()], 1)
         pending.masked_fill_(due, 0)
         chunks += due
-        chunks.masked_fill_(flushed, 0)  # what comes after a flush starts with the small chunks again
         return meta, codes

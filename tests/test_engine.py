@@ -533,7 +533,7 @@ def _read_until_quiet(stream, quiet_s=1.5) -> list[np.ndarray]:
 
 def test_a_flush_hands_out_all_of_the_closed_texts_audio_without_more_text():
     """A flush's text is spoken to its last frame before any more text comes (a pause of K - 1 frames after it
-    lets the delay pattern complete its frames), and the stream goes on when text comes, with small chunks again."""
+    lets the delay pattern complete its frames), and the stream goes on when text comes."""
     engine = tiny_random(max_streams=1, sampling=SamplingConfig(temperature=0.0))
     hop, books = engine.codec.cfg.hop, engine.slots.books
     first, rest = "The birch canoe slid on the smooth planks.", "Glue the sheet to the dark blue background."
@@ -550,6 +550,5 @@ def test_a_flush_hands_out_all_of_the_closed_texts_audio_without_more_text():
     after = []
     while (chunk := stream.read(timeout=60)) is not None:
         after.append(chunk)
-    assert len(after[0]) == 2 * hop  # the chunk schedule starts again: the pause's first frames
-    assert sum(map(len, after)) > (books - 1) * hop
+    assert sum(map(len, after)) > (books - 1) * hop  # the pause, then the rest
     engine.close()
