@@ -53,11 +53,16 @@ def finish_text(stream, sentence: str) -> None:
     stream.end()
 
 
-def read_dry(streams, quiet_s=0.5) -> list[list[np.ndarray]]:
-    """What the streams say until none has said anything for ``quiet_s`` (they ran out of text)."""
+def read_dry(streams, quiet_s=1.0, seconds=120.0) -> list[list[np.ndarray]]:
+    """What the streams say until every one has said something and none has for ``quiet_s`` (they ran out of
+    text). Quiet before the first chunk is not dry: on a loaded machine the first chunks of a fresh engine can
+    take longer than ``quiet_s``, and the rest of the text would then reach the reference before it ran dry
+    (a reference unlike the parked rounds: on 2 shared cores at load ~5, every stream differed from ~30 %)."""
     chunks: list[list[np.ndarray]] = [[] for _ in streams]
-    last = time.monotonic()
-    while time.monotonic() - last < quiet_s:
+    last = start = time.monotonic()
+    while time.monotonic() - last < quiet_s or not all(chunks):
+        if time.monotonic() - start > seconds:
+            raise TimeoutError("a stream said nothing of its first words in time")
         for i, stream in enumerate(streams):
             with contextlib.suppress(TimeoutError):
                 while (chunk := stream.read(timeout=0.001)) is not None:

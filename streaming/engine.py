@@ -21,18 +21,17 @@ A new stream's first chunk goes ahead of the CPU codec worker's backlog (`CodecW
 
 Open streams and slots are counted apart: `open` admits up to ``max_open`` streams, and a stream holds one of
 the ``max_streams`` slots only while it can speak. A stream that could not step for ``park_after_s`` (its
-text ran dry, or its reader is behind) is parked: its slot state is copied out (`streaming.parking`) and the
-slot goes to the next stream waiting for one; when its text or its reader comes back it waits for a slot
-(restores ahead of new starts) and continues exactly where it stopped. `detach`/`attach` move a stream's whole
-state to another engine with the same weights.
+text ran dry, or its reader is behind) is parked: its slot state is copied out (`streaming.slot_state`, into
+the `streaming.parking` store) and the slot goes to the next stream waiting for one; when its text or its reader
+comes back it waits for a slot (restores ahead of new starts) and continues exactly where it stopped.
+`detach`/`attach` move a stream's whole state to another engine with the same weights. The engine decides when
+a slot's state moves; `SlotMover` copies it.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import gc
-import hashlib
 import heapq
 import sys
 import threading
@@ -47,12 +46,12 @@ import numpy as np
 import torch
 
 from streaming.admission import Admission, Full
-from streaming.codec_worker import (AudioOutbox, CodecWorker, FrameCodec, decoder_row_tensors, exact_convolutions,
-                                    fast_path_enabled)
+from streaming.codec_worker import AudioOutbox, CodecWorker, FrameCodec, exact_convolutions, fast_path_enabled
 from streaming.decode import TEXT_RING, StepCaches, TickGraph, decode_step
-from streaming.figures import Recent
-from streaming.parking import Parked, ParkingConfig, ParkingStore, RowLayout, pack, unpack
+from streaming.figures import Recent, Timer
+from streaming.parking import Parked, ParkingConfig, ParkingStore, pack, unpack, weights_fingerprint
 from streaming.sampling import sample
+from streaming.slot_state import DetachRequest, SlotMover, Snapshot, host_state
 from streaming.slots import CHUNK_SCHEDULE, META, Slots
 from streaming.stream import MOVING, Stream
 from streaming.text_worker import TextWorker
@@ -80,7 +79,6 @@ PREFILL_ROWS = 128
 # for the lock back (after a device wait) the holder keeps it up to the switch interval (Python's default 5 ms).
 # 0.5 ms: H200, 1,024 streams at once, late chunks 3,606 -> 806, tick p99 61 -> 46 ms; 512: p99 33 -> 28 ms.
 SWITCH_INTERVAL_S = 0.0005
-STAGING_ROWS = 64  # a GPU parks and restores up to this many streams per batched copy
 CPU_STREAMS = 8  # default slots on a CPU: a step costs what its active slots cost, so idle slots are free
 GPU_STREAMS_CAP = 1024  # default cap on a GPU; memory would allow far more (`default_max_streams`)
 BLEND_PREFIXES = 64  # blends whose prefix keys/values stay cached (64 KB each for the shipped model)
@@ -134,7 +132,7 @@ class Utterance:
     news: bool = False  # text came while parked (and its reader was behind): the reader catching up restores it
     waiting: str | None = None  # "start" or "restore": queued for a slot
     waiting_since: float = 0.0
-    detach: "_Detach | None" = None
+    detach: DetachRequest | None = None
     park_after: int = 0  # parking with a tick in flight: once every tick launched before this one is collected
 
     @property
@@ -183,9 +181,9 @@ class Engine:
         self._views: dict[int, StepCaches] = {}
         self.step_kind = _kind(step_factory)
         self._graphs = self._tick_graphs()
-        self._layout: tuple[RowLayout, dict] | None = None  # `_row_layout`
-        self._staging: torch.Tensor | None = None
-        self._staging_rows: list[dict] = []
+        codec = ({"frame_decoder": self.frame_decoder, "outbox": self.outbox, "codec_stream": self.codec_stream}
+                 if self.frame_codec else {"codec_worker": self.codec_worker})
+        self.mover = SlotMover(self.store, self.caches, self.slots, self.device, self.max_streams, **codec)
         self._build_host_tables(self.max_streams)
         # thread hand-offs
         self._lock = threading.Lock()  # guards the factory switch
@@ -368,7 +366,7 @@ class Engine:
         continues sample-exactly. Raises EngineError if the stream is not open here (or ends meanwhile)."""
         if stream.engine is not self or stream.finished or stream.cancelled or stream.moved:
             raise EngineError("only a stream open on this engine can be detached")
-        request = _Detach()
+        request = DetachRequest()
         stream.detach_request = request
         stream.detaching = True  # the text thread takes no more text: what it took reaches the engine first
         self.text_arrived(stream)  # and then tells the engine (`_on_text`), in order
@@ -376,17 +374,11 @@ class Engine:
             raise EngineError(f"the stream could not be detached within {timeout:g} s")
         if request.error is not None:
             raise request.error
-        u, rows = request.utterance, {}
-        if u.parked is not None:
-            if not u.parked.captured.wait(timeout):  # the CPU codec worker adds the decoder's rows
-                raise EngineError("the stream's decoder state was not captured in time")
-            if u.parked.copied is not None:
-                u.parked.copied.synchronize()
-            rows = u.parked.rows
-        host = {"stream": stream.export_state(), "units": list(u.units), "unit_base": u.unit_base,
-                "closed_upto": u.closed_upto, "text_ended": u.text_ended, "spoke": u.spoke,
-                **{name: getattr(u, name) for name in COUNTS}, "frame_codec": self.frame_codec}
-        return pack(host, rows, stream.take_unread(), self.fingerprint)
+        u = request.utterance
+        if u.parked is not None and not u.parked.settled(timeout):  # the CPU codec worker adds the decoder's rows
+            raise EngineError("the stream's decoder state was not captured in time")
+        rows = {} if u.parked is None else u.parked.rows
+        return pack(self._host_state(u), rows, stream.take_unread(), self.fingerprint)
 
     def attach(self, state: bytes, wait_s: float = 0.0) -> Stream:
         """Continue a stream detached from another engine with the same weights (`detach`): a new Stream that
@@ -398,7 +390,7 @@ class Engine:
             raise BadState(str(err)) from None
         if rows and host["frame_codec"] != self.frame_codec:
             raise BadState("the stream was detached from an engine with the other codec path (frame codec on/off)")
-        if rows and not set(self._row_tensors()) <= set(rows):
+        if rows and not set(self.mover.row_tensors()) <= set(rows):
             raise BadState("the stream's state lacks rows this engine needs (an engine of another version?)")
         stream = Stream.from_state(self, host["stream"], unread)
         preset = self.voice_preset(stream.voice)
@@ -414,14 +406,14 @@ class Engine:
     def fingerprint(self) -> str:
         """A digest of the model's and the codec's weights and configs: a moved stream needs the same."""
         if self._fingerprint is None:
-            digest = hashlib.blake2b(digest_size=16)
-            for module in (self.model, self.codec):
-                digest.update(repr(module.cfg).encode())
-                for name, tensor in module.state_dict().items():
-                    digest.update(name.encode())
-                    digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-            self._fingerprint = digest.hexdigest()
+            self._fingerprint = weights_fingerprint(self.model, self.codec)
         return self._fingerprint
+
+    def _host_state(self, u: Utterance) -> dict:
+        """``u``'s host state for `detach` and `snapshot` (`slot_state.host_state`); its counts from the slot's
+        tables while it holds one."""
+        counts = [int(a[u.slot]) for a in self._count_tables()] if u.slot >= 0 else [getattr(u, n) for n in COUNTS]
+        return host_state(u, dict(zip(COUNTS, counts)), self.frame_codec)
 
     # ---- what streams tell the engine (any thread) --------------------------------------------
     def text_arrived(self, stream: Stream) -> None:
@@ -544,9 +536,7 @@ class Engine:
         if not rows:  # it never had a slot
             self._wait_for_slot(u, "start")
             return
-        u.parked = Parked()
-        u.parked.add(rows)
-        u.parked.captured.set()
+        u.parked = Parked.of(rows)
         self.store.put(u.parked)
         self._wait_for_slot(u, "restore")
 
@@ -767,105 +757,20 @@ class Engine:
         self.counters["parks"] += 1
 
     def _park_rows(self, parks: list[tuple[Utterance, int]]) -> None:
-        """Copy the parked slots' rows out, packed (`RowLayout`): on a GPU one batched gather into a staging
-        buffer, then one copy per stream to pinned host memory; on the CPU one gather into host rows."""
-        started, timer = time.perf_counter(), _Timer(self.device.type == "cuda")
-        rows = [slot for _, slot in parks]
-        cuda = self.device.type == "cuda"
-        if cuda and self.frame_codec:
-            torch.cuda.current_stream(self.device).wait_stream(self.codec_stream)
-        layout, tensors = self._row_layout()
-        flats = [torch.empty(layout.row_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in rows]
-        if cuda:
-            for at in range(0, len(rows), len(self._staging)):
-                part = rows[at:at + len(self._staging)]
-                layout.copy(self._staging_rows[:len(part)], [layout.slot(tensors, r) for r in part])
-                for i in range(len(part)):
-                    flats[at + i].copy_(self._staging[i], non_blocking=True)
-            timer.mark()
-        else:
-            layout.copy([layout.packed(flat) for flat in flats], [layout.slot(tensors, r) for r in rows])
-        for i, (u, _) in enumerate(parks):
-            u.parked.add_packed(flats[i], layout)
-            if self.frame_codec:
-                u.parked.add({"outbox": torch.from_numpy(self.outbox.audio[rows[i]:rows[i] + 1].copy())})
-                u.parked.copied = timer.marks[-1] if cuda else None
-                u.parked.captured.set()
-            self.store.put(u.parked)
-        if not self.frame_codec:
-            self.codec_worker.capture(rows, functools.partial(_captured, [u.parked for u, _ in parks]))
-        self._note("park", started, timer, len(parks))
+        """Copy the parked slots' state out (`SlotMover.park`); hand the detached ones over."""
+        self.mover.park([(u.parked, slot) for u, slot in parks])
         for u, _ in parks:
             if u.detach is not None:
                 self._finish_detach(u)
 
     def _restore_rows(self, restores: list[tuple[Utterance, Parked]]) -> list[int]:
-        """Put parked states into their new slots, every row (the voice prefix too) in packed form: on a GPU one
-        copy each into the staging buffer, then one batched scatter."""
-        started, timer = time.perf_counter(), _Timer(self.device.type == "cuda")
-        cuda = self.device.type == "cuda"
+        """Put parked states into their new slots (`SlotMover.restore`); returns the slots."""
         rows = [u.slot for u, _ in restores]
-        layout, tensors = self._row_layout()  # the voice prefix (sinks) included: no `_start_caches`
-        parked = [p for _, p in restores]
-        flats = [p.flat if p.flat is not None and p.layout is layout else layout.flatten(p.rows, pin=cuda)
-                 for p in parked]
-        if cuda and self.frame_codec:  # the last tick's decode writes every decoder row (masked) on its stream:
-            torch.cuda.current_stream(self.device).wait_stream(self.codec_stream)  # after it, not under it
-        if cuda:
-            for at in range(0, len(rows), len(self._staging)):
-                part = flats[at:at + len(self._staging)]
-                for i, flat in enumerate(part):
-                    self._staging[i].copy_(flat, non_blocking=flat.is_pinned())
-                layout.copy([layout.slot(tensors, r) for r in rows[at:at + len(part)]],
-                            self._staging_rows[:len(part)])
-        else:
-            layout.copy([layout.slot(tensors, r) for r in rows], [layout.packed(flat) for flat in flats])
-        if self.frame_codec:
-            self.outbox.audio[rows] = torch.cat([p.loose["outbox"] for p in parked]).numpy()
-            self._codec_resets = [r for r in self._codec_resets if r not in rows]
-        else:
-            self.codec_worker.restore(rows, lambda: [p.rows for p in parked])
-        if cuda:
-            timer.mark()
-        self._note("restore", started, timer, len(restores))
+        self.mover.restore(rows, [p for _, p in restores])
+        if self.frame_codec:  # the restored decoder state stands: no reset pending from the slot's last holder
+            restored = set(rows)
+            self._codec_resets = [r for r in self._codec_resets if r not in restored]
         return rows
-
-    def _row_tensors(self) -> dict[str, torch.Tensor]:
-        """Every (B, ...) tensor of a slot's state by name: caches (the voice prefix too, so that a restore
-        needs no `_start_caches`), slots and, with the frame codec, its decoder state."""
-        tensors = self.caches.rows() | {f"sinks.{layer}.{part}": pair[i] for layer, pair in enumerate(self.caches.sinks)
-                                        for i, part in enumerate(("keys", "values"))}
-        tensors |= self.slots.rows()
-        if self.frame_codec:
-            tensors |= decoder_row_tensors(self.frame_decoder.state)
-        return tensors
-
-    def _row_layout(self) -> tuple[RowLayout, dict[str, torch.Tensor]]:
-        """The packed layout of a slot's state and the (B, ...) tensors it covers: caches, slots and, with the
-        frame codec, its decoder state (the CPU codec worker's is captured on its own thread). On a GPU also a
-        staging buffer for the packed rows of up to STAGING_ROWS streams at a time, and pinned host memory for
-        as many parked rows made ready (the first cudaHostAlloc of each costs milliseconds)."""
-        if self._layout is None:
-            tensors = self._row_tensors()
-            layout = RowLayout(tensors)
-            self._layout = (layout, tensors)
-            if self.device.type == "cuda":
-                staging = min(STAGING_ROWS, self.max_streams)
-                self._staging = torch.empty(staging, layout.row_bytes, dtype=torch.uint8, device=self.device)
-                self._staging_rows = [layout.packed(row) for row in self._staging]
-                warm = [torch.empty(layout.row_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(staging)]
-                del warm  # back to PyTorch's pinned-memory cache, for the first parks to take
-        return self._layout
-
-    def _note(self, kind: str, started: float, timer: "_Timer", count: int) -> None:
-        """Park/restore time per stream: on a GPU the device's (CUDA events, read later), else the clock's;
-        and the engine thread's time (``park_host``, ``restore_host``) either way."""
-        host_ms = (time.perf_counter() - started) * 1000
-        if timer.cuda:
-            self.store.note_device(kind, timer.marks[0], timer.marks[-1], count)
-        else:
-            self.store.note(kind, host_ms, count)
-        self.store.note(f"{kind}_host", host_ms, count)
 
     # -- parking at once (hold, detach) --
     def _park_soon(self, u: Utterance) -> None:
@@ -1092,7 +997,7 @@ class Engine:
         On a GPU with graphs the step is one `TickGraph` launch and the codec one more on its own stream."""
         launched_at = time.perf_counter()
         cuda = self.device.type == "cuda"
-        timer = _Timer(cuda)
+        timer = Timer(cuda)
         graph = self._graph_for(n)
         if graph is not None:
             meta, codes = graph()
@@ -1114,7 +1019,7 @@ class Engine:
             tick.meta = meta
         self._inflight.append(tick)
 
-    def _eager_tick(self, n: int, timer: "_Timer") -> tuple[torch.Tensor, torch.Tensor]:
+    def _eager_tick(self, n: int, timer: Timer) -> tuple[torch.Tensor, torch.Tensor]:
         """`tick_step` op by op, with the step factory's step (the CPU path, and a GPU without graphs)."""
         slots = self.slots
         step = self._step_for(n)
@@ -1255,8 +1160,9 @@ class Engine:
                     stream.deliver(self.outbox.chunk(row, count))
             return
         keep = [i for i, s in enumerate(streams) if s is not None and not s.cancelled]
-        firsts = [i for i in keep if not tick.utterances[rows[i]].sounded]
-        for part, first in ((firsts, True), ([i for i in keep if i not in firsts], False)):
+        sounded = [tick.utterances[rows[i]].sounded for i in keep]  # one pass: no list scan per row
+        firsts = [i for i, was in zip(keep, sounded) if not was]
+        for part, first in ((firsts, True), ([i for i, was in zip(keep, sounded) if was], False)):
             if part:  # first chunks in a job of their own: it goes ahead of the others' chunks (`CodecWorker`)
                 rows_k = [int(rows[i]) for i in part]
                 codes = self.slots.codes[torch.tensor(rows_k, device=self.device)]  # indexing copies
@@ -1330,51 +1236,37 @@ class Engine:
             raise EngineError("a snapshot needs the CPU codec path (no frame codec)")
         if stream.engine is not self or stream.finished or stream.cancelled or stream.moved or stream.detaching:
             raise EngineError("only a stream open on this engine can be snapshotted")
-        copied, done, taken = threading.Event(), threading.Event(), {}
-
-        def capture() -> None:  # on the engine thread, at its next events (never raises: it would fail the stream)
-            try:
-                u = self._by_stream.get(stream)
-                if u is None or u.parked is not None or u.detach is not None:
-                    raise EngineError("the stream is parked, moving or gone: no snapshot now")
-                counts = [int(a[u.slot]) for a in self._count_tables()] if u.slot >= 0 \
-                    else [getattr(u, name) for name in COUNTS]
-                taken["host"] = {"stream": stream.export_state(), "units": list(u.units), "unit_base": u.unit_base,
-                                 "closed_upto": u.closed_upto, "text_ended": u.text_ended, "spoke": u.spoke,
-                                 **dict(zip(COUNTS, counts)), "frame_codec": False}
-                rows = taken["rows"] = {}
-                if u.slot < 0:  # waiting for its first slot: nothing spoken, no rows
-                    taken["samples"] = stream.samples
-                    done.set()
-                    return
-                layout, tensors = self._row_layout()
-                flat = torch.empty(layout.row_bytes, dtype=torch.uint8)
-                layout.copy([layout.packed(flat)], [layout.slot(tensors, u.slot)])
-                rows.update(layout.views(flat))
-
-                def decoded(states: list[dict]) -> None:  # on the codec thread
-                    rows.update(states[0])
-                    taken["samples"] = taken["host"]["stream"]["samples"] = stream.samples
-                    done.set()
-                self.codec_worker.capture([u.slot], decoded)
-            except Exception as err:
-                taken["error"] = err
-                done.set()
-            finally:
-                copied.set()
+        taking = Snapshot(stream)
 
         def pause() -> None:  # on the text thread, in the stream's place: it waits there for the copy
-            self._inbox.append(("snapshot", stream, capture))
+            self._inbox.append(("snapshot", stream, taking))
             self.wake()
-            copied.wait(timeout)
+            taking.copied.wait(timeout)
 
-        self._handlers.setdefault("snapshot", lambda _, run: run())
+        self._handlers.setdefault("snapshot", self._on_snapshot)
         self.text_worker.run_in_turn(pause)
-        if not done.wait(timeout):
+        if not taking.done.wait(timeout):
             raise EngineError(f"no snapshot of the stream within {timeout:g} s")
-        if "error" in taken:
-            raise taken["error"]
-        return pack(taken["host"], taken["rows"], [], self.fingerprint), taken["samples"]
+        if taking.error is not None:
+            raise taking.error
+        return pack(taking.host, taking.rows, [], self.fingerprint), taking.samples
+
+    def _on_snapshot(self, stream: Stream, taking: Snapshot) -> None:
+        """`snapshot`'s copy, on the engine thread at its next events (never raises: it would fail the stream)."""
+        try:
+            u = self._by_stream.get(stream)
+            if u is None or u.parked is not None or u.detach is not None:
+                raise EngineError("the stream is parked, moving or gone: no snapshot now")
+            taking.host = self._host_state(u)
+            if u.slot < 0:  # waiting for its first slot: nothing spoken, no rows
+                taking.samples = stream.samples
+                taking.done.set()
+            else:
+                self.mover.copy_row(u.slot, taking.finish)
+        except Exception as err:
+            taking.fail(err)
+        finally:
+            taking.copied.set()
 
 
 @dataclass
@@ -1391,57 +1283,13 @@ class _DeviceUpdates:
         return bool(self.frees or self.starts or self.flags or self.paused or self.parks or self.restores)
 
 
-class _Detach:
-    """A `detach` in progress: the engine thread parks the stream, then hands it over here."""
-
-    def __init__(self):
-        self.done = threading.Event()
-        self.error: Exception | None = None
-        self.utterance: Utterance | None = None
-
-    def fail(self, error: Exception) -> None:
-        self.error = error
-        self.done.set()
-
-
-def _captured(parked: list[Parked], states: list[dict]) -> None:
-    """The CPU codec worker's decoder rows of streams just parked (on its thread)."""
-    for p, state in zip(parked, states):
-        p.add(state)
-        p.captured.set()
-
-
-class _Timer:
-    """Step and codec times of a tick: CUDA events on a GPU (read after the tick's sync), else the clock."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        self.marks = []
-        self.mark()
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def elapsed(self) -> tuple[float, float | None]:
-        """(step ms, codec ms or None)."""
-        def ms(a, b):
-            return a.elapsed_time(b) if self.cuda else (b - a) * 1000
-        codec = ms(self.marks[2], self.marks[3]) if len(self.marks) == 4 else None
-        return ms(self.marks[0], self.marks[1]), codec
-
-
 @dataclass
 class _Tick:
     n: int
     utterances: list  # who held each of the first n slots when the tick was launched
     generation: np.ndarray
     schedules: list
-    timer: _Timer
+    timer: Timer
     serial: int  # ticks launched before it
     launched_at: float
     meta: object = None  # (n, len(META)): a tensor, or a pinned host tensor on a GPU

@@ -1,8 +1,11 @@
 """Live figures (tick and step times, codec calls, slot waits) kept in fixed memory, so that a server's memory
-does not grow while they fill."""
+does not grow while they fill; `Timer` takes a tick's (or a park's) times."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
+import torch
 
 
 class Recent:
@@ -44,3 +47,28 @@ class Recent:
 
     def __iter__(self):
         return iter(self.values().tolist())
+
+
+class Timer:
+    """Step and codec times of a tick (or a park's, a restore's): CUDA events on a GPU (read after the tick's
+    sync), else the clock."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.marks = []
+        self.mark()
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def elapsed(self) -> tuple[float, float | None]:
+        """(step ms, codec ms or None)."""
+        def ms(a, b):
+            return a.elapsed_time(b) if self.cuda else (b - a) * 1000
+        codec = ms(self.marks[2], self.marks[3]) if len(self.marks) == 4 else None
+        return ms(self.marks[0], self.marks[1]), codec

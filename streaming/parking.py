@@ -16,10 +16,12 @@ looks every 1/4 of that) its rows go to ``<dir>/7.safetensors`` and leave memory
 ``want`` starts the load and answers False, the load finishes a few ms later and wakes the engine, whose
 next ``want`` answers True; the engine takes the rows (`take`) and the file is gone.
 
-`pack`/`unpack`: one stream's whole state as bytes, to continue it on another engine (`Engine.detach`/`attach`).
+`pack`/`unpack`: one stream's whole state as bytes, to continue it on another engine (`Engine.detach`/`attach`)
+with the same weights (`weights_fingerprint`). Copying states in and out of slots: `streaming.slot_state`.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import itertools
 import os
@@ -148,6 +150,23 @@ class Parked:
     @property
     def tier(self) -> str:
         return "disk" if self.path is not None and self.flat is None and not self.loose else "host"
+
+    @classmethod
+    def of(cls, rows: dict[str, torch.Tensor]) -> "Parked":
+        """A state whose rows are all there already (one attached from another engine)."""
+        parked = cls()
+        parked.add(rows)
+        parked.captured.set()
+        return parked
+
+    def settled(self, timeout: float) -> bool:
+        """Wait until every row is in `rows`: the CPU codec worker's decoder rows added, a GPU's copies to
+        pinned memory done. False if the codec worker did not add them within ``timeout`` seconds."""
+        if not self.captured.wait(timeout):
+            return False
+        if self.copied is not None:
+            self.copied.synchronize()
+        return True
 
     def add(self, rows: dict[str, torch.Tensor]) -> None:
         self.loose.update(rows)
@@ -321,6 +340,17 @@ class ParkingStore:
             self.disk_bytes -= parked.nbytes
             if not parked.loading:  # a file being loaded is removed by the loader
                 _remove(parked.path)
+
+
+def weights_fingerprint(*modules: torch.nn.Module) -> str:
+    """A digest of the modules' weights and configs (``cfg``): a moved stream needs an engine with the same."""
+    digest = hashlib.blake2b(digest_size=16)
+    for module in modules:
+        digest.update(repr(module.cfg).encode())
+        for name, tensor in module.state_dict().items():
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def pack(host: dict, rows: dict[str, torch.Tensor], unread: list[np.ndarray], fingerprint: str) -> bytes:

@@ -7,10 +7,15 @@ import time
 
 import numpy as np
 import pytest
-from helpers import held_codec_worker, tiny_random, wait_until
+import torch
+from helpers import held_codec_worker, tiny_model_and_codec, tiny_random, wait_until
 
+from streaming.codec_worker import AudioOutbox, CodecWorker, FrameCodec
+from streaming.decode import TEXT_RING, StepCaches
 from streaming.engine import BadState, EngineError, SamplingConfig, ServerFull
-from streaming.parking import ParkingConfig, ParkingStore, pack, unpack
+from streaming.parking import Parked, ParkingConfig, ParkingStore, pack, unpack
+from streaming.slot_state import SlotMover
+from streaming.slots import CHUNK_SCHEDULE, Slots
 
 GREEDY = SamplingConfig(temperature=0.0)
 TEXT = "Hello there. How are you today? The ring never grows."
@@ -427,3 +432,53 @@ def test_codec_restore_reads_the_rows_its_capture_queued_before_it_made():
     np.testing.assert_array_equal(out["b"], out["c"])
     worker.close()
     engine.close()
+
+
+@pytest.mark.parametrize("frame_codec", [False, True])
+def test_slot_mover_moves_every_row_of_a_slot_bit_for_bit(tmp_path, frame_codec):
+    """`SlotMover` alone: slot 1's state parked, spilled to disk and loaded, then restored into slot 3 equals
+    what slot 1 held, in every row tensor; no other slot changes. With the frame codec its decoder rows and
+    audio outbox travel in the parked state; without it, the CPU codec worker's (its own thread, in order)."""
+    model, codec, _ = tiny_model_and_codec()
+    batch, cpu = 4, torch.device("cpu")
+    caches = StepCaches.empty(model.cfg, batch, cpu)
+    slots = Slots(model.cfg, batch, TEXT_RING, cpu, stagger=frame_codec)
+    store = ParkingStore(ParkingConfig(disk_after_s=0.05, directory=str(tmp_path)), on_loaded=lambda: None)
+    if frame_codec:
+        codec_parts = {"frame_decoder": FrameCodec(codec, batch, cpu),
+                       "outbox": AudioOutbox(batch, max(CHUNK_SCHEDULE), codec.cfg.hop)}
+    else:
+        codec_parts = {"codec_worker": CodecWorker(codec, batch, cpu)}
+    mover = SlotMover(store, caches, slots, cpu, batch, **codec_parts)
+    generator = torch.Generator().manual_seed(0)
+    for tensor in mover.row_tensors().values():  # every slot's state made distinct
+        if tensor.dtype == torch.bool:
+            tensor.copy_(torch.rand(tensor.shape, generator=generator) > 0.5)
+        else:
+            tensor.copy_(torch.randint(0, 100, tensor.shape, generator=generator).to(tensor.dtype))
+    if frame_codec:
+        codec_parts["outbox"].audio[:] = np.random.default_rng(0).standard_normal(codec_parts["outbox"].audio.shape)
+    before = {name: tensor.clone() for name, tensor in mover.row_tensors().items()}
+    audio_before = codec_parts["outbox"].audio.copy() if frame_codec else None
+    parked = Parked()
+    mover.park([(parked, 1)])
+    assert parked.settled(timeout=10)
+    assert wait_until(lambda: store.stats()["parked"]["disk"] == 1)  # spilled: a restore reads the file's rows
+    assert wait_until(lambda: store.want(parked))
+    store.take(parked)
+    mover.restore([3], [parked])
+    if not frame_codec:  # the codec worker restores on its thread: a capture queued after it reads it back
+        decoded = threading.Event()
+        codec_parts["codec_worker"].capture([3], lambda states: decoded.set())
+        assert decoded.wait(10)
+    for name, tensor in mover.row_tensors().items():
+        assert torch.equal(tensor[3], before[name][1]), name
+        assert torch.equal(tensor[:3], before[name][:3]), name
+    if frame_codec:
+        assert np.array_equal(codec_parts["outbox"].audio[3], audio_before[1])
+        assert np.array_equal(codec_parts["outbox"].audio[:3], audio_before[:3])
+    else:
+        codec_parts["codec_worker"].close()
+    figures = store.stats()
+    assert figures["park_ms"]["count"] == figures["restore_ms"]["count"] == 1
+    store.close()
