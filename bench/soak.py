@@ -62,6 +62,7 @@ class Tally:
         self.served = self.aborted = self.slow = 0
         self.errors: Counter = Counter()
         self.refusals: list[dict] = []  # the first few refusals: code, message, the server's counts just after
+        self.most_awaiting_resume = 0  # the most dropped sessions waiting for a resume at once (sampled each 1 s)
         self.first_audio_ms: list[float] = []
         self.utterances: list[dict] = []  # each served one: kind, sentence, first audio, when it was sent
 
@@ -80,6 +81,7 @@ class Tally:
         p50, p99 = float(np.percentile(ttfa, 50)), float(np.percentile(ttfa, 99))
         return {"served": self.served, "aborted": self.aborted, "slow_readers": self.slow,
                 "errors": dict(self.errors), "refusals": self.refusals,
+                "most_awaiting_resume": self.most_awaiting_resume,
                 "first_audio_ms_p50": round(p50, 1), "first_audio_ms_p99": round(p99, 1),
                 "p99_over_p50": round(p99 / p50, 2) if p50 else None, "rss_mb": round(rss_mb, 1),
                 "p50_by_kind": {kind: round(float(np.median([u["first_audio_ms"] for u in self.utterances
@@ -214,12 +216,14 @@ async def soak(base: str, minutes: int, clients: int, server: psutil.Process, ab
     rss_start = server.memory_info().rss / 2**20
     tasks = [asyncio.create_task(client(base, https[i], i, started + 60 * minutes, tallies, started, abort_share))
              for i in range(clients)]
+    sampler = asyncio.create_task(_sample_awaiting_resume(base, tallies, started))
     reports = []
     for minute in range(minutes):
         await asyncio.sleep(max(0.0, started + 60 * (minute + 1) - time.monotonic()))
         reports.append(tallies[minute].report(server.memory_info().rss / 2**20, SENDS, await _engine_figures(base)))
         print(json.dumps({"minute": minute + 1, **reports[-1]}), file=sys.stderr, flush=True)
     await asyncio.gather(*tasks)
+    sampler.cancel()
     errors = sum((Counter(r["errors"]) for r in reports), Counter())
     rss = [r["rss_mb"] for r in reports]
     return {"minutes": reports, "clients": clients, "warm_up_s": round(warm_up_s, 1),
@@ -228,6 +232,18 @@ async def soak(base: str, minutes: int, clients: int, server: psutil.Process, ab
             "rss_mb_start": round(rss_start, 1), "rss_mb_end": rss[-1],
             "rss_growth_after_minute_1_mb": round(rss[-1] - rss[0], 1),
             "worst_p99_over_p50": max((r["p99_over_p50"] or 0) for r in reports)}
+
+
+async def _sample_awaiting_resume(base: str, minutes: list[Tally], started: float) -> None:
+    """Each second, the server's dropped sessions waiting for a resume (/health): the most, per minute. Each counts
+    as a connection until it expires (resume_window_s), against max_connections (and, before the fix of 2026-12-02,
+    against its client's caps too: the soak's rare 429 client_limit, 8 clients on one address with a cap of 16)."""
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        while True:
+            tally = minutes[min(int((time.monotonic() - started) // 60), len(minutes) - 1)]
+            waiting = (await http.get("/health")).json().get("awaiting_resume", 0)
+            tally.most_awaiting_resume = max(tally.most_awaiting_resume, waiting)
+            await asyncio.sleep(1.0)
 
 
 async def _engine_figures(base: str) -> dict:
