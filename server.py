@@ -667,12 +667,13 @@ class _WorkerHeader:
 @contextlib.asynccontextmanager
 async def _lifespan(hub: Hub, app: Starlette):
     """While serving, trim the C heap now and then (`_trim_heap`). At shutdown, end the sessions that wait for a
-    resume (their engine streams would outlive the server)."""
+    resume (their engine streams would outlive the server), then close what the hub holds open."""
     trimming = asyncio.create_task(_trim_heap(TRIM_EVERY_S))
     yield
     trimming.cancel()
     for session in list(hub.sessions):
         await session.close()
+    hub.shutdown()
 
 
 async def _trim_heap(every_s: float) -> None:

@@ -1244,3 +1244,35 @@ def test_timeline_log_marks_each_stage_on_the_way_to_the_first_audio(tiny_engine
     for stage, befores in after.items():
         assert all(marks[stage] >= marks[before] for before in befores), (stage, marks)
     assert line["finished"] and line["ticks_to_due"] >= tiny_engine.cfg.codebooks
+
+
+def test_the_timeline_log_is_closed_when_the_server_stops(tiny_engine, make_server, tmp_path, monkeypatch):
+    """TTS_TIMELINE_LOG is open only while the server runs: stopped, the process holds no descriptor on it, its
+    lines are whole, and a stream that ends after the stop writes nothing and still frees its slot."""
+    import os
+    log = tmp_path / "timeline.jsonl"
+    monkeypatch.setenv("TTS_TIMELINE_LOG", str(log))
+    server = make_server(tiny_engine)
+    hub = server.hub
+
+    def open_on_log() -> int:
+        fds = os.listdir("/proc/self/fd")
+        return sum(os.path.realpath(f"/proc/self/fd/{fd}") == str(log.resolve()) for fd in fds
+                   if os.path.exists(f"/proc/self/fd/{fd}"))
+
+    async def go():
+        async with websockets.connect(server.ws_url) as ws:
+            return await utterance(ws, SENTENCE)
+
+    run(go())
+    assert wait_until(lambda: log.read_text().endswith("\n"))
+    while_serving = open_on_log()
+    server.stop()
+    stream = tiny_engine.open(seed=1)  # a stream ending after the stop (as an HTTP request cancelled at shutdown)
+    ticket = run(hub.admission.stream((("addr", "late"),)))
+    hub.streams.add(stream)
+    hub.close(ticket, stream)
+    assert while_serving == 1 and open_on_log() == 0 and hub.timeline_log.closed
+    assert [json.loads(line)["finished"] for line in log.read_text().splitlines()] == [True]
+    assert hub.admission.active == 0 and not hub.streams
+    assert wait_until(lambda: tiny_engine.active_streams == 0)
