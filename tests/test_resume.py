@@ -5,103 +5,20 @@ never interrupted."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
-import time
-from collections import defaultdict
 
 import httpx2 as httpx
 import numpy as np
 import pytest
 import websockets
 
+from helpers import (SENTENCE, STARTS, Received, assert_same_output, cut_and_resume, open_contexts, send,
+                     uninterrupted, wait_until)
 from tts.client import ServerError, connect
-
-SENTENCE = "The quick brown fox jumps over the lazy dog. "
 
 
 def run(coro, timeout: float = 120):
     return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-async def send(ws, **message) -> None:
-    await ws.send(json.dumps(message))
-
-
-def wait_until(condition, seconds: float = 10) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return condition()
-
-
-class Received:
-    """What a client holds of one session, per context: audio bytes, and events (not queued or resumed)."""
-
-    def __init__(self):
-        self.audio: dict = defaultdict(bytearray)
-        self.events: dict = defaultdict(list)
-
-    def take(self, message) -> dict | None:
-        if isinstance(message, bytes):
-            self.audio[None] += message
-            return None
-        event = json.loads(message)
-        context = event.get("context_id")
-        if event["type"] == "audio":
-            self.audio[context] += base64.b64decode(event["audio"])
-        elif event["type"] not in ("queued", "resumed"):
-            self.events[context].append(event)
-        return event
-
-    def done(self, context=None) -> bool:
-        return any(e["type"] == "done" for e in self.events[context])
-
-    def position(self, context=None) -> dict:
-        where = {"bytes": len(self.audio[context]), "events": len(self.events[context])}
-        return where if context is None else {"context_id": context, **where}
-
-    def words(self, context=None) -> list:
-        return [w for e in self.events[context] if e["type"] == "timing" for w in e["words"]]
-
-    async def read(self, ws, until, timeout: float = 60) -> None:
-        async with asyncio.timeout(timeout):
-            while not until():
-                self.take(await ws.recv())
-
-
-STARTS = {None: {"format": "f32le", "seed": 11, "word_timings": True},
-          "b": {"format": "pcm_s16le", "seed": 22, "word_timings": True, "voice": "slt"}}
-
-
-async def open_contexts(ws, got: Received, sentences: int = 3) -> str:
-    """Start both contexts of STARTS with their text ended; returns the resume token of their ready."""
-    for context, start in STARTS.items():
-        await send(ws, type="start", **start, **({"context_id": context} if context else {}))
-    await got.read(ws, lambda: all(any(e["type"] == "ready" for e in got.events[c]) for c in STARTS))
-    for context in STARTS:
-        named = {"context_id": context} if context else {}
-        await send(ws, type="text", text=SENTENCE * sentences, **named)
-        await send(ws, type="end", **named)
-    return got.events[None][0]["resume_token"]
-
-
-async def uninterrupted(url: str, sentences: int = 3) -> Received:
-    got = Received()
-    async with websockets.connect(url) as ws:
-        await open_contexts(ws, got, sentences)
-        await got.read(ws, lambda: all(got.done(c) for c in STARTS))
-    return got
-
-
-def assert_same_output(resumed: Received, reference: Received) -> None:
-    for context in STARTS:
-        assert len(resumed.audio[context]) == len(reference.audio[context]) > 0, context
-        assert bytes(resumed.audio[context]) == bytes(reference.audio[context]), context
-        assert resumed.words(context) == reference.words(context) != [], context
-        kinds = [e["type"] for e in resumed.events[context]]
-        assert kinds.count("ready") == 1 and kinds.count("done") == 1 and kinds[-1] == "done", kinds
-        assert not resumed.events[context][-1]["cancelled"]
 
 
 @pytest.fixture
@@ -114,30 +31,12 @@ def test_an_aborted_connection_resumes_with_no_gap_and_no_duplicate(resume_serve
     transport abort, resumed on a new socket: each context's audio equals the uninterrupted stream's, bit for
     bit, and its events come once each."""
     server = resume_server
-
-    async def go():
-        reference = await uninterrupted(server.ws_url)
-        got = Received()
-        ws = await websockets.connect(server.ws_url)
-        token = await open_contexts(ws, got)
-        await got.read(ws, lambda: len(got.audio[None]) > 20_000 and len(got.audio["b"]) > 5_000)
-        await send(ws, type="ack", **got.position(None))
-        await send(ws, type="ack", **got.position("b"))
-        await got.read(ws, lambda: len(got.audio[None]) > 40_000)  # more, unacknowledged: the server replays it
-        ws.transport.abort()
-        held = await asyncio.to_thread(wait_until, lambda: server.hub.admission.connections == 1
-                                       and not any(s.link for s in server.hub.sessions))
-        async with websockets.connect(server.ws_url) as again:
-            await send(again, type="resume", token=token, contexts=[got.position(c) for c in STARTS])
-            resumed = json.loads(await again.recv())
-            await got.read(again, lambda: all(got.done(c) for c in STARTS))
-        return reference, got, resumed, held
-
-    reference, got, resumed, held = run(go())
-    assert held, "the dropped session was not kept"
-    assert resumed["type"] == "resumed" and resumed["resume_token"] != got.events[None][0]["resume_token"]
-    assert resumed["received"] == 6 and resumed["resume_window_s"] == 10  # 2 starts, 2 texts, 2 ends
-    assert_same_output(got, reference)
+    cut = run(cut_and_resume(server.ws_url, lambda: server.hub.admission.connections == 1
+                             and not any(s.link for s in server.hub.sessions)))
+    assert cut.held, "the dropped session was not kept"
+    assert cut.resumed["type"] == "resumed" and cut.resumed["resume_token"] != cut.token
+    assert cut.resumed["received"] == 6 and cut.resumed["resume_window_s"] == 10  # 2 starts, 2 texts, 2 ends
+    assert_same_output(cut.got, cut.reference)
     assert wait_until(lambda: server.hub.admission.connections == 0 and server.hub.admission.active == 0)
 
 
