@@ -254,7 +254,9 @@ class Session:
                                 "one its `resumed` event gave")
         target = tokens.get(msg.token)
         if target is None or target.closed:
-            window = f"{hub.limits.resume_window_s:g} s" if hub.limits.resume_window_s else "off on this server"
+            window = (f"{hub.limits.resume_window_s:g} s, and a client keeps at most "
+                      f"{hub.limits.max_connections_per_client} sessions waiting, the oldest expiring first"
+                      if hub.limits.resume_window_s else "off on this server")
             raise ProtocolError("resume_expired", f"no session to resume: the token is unknown, or its session "
                                 f"has ended or expired (the resume window is {window})")
         positions = {p.context_id: (p.bytes, p.events) for p in msg.contexts}
