@@ -66,10 +66,11 @@ class Session:
     it in the context's replay log until the client acknowledges it. When the socket drops without a clean close,
     the pumps wait and their engine streams are held (parked at once: their slots serve other clients), and a
     client that resumes within resume_window_s on a new socket gets exactly the rest; otherwise the session
-    expires and frees everything."""
+    expires and frees everything. Meanwhile it is set aside from its client's caps (streaming/server_admission.py):
+    it never locks its own client out, and the client's oldest waiting session gives way to one more."""
 
-    def __init__(self, hub: Hub, clients: tuple):
-        self.hub, self.limits, self.clients = hub, hub.limits, clients
+    def __init__(self, hub: Hub, clients: tuple, place):
+        self.hub, self.limits, self.clients, self.place = hub, hub.limits, clients, place
         self.utterances: dict[str | None, Utterance] = {}
         self.logs: dict[str | None, ReplayLog] = {}
         self.link: Link | None = None  # the socket serving the session; None while it waits for a resume
@@ -111,6 +112,7 @@ class Session:
         self._unlink(self.link)
         self._stop_expiry()
         self.hold_streams(False)
+        self.place.put_back()
         link, moving = Link(ws, self.seq, self.limits.idle_timeout_s), None
         try:
             if resume is not None:
@@ -129,7 +131,8 @@ class Session:
             self._accept_token(resume[1])  # had `resumed`, so the token it resumed with still works
         if link.dropped and moving is None and self.resumable and not self.closed:
             self.hold_streams(True)
-            self.expiry = asyncio.create_task(self._expire())
+            self.expiry = asyncio.create_task(self._expire(self.limits.resume_window_s))
+            self.place.set_aside(self._give_way)
         else:
             await self.close()
         return moving
@@ -140,10 +143,10 @@ class Session:
 
     def hold_streams(self, held: bool) -> None:
         """While the session waits for a resume its engine streams generate nothing and hold no slot
-        (`Stream.hold`); a resume releases them, to go on exactly where they stopped."""
+        (`Stream.hold`) and count against no client cap; a resume releases them, to go on exactly where they
+        stopped."""
         for utterance in self.utterances.values():
-            if utterance.stream is not None:
-                utterance.stream.hold() if held else utterance.stream.release()
+            utterance.hold(held)
 
     async def close(self) -> None:
         """End the session: its utterances stop, and its slots, its place in the connection caps and its tokens
@@ -154,10 +157,9 @@ class Session:
         self._stop_expiry()
         for utterance in list(self.utterances.values()):
             await utterance.stop()
-        for token in self.tokens:
-            self.hub.resume_tokens.pop(token, None)
+        self._forget_tokens()
         self.hub.sessions.discard(self)
-        self.hub.admission.disconnect(self.clients)
+        self.place.release()
 
     async def transmit(self, context_id: str | None, *, event: dict | None = None, audio: bytes | None = None,
                        keep: bool = True, wait: bool = True) -> None:
@@ -217,10 +219,21 @@ class Session:
         self.tokens.append(token)
         self.hub.resume_tokens[token] = self
 
-    async def _expire(self) -> None:
-        await asyncio.sleep(self.limits.resume_window_s)
+    def _forget_tokens(self) -> None:
+        for token in self.tokens:
+            self.hub.resume_tokens.pop(token, None)
+
+    async def _expire(self, after_s: float) -> None:
+        await asyncio.sleep(after_s)
         self.expiry = None
         await self.close()
+
+    def _give_way(self) -> None:
+        """Its client has max_connections_per_client newer sessions waiting for a resume: this one, the oldest,
+        expires now (its tokens at once: a resume racing the close gets resume_expired)."""
+        self._stop_expiry()
+        self._forget_tokens()
+        self.expiry = asyncio.create_task(self._expire(0))
 
     def _stop_expiry(self) -> None:
         if self.expiry is not None:
@@ -241,7 +254,9 @@ class Session:
                                 "one its `resumed` event gave")
         target = tokens.get(msg.token)
         if target is None or target.closed:
-            window = f"{hub.limits.resume_window_s:g} s" if hub.limits.resume_window_s else "off on this server"
+            window = (f"{hub.limits.resume_window_s:g} s, and a client keeps at most "
+                      f"{hub.limits.max_connections_per_client} sessions waiting, the oldest expiring first"
+                      if hub.limits.resume_window_s else "off on this server")
             raise ProtocolError("resume_expired", f"no session to resume: the token is unknown, or its session "
                                 f"has ended or expired (the resume window is {window})")
         positions = {p.context_id: (p.bytes, p.events) for p in msg.contexts}
@@ -251,6 +266,7 @@ class Session:
             except ValueError as err:
                 raise ProtocolError("resume_offset", f"context {context_id or '(default)'}: {err}") from None
         target._stop_expiry()
+        target.place.put_back()  # taken: no longer among its client's waiting sessions, to give way
         target._new_token()
         return target, (positions, msg.token)
 
@@ -400,7 +416,7 @@ class Utterance:
 
     def __init__(self, session: Session, start: Start, voice: str | None):
         self.session, self.start, self.voice, self.context_id = session, start, voice, start.context_id
-        self.state, self.stream, self.pending = "queued", None, []
+        self.state, self.ticket, self.stream, self.pending = "queued", None, None, []
         self.chars, self.samples, self.cancelled = 0, 0, False
         self.first_text_at = self.first_audio_at = None
         self.encoder = Encoder(start.format, start.sample_rate)
@@ -426,6 +442,13 @@ class Utterance:
             {"text": lambda: self.stream.push_text(text), "flush": self.stream.flush, "end": self.stream.end}[kind]()
         except TextError as err:
             raise ProtocolError("bad_text", str(err), "text") from None
+
+    def hold(self, held: bool) -> None:
+        """Hold (or release) the engine stream while the session waits for a resume, its slot set aside from
+        the client's caps."""
+        if self.stream is not None:
+            self.stream.hold() if held else self.stream.release()
+            self.ticket.set_aside() if held else self.ticket.put_back()
 
     async def cancel(self) -> None:
         """Stop at once: the wait in the queue ends, or generation stops and queued audio is dropped; then
@@ -465,7 +488,7 @@ class Utterance:
     async def _speak(self) -> None:
         try:
             try:
-                _, self.stream = await self.opening
+                self.ticket, self.stream = await self.opening
                 if not self.start.hold:
                     self.stream.text.hold_off()
             except asyncio.CancelledError:
@@ -477,7 +500,7 @@ class Utterance:
             if self.state == "queued":
                 self.state = "open"
             if self.session.awaiting_resume:  # the socket dropped while it waited for a slot
-                self.stream.hold()
+                self.hold(True)
             for kind, text in self.pending:
                 self._apply(kind, text)
             self.pending = []
@@ -554,8 +577,7 @@ async def stream_endpoint(ws: WebSocket) -> None:
     clients = clients_of(ws.scope, hub)
     await ws.accept()
     try:
-        hub.admission.connect(clients)
-        step = (Session(hub, clients), None)
+        step = (Session(hub, clients, hub.admission.connect(clients)), None)
     except ProtocolError as err:
         step = await _resume_past_caps(ws, hub, err)
     while step is not None:  # a resume moves the socket to the session it names
@@ -647,12 +669,13 @@ class _WorkerHeader:
 @contextlib.asynccontextmanager
 async def _lifespan(hub: Hub, app: Starlette):
     """While serving, trim the C heap now and then (`_trim_heap`). At shutdown, end the sessions that wait for a
-    resume (their engine streams would outlive the server)."""
+    resume (their engine streams would outlive the server), then close what the hub holds open."""
     trimming = asyncio.create_task(_trim_heap(TRIM_EVERY_S))
     yield
     trimming.cancel()
     for session in list(hub.sessions):
         await session.close()
+    hub.shutdown()
 
 
 async def _trim_heap(every_s: float) -> None:

@@ -13,7 +13,9 @@ Per minute: utterances served, aborted and read slowly, errors by code (the serv
 statuses, dropped connections; aborts are not errors), first audio p50/p99 in ms (request sent to first audio
 byte, utterances that were not aborted) and the server's RSS at the minute's end.
 Targets (issue 25): no errors; RSS growth under 20 MB after the first minute; first-audio p99 within 2x p50
-every minute.
+every minute. A refusal (`server_full`, `client_limit`) is listed with the server's message and what its /health
+said just after (connections, sessions awaiting a resume), to tell which limit it met and why.
+--abort sets the share aborted (a diagnosis: 0.5 fills the resume window with dropped sessions).
 
 --timeline adds, per minute, where the server's first audios waited (`streaming.stream.TIMELINE`: request,
 stream opened, text, units back from the text thread, slot, first prefill, first step, first chunk due, codec
@@ -59,6 +61,8 @@ class Tally:
     def __init__(self):
         self.served = self.aborted = self.slow = 0
         self.errors: Counter = Counter()
+        self.refusals: list[dict] = []  # the first few refusals: code, message, the server's counts just after
+        self.most_awaiting_resume = 0  # the most dropped sessions waiting for a resume at once (sampled each 1 s)
         self.first_audio_ms: list[float] = []
         self.utterances: list[dict] = []  # each served one: kind, sentence, first audio, when it was sent
 
@@ -76,7 +80,9 @@ class Tally:
         ttfa = np.asarray(self.first_audio_ms) if self.first_audio_ms else np.zeros(1)
         p50, p99 = float(np.percentile(ttfa, 50)), float(np.percentile(ttfa, 99))
         return {"served": self.served, "aborted": self.aborted, "slow_readers": self.slow,
-                "errors": dict(self.errors), "first_audio_ms_p50": round(p50, 1), "first_audio_ms_p99": round(p99, 1),
+                "errors": dict(self.errors), "refusals": self.refusals,
+                "most_awaiting_resume": self.most_awaiting_resume,
+                "first_audio_ms_p50": round(p50, 1), "first_audio_ms_p99": round(p99, 1),
                 "p99_over_p50": round(p99 / p50, 2) if p50 else None, "rss_mb": round(rss_mb, 1),
                 "p50_by_kind": {kind: round(float(np.median([u["first_audio_ms"] for u in self.utterances
                                                              if u["kind"] == kind])), 1)
@@ -95,6 +101,16 @@ def _describe(utterance: dict, sends: list[float]) -> dict:
             "ws_aborts_in_prior_4s": sum(sent - 4 <= t < sent for t in WS_ABORTS)}
 
 
+async def _refused(tally: Tally, code: str, message: str, base: str) -> None:
+    """Count an error; a refusal (the first five a minute) is kept with the message and the server's counts."""
+    tally.errors[code] += 1
+    if ("server_full" in code or "client_limit" in code) and len(tally.refusals) < 5:
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            health = (await http.get("/health")).json()
+        tally.refusals.append({"code": code, "message": message, "server_after": {
+            name: health.get(name) for name in ("connections", "clients", "awaiting_resume", "streams", "queued")}})
+
+
 async def _read_slowly(chunk_bytes: int) -> None:
     await asyncio.sleep(2 * chunk_bytes / BYTES_PER_S)  # half real time
 
@@ -102,6 +118,7 @@ async def _read_slowly(chunk_bytes: int) -> None:
 SENDS: list[float] = []  # when every utterance was sent
 STARTED: list[float] = []  # when the clock started (perf_counter: the server's clock too, CLOCK_MONOTONIC)
 WS_ABORTS: list[float] = []  # when each WebSocket abort happened
+BASE: list[str] = []  # the server's URL
 
 
 async def ws_utterance(url: str, text: str, abort: bool, slow: bool, tally: Tally) -> None:
@@ -128,7 +145,7 @@ async def ws_utterance(url: str, text: str, abort: bool, slow: bool, tally: Tall
                 continue
             event = json.loads(message)
             if event["type"] == "error":
-                tally.errors[event["code"]] += 1
+                await _refused(tally, event["code"], event["message"], BASE[0])
             elif event["type"] == "done":
                 if first is not None and not event["cancelled"]:
                     tally.add("ws", text, sent, first, event)
@@ -143,7 +160,8 @@ async def http_utterance(http: httpx.AsyncClient, text: str, abort: bool, slow: 
     body = {"model": "tts-1", "input": text, "voice": "alloy", "response_format": "pcm"}
     async with http.stream("POST", "/v1/audio/speech", json=body) as response:
         if response.status_code != 200:
-            tally.errors[f"http_{response.status_code}_{json.loads(await response.aread())['error']['code']}"] += 1
+            error = json.loads(await response.aread())["error"]
+            await _refused(tally, f"http_{response.status_code}_{error['code']}", error["message"], BASE[0])
             return
         first = None
         async for part in response.aiter_bytes():
@@ -158,12 +176,12 @@ async def http_utterance(http: httpx.AsyncClient, text: str, abort: bool, slow: 
 
 
 async def client(base: str, http: httpx.AsyncClient, index: int, until: float, minutes: list[Tally],
-                 started: float) -> None:
+                 started: float, abort_share: float) -> None:
     rng = random.Random(index)
     async with http:
         while time.monotonic() < until:
             tally = minutes[min(int((time.monotonic() - started) // 60), len(minutes) - 1)]
-            text, abort, slow = rng.choice(SENTENCES), rng.random() < ABORT, rng.random() < SLOW
+            text, abort, slow = rng.choice(SENTENCES), rng.random() < abort_share, rng.random() < SLOW
             tally.slow += slow
             try:
                 if rng.random() < 0.5:
@@ -185,7 +203,8 @@ async def warm_up(base: str, clients: int) -> float:
     return time.monotonic() - started
 
 
-async def soak(base: str, minutes: int, clients: int, server: psutil.Process) -> dict:
+async def soak(base: str, minutes: int, clients: int, server: psutil.Process, abort_share: float = ABORT) -> dict:
+    BASE.append(base)
     warm_up_s = await warm_up(base, clients)
     # Each client's HTTP client is made before the clock starts: making one blocks this process's event loop
     # ~25 ms (its TLS context), and 8 made at once held minute 1's first audios back 200-300 ms at the client
@@ -195,14 +214,16 @@ async def soak(base: str, minutes: int, clients: int, server: psutil.Process) ->
     STARTED.append(time.perf_counter())
     tallies = [Tally() for _ in range(minutes)]
     rss_start = server.memory_info().rss / 2**20
-    tasks = [asyncio.create_task(client(base, https[i], i, started + 60 * minutes, tallies, started))
+    tasks = [asyncio.create_task(client(base, https[i], i, started + 60 * minutes, tallies, started, abort_share))
              for i in range(clients)]
+    sampler = asyncio.create_task(_sample_awaiting_resume(base, tallies, started))
     reports = []
     for minute in range(minutes):
         await asyncio.sleep(max(0.0, started + 60 * (minute + 1) - time.monotonic()))
         reports.append(tallies[minute].report(server.memory_info().rss / 2**20, SENDS, await _engine_figures(base)))
         print(json.dumps({"minute": minute + 1, **reports[-1]}), file=sys.stderr, flush=True)
     await asyncio.gather(*tasks)
+    sampler.cancel()
     errors = sum((Counter(r["errors"]) for r in reports), Counter())
     rss = [r["rss_mb"] for r in reports]
     return {"minutes": reports, "clients": clients, "warm_up_s": round(warm_up_s, 1),
@@ -211,6 +232,18 @@ async def soak(base: str, minutes: int, clients: int, server: psutil.Process) ->
             "rss_mb_start": round(rss_start, 1), "rss_mb_end": rss[-1],
             "rss_growth_after_minute_1_mb": round(rss[-1] - rss[0], 1),
             "worst_p99_over_p50": max((r["p99_over_p50"] or 0) for r in reports)}
+
+
+async def _sample_awaiting_resume(base: str, minutes: list[Tally], started: float) -> None:
+    """Each second, the server's dropped sessions waiting for a resume (/health): the most, per minute. Each counts
+    as a connection until it expires (resume_window_s), against max_connections (and, before the fix of 2026-12-02,
+    against its client's caps too: the soak's rare 429 client_limit, 8 clients on one address with a cap of 16)."""
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        while True:
+            tally = minutes[min(int((time.monotonic() - started) // 60), len(minutes) - 1)]
+            waiting = (await http.get("/health")).json().get("awaiting_resume", 0)
+            tally.most_awaiting_resume = max(tally.most_awaiting_resume, waiting)
+            await asyncio.sleep(1.0)
 
 
 async def _engine_figures(base: str) -> dict:
@@ -330,6 +363,8 @@ def _wait_healthy(base: str, child: subprocess.Popen, seconds: float = 600) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=int, default=10)
+    parser.add_argument("--abort", type=float, default=ABORT,
+                        help=f"share of utterances aborted after their first audio (default {ABORT})")
     parser.add_argument("--tiny", action="store_true", help="the tiny random-weight engine, not the shipped voices")
     parser.add_argument("--trace-memory", action="store_true",
                         help="diagnosis: the server's Python allocations that grew, every minute on stderr (slower)")
@@ -351,7 +386,7 @@ def main() -> None:
                              + ["--trace-memory"] * args.trace_memory, env=env)
     try:
         slots = _wait_healthy(base, child)["slots"]
-        report = asyncio.run(soak(base, args.minutes, slots, psutil.Process(child.pid)))
+        report = asyncio.run(soak(base, args.minutes, slots, psutil.Process(child.pid), args.abort))
     finally:
         child.terminate()
         child.wait(timeout=30)
@@ -361,7 +396,8 @@ def main() -> None:
         os.unlink(timeline)
         for minute, figures in zip(report["minutes"], breakdown):
             minute["timeline"] = figures
-    report = {"engine": "tiny_random" if args.tiny else "shipped", "cpu_cores": os.cpu_count(), **report}
+    report = {"engine": "tiny_random" if args.tiny else "shipped", "cpu_cores": os.cpu_count(), "abort": args.abort,
+              **report}
     print(json.dumps(report, indent=2))
 
 

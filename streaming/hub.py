@@ -36,7 +36,7 @@ class Hub:
         self.resume_tokens: dict = {}  # resume token -> its session, or None once spent (resume_used)
         self.streams: set = set()  # engine streams open for clients, WebSocket and HTTP
         path = os.environ.get("TTS_TIMELINE_LOG")
-        self.timeline_log = None if not path else open(path, "a", buffering=1)
+        self.timeline_log = None if not path else TimelineLog(path)
 
     async def call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -87,21 +87,27 @@ class Hub:
     def close(self, ticket, stream) -> None:
         """End an opened stream (a no-op once it has finished; else its engine slot frees) and free its slot
         in admission."""
-        if stream in self.streams and self.timeline_log is not None:
-            self._log_timeline(stream)
-        stream.cancel()
-        self.streams.discard(stream)
-        ticket.release()
+        try:
+            if stream in self.streams and self.timeline_log is not None:
+                self._log_timeline(stream)
+        finally:  # a diagnosis that fails costs its line, never the slot
+            stream.cancel()
+            self.streams.discard(stream)
+            ticket.release()
+
+    def shutdown(self) -> None:
+        """The server has stopped: close the timeline log (a stream that ends later writes no line)."""
+        if self.timeline_log is not None:
+            self.timeline_log.close()
 
     def _log_timeline(self, stream) -> None:
-        """One JSON line per stream to TTS_TIMELINE_LOG (a diagnosis, off by default): its way to the first
-        audio (`Stream.timeline`) and the engine ticks from its first step to its first chunk."""
+        """One line per stream to TTS_TIMELINE_LOG: its way to the first audio (`Stream.timeline`) and the engine
+        ticks from its first step to its first chunk."""
         ticks = stream.ticks
-        line = {"at": stream.marks.get("request"), "timeline_ms": stream.timeline(),
-                "ticks_to_due": ticks["due"] - ticks["stepped"] if {"due", "stepped"} <= set(ticks) else None,
-                "finished": stream.finished and stream.error is None and not stream.cancelled}
-        self.timeline_log.write(json.dumps(line) + "\n")
-        self.timeline_log.flush()
+        self.timeline_log.write({"at": stream.marks.get("request"), "timeline_ms": stream.timeline(),
+                                 "ticks_to_due": ticks["due"] - ticks["stepped"] if {"due", "stepped"} <= set(ticks)
+                                 else None,
+                                 "finished": stream.finished and stream.error is None and not stream.cancelled})
 
     async def _open_stream(self, engine, ticket, voice, speed, seed):
         """The engine stream for a granted ticket; on any failure the ticket is released, but only once the
@@ -154,6 +160,28 @@ class Hub:
             if callable(stats := getattr(self._engine, "stats", None)):
                 figures["engine"] = stats()
         return figures
+
+
+class TimelineLog:
+    """TTS_TIMELINE_LOG (a diagnosis, off by default; `bench.soak --timeline`): one JSON line per stream, appended
+    whole (line buffered). Open while the server runs; after `close()` a line is dropped, not an error (a stream
+    may end after the server has stopped). Used from the event loop's thread alone."""
+
+    def __init__(self, path: str):
+        self._file = open(path, "a", buffering=1)
+
+    @property
+    def closed(self) -> bool:
+        return self._file is None
+
+    def write(self, line: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(line) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def _abandon(ticket, opening) -> None:

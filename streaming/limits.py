@@ -24,8 +24,8 @@ class Limits:
     send_buffer_bytes: int = _limit(65536, "kernel send buffer of each connection; audio beyond it waits in the engine")
     max_message_bytes: int = _limit(65536, "largest client message or request body")
     resume_window_s: float = _limit(30.0, "how long a WebSocket session whose connection dropped waits for its "
-                                    "client to resume it, holding its slots and its place in the connection "
-                                    "caps (0: no resume)")
+                                    "client to resume it, holding its streams and its place in max_connections "
+                                    "but not in its client's caps (0: no resume)")
     resume_buffer_bytes: int = _limit(1 << 20, "output of one context kept for a resume until the client "
                                       "acknowledges it")
 

@@ -5,6 +5,17 @@ in flight) is admitted or refused at once. A stream (one utterance, holding one 
 slot busy waits in a bounded FIFO queue, up to a deadline, instead of failing. Each client (its remote address,
 and its API key when keys are set) has its own caps on both, so one client cannot take everything.
 
+A WebSocket session whose connection dropped and that waits for a resume is set aside from its client's caps
+(`Place.set_aside`, `Ticket.set_aside`): it still counts against `max_connections` and holds its engine streams,
+but not against `max_connections_per_client` / `max_streams_per_client`, so a client that aborts and comes straight
+back is never refused because of its own dropped sessions. A client has at most `max_connections_per_client`
+sessions set aside: one more and its oldest expires at once. A resume puts a session back (past the caps if need
+be: it had its place). So one client holds at most `max_connections_per_client` connections it opened, as many
+waiting sessions, and those it resumed (each no more than it had).
+Example, caps 2: the client aborts sessions s1, s2, s3 in turn, reconnecting at once each time: each reconnection
+is served (its live count is 1); s3 set aside makes three waiting, so s1 expires (its token: resume_expired). Two
+live connections and a third: the third is refused (client_limit) as ever.
+
 Pure asyncio and no engine: the server asks `Admission` first, then opens the engine stream (whose own
 admission, streaming/admission.py, also serves callers outside the server, in threads). Here the waiting costs
 no thread, a WebSocket is told its place, a client that leaves leaves the queue, and caps count per client.
@@ -21,15 +32,53 @@ from streaming.protocol import ProtocolError
 
 
 class Ticket:
-    """An admitted stream's claim on one slot; `release()` (idempotent) hands it to the next in the queue."""
+    """An admitted stream's claim on one slot; `release()` (idempotent) hands it to the next in the queue.
+    `set_aside()` / `put_back()` (idempotent): while its session waits for a resume it keeps the slot but counts
+    against no client cap."""
 
     def __init__(self, admission: "Admission", clients: tuple):
-        self._admission, self._clients, self._held = admission, clients, True
+        self._admission, self._clients, self._held, self._aside = admission, clients, True, False
 
     def release(self) -> None:
         if self._held:
             self._held = False
-            self._admission._release(self._clients)
+            self._admission._release(self._clients, counted=not self._aside)
+
+    def set_aside(self) -> None:
+        if self._held and not self._aside:
+            self._aside = True
+            _uncount(self._admission._streams_of, self._clients)
+
+    def put_back(self) -> None:
+        if self._held and self._aside:
+            self._aside = False
+            self._admission._streams_of.update(self._clients)
+
+
+class Place:
+    """A connection's place in the connection caps, until `release()` (idempotent). `set_aside(expire)`: its
+    session waits for a resume (its clients' caps no longer count it; ``expire()`` ends the session early should
+    its client set aside too many); `put_back()`: resumed, it counts again."""
+
+    def __init__(self, admission: "Admission", clients: tuple):
+        self._admission, self.clients = admission, clients
+        self.held, self.aside = True, False
+        self.expire = None
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self._admission._disconnect(self)
+
+    def set_aside(self, expire) -> None:
+        if self.held and not self.aside:
+            self.aside, self.expire = True, expire
+            self._admission._set_aside(self)
+
+    def put_back(self) -> None:
+        if self.held and self.aside:
+            self.aside = False
+            self._admission._put_back(self)
 
 
 class _Waiter:
@@ -51,6 +100,7 @@ class Admission:
         self.active = 0  # streams holding a slot
         self._connections_of: Counter = Counter()
         self._streams_of: Counter = Counter()  # speaking or queued, per client
+        self._aside_of: dict[tuple, deque[Place]] = {}  # per client, its places set aside, oldest first
         self._queue: deque[_Waiter] = deque()
 
     @property
@@ -58,7 +108,7 @@ class Admission:
         return len(self._queue)
 
     # ---- connections ---------------------------------------------------------------------------------
-    def connect(self, clients: tuple) -> None:
+    def connect(self, clients: tuple) -> Place:
         """Count a connection against the server's and each client's cap, or raise server_full/client_limit."""
         if self.connections >= self.limits.max_connections:
             raise ProtocolError("server_full", f"the server has {self.limits.max_connections} connections; "
@@ -66,10 +116,42 @@ class Admission:
         self._check(clients, self._connections_of, self.limits.max_connections_per_client, "connections")
         self.connections += 1
         self._connections_of.update(clients)
+        return Place(self, clients)
 
     def disconnect(self, clients: tuple) -> None:
+        """The connection `connect(clients)` counted has ended (or release the Place it returned)."""
         self.connections -= 1
         _uncount(self._connections_of, clients)
+
+    def _disconnect(self, place: Place) -> None:
+        if place.aside:
+            self.connections -= 1
+            self._forget_aside(place)
+        else:
+            self.disconnect(place.clients)
+
+    def _set_aside(self, place: Place) -> None:
+        """Out of its clients' caps, into their waiting sessions; past max_connections_per_client of those, the
+        oldest expires (it stays set aside, so out of the caps, until its session has ended)."""
+        _uncount(self._connections_of, place.clients)
+        for client in place.clients:
+            waiting = self._aside_of.setdefault(client, deque())
+            waiting.append(place)
+            while len(waiting) > self.limits.max_connections_per_client:
+                oldest = waiting[0]
+                self._forget_aside(oldest)
+                oldest.expire()
+
+    def _put_back(self, place: Place) -> None:
+        self._forget_aside(place)
+        self._connections_of.update(place.clients)
+
+    def _forget_aside(self, place: Place) -> None:
+        for client in place.clients:
+            if place in (waiting := self._aside_of.get(client, ())):
+                waiting.remove(place)
+                if not waiting:
+                    del self._aside_of[client]
 
     # ---- streams -------------------------------------------------------------------------------------
     async def stream(self, clients: tuple, on_queued=None) -> Ticket:
@@ -126,9 +208,10 @@ class Admission:
         self.active += 1
         self._streams_of.update(clients)
 
-    def _release(self, clients: tuple) -> None:
+    def _release(self, clients: tuple, counted: bool = True) -> None:
         self.active -= 1
-        _uncount(self._streams_of, clients)
+        if counted:
+            _uncount(self._streams_of, clients)
         self._grant()
 
     def _leave_queue(self, waiter: _Waiter) -> None:

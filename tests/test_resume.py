@@ -5,102 +5,20 @@ never interrupted."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
-import time
-from collections import defaultdict
 
+import httpx2 as httpx
 import numpy as np
 import pytest
 import websockets
 
+from helpers import (SENTENCE, STARTS, Received, assert_same_output, cut_and_resume, open_contexts, send,
+                     uninterrupted, wait_until)
 from tts.client import ServerError, connect
-
-SENTENCE = "The quick brown fox jumps over the lazy dog. "
 
 
 def run(coro, timeout: float = 120):
     return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-async def send(ws, **message) -> None:
-    await ws.send(json.dumps(message))
-
-
-def wait_until(condition, seconds: float = 10) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return condition()
-
-
-class Received:
-    """What a client holds of one session, per context: audio bytes, and events (not queued or resumed)."""
-
-    def __init__(self):
-        self.audio: dict = defaultdict(bytearray)
-        self.events: dict = defaultdict(list)
-
-    def take(self, message) -> dict | None:
-        if isinstance(message, bytes):
-            self.audio[None] += message
-            return None
-        event = json.loads(message)
-        context = event.get("context_id")
-        if event["type"] == "audio":
-            self.audio[context] += base64.b64decode(event["audio"])
-        elif event["type"] not in ("queued", "resumed"):
-            self.events[context].append(event)
-        return event
-
-    def done(self, context=None) -> bool:
-        return any(e["type"] == "done" for e in self.events[context])
-
-    def position(self, context=None) -> dict:
-        where = {"bytes": len(self.audio[context]), "events": len(self.events[context])}
-        return where if context is None else {"context_id": context, **where}
-
-    def words(self, context=None) -> list:
-        return [w for e in self.events[context] if e["type"] == "timing" for w in e["words"]]
-
-    async def read(self, ws, until, timeout: float = 60) -> None:
-        async with asyncio.timeout(timeout):
-            while not until():
-                self.take(await ws.recv())
-
-
-STARTS = {None: {"format": "f32le", "seed": 11, "word_timings": True},
-          "b": {"format": "pcm_s16le", "seed": 22, "word_timings": True, "voice": "slt"}}
-
-
-async def open_contexts(ws, got: Received, sentences: int = 3) -> str:
-    """Start both contexts of STARTS with their text ended; returns the resume token of their ready."""
-    for context, start in STARTS.items():
-        await send(ws, type="start", **start, **({"context_id": context} if context else {}))
-    await got.read(ws, lambda: all(any(e["type"] == "ready" for e in got.events[c]) for c in STARTS))
-    for context in STARTS:
-        named = {"context_id": context} if context else {}
-        await send(ws, type="text", text=SENTENCE * sentences, **named)
-        await send(ws, type="end", **named)
-    return got.events[None][0]["resume_token"]
-
-
-async def uninterrupted(url: str, sentences: int = 3) -> Received:
-    got = Received()
-    async with websockets.connect(url) as ws:
-        await open_contexts(ws, got, sentences)
-        await got.read(ws, lambda: all(got.done(c) for c in STARTS))
-    return got
-
-
-def assert_same_output(resumed: Received, reference: Received) -> None:
-    for context in STARTS:
-        assert len(resumed.audio[context]) == len(reference.audio[context]) > 0, context
-        assert bytes(resumed.audio[context]) == bytes(reference.audio[context]), context
-        assert resumed.words(context) == reference.words(context) != [], context
-        kinds = [e["type"] for e in resumed.events[context]]
-        assert kinds.count("ready") == 1 and kinds.count("done") == 1 and kinds[-1] == "done", kinds
-        assert not resumed.events[context][-1]["cancelled"]
 
 
 @pytest.fixture
@@ -113,30 +31,12 @@ def test_an_aborted_connection_resumes_with_no_gap_and_no_duplicate(resume_serve
     transport abort, resumed on a new socket: each context's audio equals the uninterrupted stream's, bit for
     bit, and its events come once each."""
     server = resume_server
-
-    async def go():
-        reference = await uninterrupted(server.ws_url)
-        got = Received()
-        ws = await websockets.connect(server.ws_url)
-        token = await open_contexts(ws, got)
-        await got.read(ws, lambda: len(got.audio[None]) > 20_000 and len(got.audio["b"]) > 5_000)
-        await send(ws, type="ack", **got.position(None))
-        await send(ws, type="ack", **got.position("b"))
-        await got.read(ws, lambda: len(got.audio[None]) > 40_000)  # more, unacknowledged: the server replays it
-        ws.transport.abort()
-        held = await asyncio.to_thread(wait_until, lambda: server.hub.admission.connections == 1
-                                       and not any(s.link for s in server.hub.sessions))
-        async with websockets.connect(server.ws_url) as again:
-            await send(again, type="resume", token=token, contexts=[got.position(c) for c in STARTS])
-            resumed = json.loads(await again.recv())
-            await got.read(again, lambda: all(got.done(c) for c in STARTS))
-        return reference, got, resumed, held
-
-    reference, got, resumed, held = run(go())
-    assert held, "the dropped session was not kept"
-    assert resumed["type"] == "resumed" and resumed["resume_token"] != got.events[None][0]["resume_token"]
-    assert resumed["received"] == 6 and resumed["resume_window_s"] == 10  # 2 starts, 2 texts, 2 ends
-    assert_same_output(got, reference)
+    cut = run(cut_and_resume(server.ws_url, lambda: server.hub.admission.connections == 1
+                             and not any(s.link for s in server.hub.sessions)))
+    assert cut.held, "the dropped session was not kept"
+    assert cut.resumed["type"] == "resumed" and cut.resumed["resume_token"] != cut.token
+    assert cut.resumed["received"] == 6 and cut.resumed["resume_window_s"] == 10  # 2 starts, 2 texts, 2 ends
+    assert_same_output(cut.got, cut.reference)
     assert wait_until(lambda: server.hub.admission.connections == 0 and server.hub.admission.active == 0)
 
 
@@ -368,28 +268,34 @@ def test_the_client_reports_a_session_it_cannot_resume(make_server, tiny_engine)
     assert failure.value.code == "resume_expired"
 
 
-def test_a_resume_gets_past_the_connection_caps_its_waiting_session_fills(make_server, tiny_engine):
-    """One connection per client: the dropped session still counts, so another connection is refused
-    (client_limit) while a resume of that session is let in and completes the audio exactly."""
-    server = make_server(tiny_engine, resume_window_s=10, max_connections_per_client=1)
+@pytest.mark.parametrize("cap, other_gets", [("max_connections_per_client", "ready"),
+                                              ("max_connections", "server_full")])
+def test_a_resume_gets_past_the_connection_cap_while_another_connection_is_open(make_server, tiny_engine, cap,
+                                                                                  other_gets):
+    """One connection allowed, per client or in all. The dropped session is set aside from its client's cap, so
+    the client's next connection is served (its own dropped session never locks it out), but still counts in the
+    server's (server_full). Either way the resume, one connection over the cap, is let in and completes the audio
+    exactly."""
+    server = make_server(tiny_engine, resume_window_s=10, **{cap: 1})
 
     async def go():
         reference, _ = await client_audio(server.ws_url, SENTENCE * 2)
         await asyncio.to_thread(wait_until, lambda: server.hub.admission.connections == 0)
-        chunks = []
+        chunks, other = [], None
         async with connect(server.ws_url, backoff_s=0.05) as client:
             async for chunk in client.speak(SENTENCE * 2, seed=7):
                 chunks.append(chunk)
                 if len(chunks) == 2:
                     client.ws.transport.abort()
                     await asyncio.to_thread(wait_until, lambda: any(s.link is None for s in server.hub.sessions))
-                    async with websockets.connect(server.ws_url) as other:
-                        await send(other, type="start")
-                        refused = json.loads(await other.recv())
-            return reference, np.concatenate(chunks), client.reconnects, refused
+                    other = await websockets.connect(server.ws_url)  # open while the client resumes
+                    await send(other, type="start")
+                    answer = json.loads(await other.recv())
+        await other.close()
+        return reference, np.concatenate(chunks), client.reconnects, answer
 
-    reference, audio, reconnects, refused = run(go())
-    assert refused["code"] == "client_limit"
+    reference, audio, reconnects, answer = run(go())
+    assert answer["type" if other_gets == "ready" else "code"] == other_gets
     assert reconnects == 1 and audio.tobytes() == reference.tobytes()
 
 
@@ -403,3 +309,63 @@ def test_stopping_the_server_ends_the_sessions_waiting_for_a_resume(make_server,
     assert run(go()) and tiny_engine.active_streams >= 1
     server.stop()
     assert wait_until(lambda: tiny_engine.active_streams == 0 and not server.hub.sessions, 5)
+
+
+def test_a_client_that_aborts_and_reconnects_is_never_locked_out_by_its_waiting_sessions(make_server):
+    """The soak's rare HTTP 429 client_limit, made certain: caps of 2, one client aborting each utterance after its
+    first audio and coming straight back, faster than its dropped sessions expire. Each waiting session is set
+    aside from its client's caps, so every new WebSocket and speech request is served; the client keeps at most 2
+    waiting (its oldest expires early: resume_expired), the newest still resumes, and 3 live connections are
+    still one too many (client_limit)."""
+    from helpers import tiny_random
+    engine = tiny_random(max_streams=2, max_open=16)
+    server = make_server(engine, resume_window_s=30, max_connections_per_client=2, max_streams_per_client=2)
+    hub = server.hub
+
+    async def abort_after_first_audio() -> tuple[dict, str | None]:
+        ws = await websockets.connect(server.ws_url)
+        await send(ws, type="start", format="f32le", seed=3)
+        await send(ws, type="text", text=SENTENCE * 4)
+        await send(ws, type="end")
+        first = json.loads(await asyncio.wait_for(ws.recv(), 30))
+        if first["type"] == "ready":
+            assert isinstance(await asyncio.wait_for(ws.recv(), 30), bytes)
+        ws.transport.abort()
+        return first, first.get("resume_token")
+
+    async def go():
+        answers, tokens = [], []
+        for _ in range(5):
+            first, token = await abort_after_first_audio()
+            answers.append(first["type"] if first["type"] == "ready" else first["code"])
+            tokens.append(token)
+        assert answers == ["ready"] * 5, answers  # each reconnection served
+        waiting = await asyncio.to_thread(wait_until, lambda: hub.stats()["awaiting_resume"] == 2
+                                          and len(hub.sessions) == 2)
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            speech = await http.post("/v1/audio/speech", json={"input": "Still here.", "response_format": "pcm"})
+        oldest = await resume(server.ws_url, tokens[0], {"bytes": 0, "events": 0})
+        async with websockets.connect(server.ws_url) as a, websockets.connect(server.ws_url) as b:
+            async with websockets.connect(server.ws_url) as third:
+                await send(third, type="start")
+                excess = json.loads(await asyncio.wait_for(third.recv(), 10))
+            newest = Received()
+            await send(a, type="resume", token=tokens[-1], contexts=[{"bytes": 0, "events": 0}])
+            await newest.read(a, newest.done)
+            await send(b, type="start")
+            b_ready = json.loads(await asyncio.wait_for(b.recv(), 10))
+        return waiting, speech, oldest, excess, newest, b_ready
+
+    waiting, speech, oldest, excess, newest, b_ready = run(go())
+    assert waiting, "the client's waiting sessions were not bounded at its cap"
+    assert speech.status_code == 200 and len(speech.content) > 0
+    assert oldest["code"] == "resume_expired"
+    assert excess["code"] == "client_limit"
+    assert newest.done() and not newest.events[None][-1]["cancelled"] and len(newest.audio[None]) > 0
+    assert b_ready["type"] == "ready"
+    # all that is left: the 4th session, still waiting (set aside: its client's own counts are back to none)
+    assert wait_until(lambda: hub.admission.stats() == {"connections": 1, "streams": 1, "queued": 0, "clients": 0}
+                      and len(hub.sessions) == 1)
+    server.stop()
+    assert wait_until(lambda: engine.active_streams == 0 and hub.admission.connections == 0)
+    engine.close()

@@ -1244,3 +1244,77 @@ def test_timeline_log_marks_each_stage_on_the_way_to_the_first_audio(tiny_engine
     for stage, befores in after.items():
         assert all(marks[stage] >= marks[before] for before in befores), (stage, marks)
     assert line["finished"] and line["ticks_to_due"] >= tiny_engine.cfg.codebooks
+
+
+def test_the_timeline_log_is_closed_when_the_server_stops(tiny_engine, make_server, tmp_path, monkeypatch):
+    """TTS_TIMELINE_LOG is open only while the server runs: stopped, the process holds no descriptor on it, its
+    lines are whole, and a stream that ends after the stop writes nothing and still frees its slot."""
+    import os
+    log = tmp_path / "timeline.jsonl"
+    monkeypatch.setenv("TTS_TIMELINE_LOG", str(log))
+    server = make_server(tiny_engine)
+    hub = server.hub
+
+    def open_on_log() -> int:
+        fds = os.listdir("/proc/self/fd")
+        return sum(os.path.realpath(f"/proc/self/fd/{fd}") == str(log.resolve()) for fd in fds
+                   if os.path.exists(f"/proc/self/fd/{fd}"))
+
+    async def go():
+        async with websockets.connect(server.ws_url) as ws:
+            return await utterance(ws, SENTENCE)
+
+    run(go())
+    assert wait_until(lambda: log.read_text().endswith("\n"))
+    while_serving = open_on_log()
+    server.stop()
+    stream = tiny_engine.open(seed=1)  # a stream ending after the stop (as an HTTP request cancelled at shutdown)
+    ticket = run(hub.admission.stream((("addr", "late"),)))
+    hub.streams.add(stream)
+    hub.close(ticket, stream)
+    assert while_serving == 1 and open_on_log() == 0 and hub.timeline_log.closed
+    assert [json.loads(line)["finished"] for line in log.read_text().splitlines()] == [True]
+    assert hub.admission.active == 0 and not hub.streams
+    assert wait_until(lambda: tiny_engine.active_streams == 0)
+
+
+def test_admission_sets_a_waiting_session_aside_from_its_clients_caps():
+    """The rule of streaming/server_admission.py, per identity (address and API key), caps of 2: places and slots
+    set aside (sessions waiting for a resume) count against no client cap but still against max_connections;
+    a client keeps 2 set aside, the third makes its oldest expire; put back, a place counts again even past the
+    cap; a real excess is client_limit; released, every count is back to zero."""
+    from streaming.limits import Limits
+    from streaming.protocol import ProtocolError
+    from streaming.server_admission import Admission
+    admission = Admission(Limits(max_connections=8, max_connections_per_client=2, max_streams_per_client=2), slots=8)
+    me, expired = (("addr", "10.0.0.1"), ("key", "k1")), []
+
+    async def go():
+        places, tickets = [], []
+        for i in range(3):  # three sessions dropped in turn, the client back at once each time
+            place = admission.connect(me)
+            ticket = await admission.stream(me)
+            place.set_aside(lambda i=i: expired.append(i))
+            ticket.set_aside()
+            places.append(place)
+            tickets.append(ticket)
+        live = [admission.connect(me), admission.connect(me)]
+        live_tickets = [await admission.stream(me), await admission.stream(me)]
+        with pytest.raises(ProtocolError) as connection:
+            admission.connect(me)
+        with pytest.raises(ProtocolError) as utterance_:
+            await admission.stream(me)
+        refusals = [connection.value.code, utterance_.value.code]
+        others = admission.connect((("addr", "10.0.0.2"),))  # another client: its own caps
+        places[2].put_back()  # resumed: counts again, past the cap
+        tickets[2].put_back()
+        counted = admission.stats()
+        for item in places + live + [others] + tickets + live_tickets:
+            item.release()
+        return refusals, counted
+
+    refusals, counted = run(go())
+    assert expired == [0]  # the third set aside made the oldest expire
+    assert refusals == ["client_limit", "client_limit"]
+    assert counted["connections"] == 6 and counted["streams"] == 5
+    assert admission.stats() == {"connections": 0, "streams": 0, "queued": 0, "clients": 0}

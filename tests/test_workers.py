@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import websockets
 
-from test_resume import STARTS, Received, assert_same_output, open_contexts, run, send, uninterrupted, wait_until
+from helpers import STARTS, Received, assert_same_output, cut_and_resume, open_contexts, send, uninterrupted, wait_until
 
 TESTS = Path(__file__).resolve().parent
 # The real `serve(workers=2)`, with each worker's engine the tiny one (a picklable factory the workers call)
@@ -71,6 +71,10 @@ class Pool:
                 self.process.kill()
 
 
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
 def gone(pids: list[int]) -> bool:
     def alive(pid):
         try:
@@ -102,32 +106,14 @@ def test_a_resume_landing_on_the_other_worker_is_relayed_with_no_gap_and_no_dupl
     """A session on worker 0, cut by a transport abort after part of its audio was acknowledged, resumed on
     worker 1's address: worker 1 relays it to worker 0, and the audio equals the uninterrupted stream's."""
     owner, other = (pool.ws_url(port) for port in pool.peers)
-
-    async def go():
-        reference = await uninterrupted(owner)
-        got = Received()
-        ws = await websockets.connect(owner)
-        token = await open_contexts(ws, got)
-        await got.read(ws, lambda: len(got.audio[None]) > 20_000 and len(got.audio["b"]) > 5_000)
-        await send(ws, type="ack", **got.position(None))
-        await send(ws, type="ack", **got.position("b"))
-        await got.read(ws, lambda: len(got.audio[None]) > 40_000)  # more, unacknowledged: the owner replays it
-        ws.transport.abort()
-        held = await asyncio.to_thread(wait_until, lambda: pool.health(pool.peers[0])[0]["awaiting_resume"] == 1)
-        async with websockets.connect(other) as again:
-            await send(again, type="resume", token=token, contexts=[got.position(c) for c in STARTS])
-            resumed = json.loads(await again.recv())
-            relaying = pool.health(pool.peers[1])[0]
-            await got.read(again, lambda: all(got.done(c) for c in STARTS))
-        return reference, got, token, resumed, held, relaying
-
-    reference, got, token, resumed, held, relaying = run(go())
-    assert held, "the owner did not hold the dropped session"
-    assert token.startswith("0.") and len(token) == 24  # worker 0's index, then 128 random bits
-    assert resumed["type"] == "resumed" and resumed["resume_token"].startswith("0.")
-    assert resumed["received"] == 6
-    assert relaying["connections"] == 0 and relaying["streams"] == 0  # the relay holds no place on its worker
-    assert_same_output(got, reference)
+    cut = run(cut_and_resume(owner, lambda: pool.health(pool.peers[0])[0]["awaiting_resume"] == 1, resume_url=other,
+                             watch=lambda: pool.health(pool.peers[1])[0]))
+    assert cut.held, "the owner did not hold the dropped session"
+    assert cut.token.startswith("0.") and len(cut.token) == 24  # worker 0's index, then 128 random bits
+    assert cut.resumed["type"] == "resumed" and cut.resumed["resume_token"].startswith("0.")
+    assert cut.resumed["received"] == 6
+    assert cut.watched["connections"] == 0 and cut.watched["streams"] == 0  # the relay holds no place on its worker
+    assert_same_output(cut.got, cut.reference)
     assert wait_until(lambda: pool.health(pool.peers[0])[0]["connections"] == 0)
 
 
