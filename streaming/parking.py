@@ -102,12 +102,10 @@ class RowLayout:
 
     def flatten(self, rows: dict[str, torch.Tensor], pin: bool = False) -> torch.Tensor:
         """Named (1, ...) rows (a parked state from disk or another engine) packed into one (row_bytes,) row
-        (in pinned memory with ``pin``: its copy to the GPU is then asynchronous). A row the state lacks (made
-        before that row existed, e.g. ``flushed``) stays zero, its value in a fresh slot."""
+        (in pinned memory with ``pin``: its copy to the GPU is then asynchronous)."""
         flat = torch.zeros(self.row_bytes, dtype=torch.uint8, pin_memory=pin)
         for name, view in self.views(flat).items():
-            if name in rows:
-                view.copy_(rows[name])
+            view.copy_(rows[name])
         return flat
 
     @staticmethod
