@@ -6,6 +6,7 @@ sent whole. One JSON object.
     python -m bench.incremental --server            # through the real server on loopback, a WebSocket client
     python -m bench.incremental --units             # no model: units word by word against whole sentences
     python -m bench.incremental --simulate          # no timing noise: the engine's rules on a virtual clock
+    python -m bench.incremental --stretch 1         # without elastic pacing (`Slots.pace`; also --simulate)
     python -m bench.incremental --pauses            # no text timing: silence a <break> gives, per length
     python -m bench.incremental --quick             # 8 sentences, 10 words/s, no DNSMOS
     python -m bench.incremental --no-hold           # streams without the start hold (a request's hold: false)
@@ -40,6 +41,8 @@ import soxr
 
 from bench.common import harvard, percentiles
 from tts import SAMPLE_RATE
+from streaming.slots import PACE_STRETCH
+from streaming.textstream import engine_lookahead
 from tts.asr import transcribe, wer
 
 STALL_S = 0.02
@@ -58,7 +61,6 @@ class TextClock:
     lookahead asks for a few units more (about 14), so ``engine_ms`` includes any wait for those."""
 
     def __init__(self, engine):
-        from streaming.textstream import engine_lookahead
         self.needed = engine_lookahead(engine.cfg, engine.speculative)[0]
         self.units: dict = {}
         self.ready_at: float | None = None
@@ -86,6 +88,8 @@ def speak_engine(engine, sentence: str, rate: float | None, lookahead, seed: int
     stream = engine.open(seed=seed, lookahead_words=lookahead)
     if not hold:
         stream.text.hold_off()
+    if engine.slots.stretch_max != PACE_STRETCH:  # --stretch: the hold counts with the engine's
+        stream.text.set_engine_lookahead(*engine_lookahead(engine.cfg, engine.speculative), engine.slots.stretch_max)
     pieces = words_of(sentence) if rate else [sentence]
     started = time.perf_counter()
 
@@ -230,7 +234,7 @@ def units_report(sentences: list[str], lookaheads: list, rates: list[float]) -> 
     step are there (the first step reads `ahead` units past the first, encoded speculatively: ahead + 1 units,
     `engine_lookahead`)."""
     from rapidfuzz.distance import Levenshtein
-    from streaming.textstream import TextStream, engine_lookahead
+    from streaming.textstream import TextStream
     from tts.model import MODEL_PRESETS
     from tts.text import SYMBOLS, text_to_sentences
     cfg = MODEL_PRESETS["shipped"]
@@ -347,12 +351,13 @@ def simulate_report(sentences: list[str], rates: list, hold: bool = True, specul
     stalls as the timed run reports them, and ``stall_free_start_ms``: the earliest start of the player that
     never runs dry. Rules: units are encoded as they arrive (``speculative``, `Engine._prefill`; else once
     ``text_lookahead`` more arrived, all once the text ended), a step at unit p needs units to p + ahead encoded
-    (`Slots.plan`), each unit's frames are its final ones (a speculative unit's may differ a little), frame f completes at step f + K - 1, chunks
+    (`Slots.plan`), each unit's frames are its final ones (a speculative unit's may differ a little) at elastic pacing's
+    factor (`Slots.pace`, up to ``stretch``; 1: none), frame f completes at step f + K - 1, chunks
     go out by `CHUNK_SCHEDULE`. On the idle machine (last session, 20 sentences, this front end then) it gave
     5 / 10 / 20 words/s and 1.2x: 460 / 260 / 160 / 587 ms p50 and 34.6 / 8.4 / 0 / 44.2 stalls a minute,
     against 451 / 254 / 145 / 581 ms and 37.0 / 9.6 / 0 / 44.2 measured."""
-    from streaming.slots import CHUNK_SCHEDULE, PACE_STRETCH
-    from streaming.textstream import TextStream, engine_lookahead
+    from streaming.slots import CHUNK_SCHEDULE
+    from streaming.textstream import TextStream
     from tts.voices import load_shipped
     stretch = PACE_STRETCH if stretch is None else stretch
     model, _, presets = load_shipped()
@@ -684,6 +689,8 @@ def main() -> None:
     from tts.api import get_engine
     engine = get_engine(compile=True)  # as `tts serve` runs it
     engine.speculative = not args.no_speculative
+    if args.stretch is not None:
+        engine.slots.stretch_max = args.stretch
     if args.pauses:
         print(json.dumps(pauses_report(engine, [250, 500, 1000, 2000]), indent=1))
         return
@@ -705,7 +712,8 @@ def main() -> None:
     score = Scorer(not args.no_dnsmos)
     clock = TextClock(engine)
     report = {"sentences": "harvard", "path": "server" if args.server else "engine", "hold": not args.no_hold,
-              "speculative": engine.speculative, "load_avg_1min_start": round(os.getloadavg()[0], 2)}
+              "speculative": engine.speculative, "stretch": engine.slots.stretch_max,
+              "load_avg_1min_start": round(os.getloadavg()[0], 2)}
     if args.server:
         from server import ServerThread
         with ServerThread(engine) as server:
