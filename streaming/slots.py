@@ -59,8 +59,8 @@ fresh stream starts at PACE_STRETCH and a closed or ended text sets to 1 for goo
 encoded are predicted at the voice's rate divided by it; started units keep theirs (Speculative units), and a
 speculative unit re-encoded later gets the factor of then. Example, 1.2 from lead 24 to 60: a first prefill
 with 10 units received (lead 10) -> 1.2: a unit of 3.0 frames is given round(3.6) = 4; with lead 42 later ->
-1.1; with lead 30 after that -> still 1.1 (it never grows back); text ended -> 1.0. Whole text (closed at its
-first prefill) is divided by exactly 1.0: the same durations, bit for bit.
+1.1; with lead 30 after that -> still 1.1 (it never grows back); text ended -> 1.0. Text in one piece so far
+(`TextStream.in_pieces`: whole text) is divided by exactly 1.0: the same durations, bit for bit.
 
 **Chunk schedule.** Completed frames wait in ``pending`` until a chunk is due: ``schedule[slot, chunks]``
 frames (the last entry repeats), or whatever is left when the utterance is done. Chunk sizes never depend on
@@ -164,9 +164,9 @@ class Slots:
         """Elastic pacing's factor (M,) for the units the slots ``rows`` (M,) encode now, given their ``lead``
         (M,) (units received minus the aligned unit), whether their text is open (M,) bool and came in more than
         one piece so far (M,) bool (module docstring, Elastic pacing): the durations are predicted at the rate
-        divided by it. Example (1.2 from lead 24 to 60), leads [10, 42, 70, 5] of open texts in pieces with factors 1.2 before ->
-        [1.2, 1.1, 1.0, 1.0 if the 4th text came in one piece (its factor stays 1.2)]; a closed text -> 1.0, and
-        its slot's factor becomes 1."""
+        divided by it. Example (1.2 from lead 24 to 60), leads [10, 42, 70, 5] of open texts, factors 1.2 before,
+        the 4th text in one piece so far -> [1.2, 1.1, 1.0, 1.0] (the 4th slot's factor stays 1.2); a closed text
+        -> 1.0, and its slot's factor becomes 1."""
         stretch = self.stretch[rows]
         paced = torch.minimum(stretch, pace_factor(lead, self.stretch_max))
         self.stretch[rows] = torch.where(open_text, torch.where(in_pieces, paced, stretch), 1.0)
