@@ -41,7 +41,6 @@ import soxr
 
 from bench.common import harvard, percentiles
 from tts import SAMPLE_RATE
-from streaming.slots import PACE_STRETCH
 from streaming.textstream import engine_lookahead
 from tts.asr import transcribe, wer
 
@@ -88,8 +87,6 @@ def speak_engine(engine, sentence: str, rate: float | None, lookahead, seed: int
     stream = engine.open(seed=seed, lookahead_words=lookahead)
     if not hold:
         stream.text.hold_off()
-    if engine.slots.stretch_max != PACE_STRETCH:  # --stretch: the hold counts with the engine's
-        stream.text.set_engine_lookahead(*engine_lookahead(engine.cfg, engine.speculative), engine.slots.stretch_max)
     pieces = words_of(sentence) if rate else [sentence]
     started = time.perf_counter()
 
@@ -356,7 +353,7 @@ def simulate_report(sentences: list[str], rates: list, hold: bool = True, specul
     go out by `CHUNK_SCHEDULE`. On the idle machine (last session, 20 sentences, this front end then) it gave
     5 / 10 / 20 words/s and 1.2x: 460 / 260 / 160 / 587 ms p50 and 34.6 / 8.4 / 0 / 44.2 stalls a minute,
     against 451 / 254 / 145 / 581 ms and 37.0 / 9.6 / 0 / 44.2 measured."""
-    from streaming.slots import CHUNK_SCHEDULE
+    from streaming.slots import CHUNK_SCHEDULE, PACE_STRETCH
     from streaming.textstream import TextStream
     from tts.voices import load_shipped
     stretch = PACE_STRETCH if stretch is None else stretch

@@ -53,7 +53,7 @@ from streaming.decode import TEXT_RING, StepCaches, TickGraph, decode_step
 from streaming.figures import Recent
 from streaming.parking import Parked, ParkingConfig, ParkingStore, RowLayout, pack, unpack
 from streaming.sampling import sample
-from streaming.slots import CHUNK_SCHEDULE, META, Slots
+from streaming.slots import CHUNK_SCHEDULE, META, PACE_STRETCH, Slots
 from streaming.stream import MOVING, Stream
 from streaming.text_worker import TextWorker
 from streaming.textstream import engine_lookahead
@@ -269,8 +269,8 @@ class Engine:
                 seed = int(torch.randint(0, 2**62, (), generator=self.seeds))
         stream = Stream(self, preset["name"], float(speed), self.max_chars, seed % 2**63, lookahead_words)
         stream.decode_alone = seeded  # bit-identical audio whatever else runs (see CodecWorker.decode)
-        if not self.speculative:  # the start hold waits for the text encoder's right context too
-            stream.text.set_engine_lookahead(*engine_lookahead(self.cfg, speculative=False))
+        if not self.speculative or self.slots.stretch_max != PACE_STRETCH:  # the start hold counts as the engine
+            stream.text.set_engine_lookahead(*engine_lookahead(self.cfg, self.speculative), self.slots.stretch_max)
         try:
             self.admission.admit(stream, wait_s, lambda s: self._inbox.append(("start", s, preset)))
         except Full as err:
@@ -1027,7 +1027,8 @@ class Engine:
         offset 6 and count 16 pick 33..48, all confirmed. Speculative: 41 units received, 33 confirmed, 39 encoded:
         units 33..40 are encoded from units 27..40 (padded after 40), offset 6, count 8, of which 33 and 34 (final:
         35 = 41 - 6) are confirmed and reported to the stream's timings; 35..40 stay speculative."""
-        units, rows, offsets, counts, firsts, settles, voices, rates, leads, opens, pieces = self._prefill_windows(chosen)
+        units, rows, offsets, counts, firsts, settles, voices, rates, leads, opens, pieces = self._prefill_windows(
+            chosen)
         upload = self._upload
         rows_d, counts_d, first_d = upload(rows), upload(counts), upload(firsts)
         paced = self.slots.pace(rows_d, upload(leads), upload(opens, torch.bool), upload(pieces, torch.bool))

@@ -294,8 +294,8 @@ class TextStream:
         chunk before a player that starts at the first one (START_LATENCY_S after ``at``, default now) reaches
         it. The text to come: what came but waits unread (a word waiting for the next one) with the next piece,
         and k pieces of the mean size less PIECE_SPREAD * sqrt(k) of one (sizes vary; their sum varies less;
-        SLOW_SPREAD for text under SLOW_PACE times speech), each counted PIECE_DELAY_S late. A chunk ending at frame E goes out once step E + 6 ran, whose unit needs
-        ENGINE_UNITS - 1 after it: ``(E + 6) * 0.39 / stretch + 5`` units (SPEECH_UNITS_PER_S * FAST_START, 19.5 a
+        SLOW_SPREAD for text under SLOW_PACE times speech), each counted PIECE_DELAY_S late. A chunk ending at
+        frame E goes out once step E + 6 ran, whose unit needs ENGINE_UNITS - 1 after it: ``(E + 6) * 0.39 / stretch + 5`` units (SPEECH_UNITS_PER_S * FAST_START, 19.5 a
         second, slowed by the engine's elastic pacing, `streaming.slots.Slots.pace`, which eases off as the
         predicted lead grows: ``stretch``); it
         is due when the player reaches its first frame. Example, 10 words/s ("The ", "birch ", "canoe ": 6.5
@@ -329,7 +329,8 @@ class TextStream:
         """Units the engine needs to hand out a chunk ending at frame ``end`` while it speaks at the start's
         pace (`_may_start`). Example, the shipped shapes (5 units, 7 delay frames), stretch 1.2: end 2 ->
         (2 + 6) * 0.348 / 1.2 + 5 = 7.3."""
-        return (end + self._delay_frames - 1) * SPEECH_UNITS_PER_S * FAST_START * FRAME_S / self._stretch + self._engine_units
+        per_frame = SPEECH_UNITS_PER_S * FAST_START * FRAME_S / self._stretch
+        return (end + self._delay_frames - 1) * per_frame + self._engine_units
 
     def _first_chunk_units(self) -> float:
         return self._units_for(CHUNK_SCHEDULE[0])
