@@ -290,21 +290,20 @@ class TextStream:
         return (self._pushes[1] - self._pushes[0]) / (self._pieces - 1)
 
     def _may_start(self, units: int, at: float | None = None) -> bool:
-        """Whether the engine, given ``units`` now and the rest at the text's pace so far, would hand out every
-        chunk before a player that starts at the first one (START_LATENCY_S after ``at``, default now) reaches
-        it. The text to come: what came but waits unread (a word waiting for the next one) with the next piece,
-        and k pieces of the mean size less PIECE_SPREAD * sqrt(k) of one (sizes vary; their sum varies less;
-        SLOW_SPREAD for text under SLOW_PACE times speech), each counted PIECE_DELAY_S late. A chunk ending at
-        frame E goes out once step E + 6 ran, whose unit needs ENGINE_UNITS - 1 after it: ``(E + 6) * 0.39 / stretch + 5`` units (SPEECH_UNITS_PER_S * FAST_START, 19.5 a
-        second, slowed by the engine's elastic pacing, `streaming.slots.Slots.pace`, which eases off as the
-        predicted lead grows: ``stretch``); it
-        is due when the player reaches its first frame. Example, 10 words/s ("The ", "birch ", "canoe ": 6.5
-        units a piece every 100 ms), stretch 1.2: after "birch " (0.1 s) 11 units wait; the first chunk needs
-        8 * 0.325 + 5 = 7.6, the 3rd (frames 6-13, due 0.12 s after the first, 0.19 s after "birch ") 20 * 0.325
-        + 5 = 11.5, and "canoe " counts by then as 6.5 * (1 - 0.6) = 2.6: 13.6; each later one needs 5.2 more per
-        16 frames while 6.5 come every 5: the check passes at once. Text in one piece so far (no pace known: a
-        text sent whole, or a client's first batch of words) starts once the units of the first NO_PACE_FRAMES
-        frames are there (11.5)."""
+        """Whether the engine, given ``units`` now and the rest at the text's pace so far, would hand out every chunk
+        before a player that starts at the first one (START_LATENCY_S after ``at``, default now) reaches it. The
+        text to come: what came but waits unread (a word waiting for the next one) with the next piece, and k pieces
+        of the mean size less PIECE_SPREAD * sqrt(k) of one (sizes vary; their sum varies less; SLOW_SPREAD for text
+        under SLOW_PACE times speech), each counted PIECE_DELAY_S late. A chunk ending at frame E goes out once step
+        E + 6 ran, whose unit needs ENGINE_UNITS - 1 after it: ``(E + 6) * 0.39 / stretch + 5`` units
+        (SPEECH_UNITS_PER_S * FAST_START, 19.5 a second, slowed by the engine's elastic pacing,
+        `streaming.slots.Slots.pace`, which eases off as the predicted lead grows: ``stretch``); it is due when the
+        player reaches its first frame. Example, 10 words/s ("The ", "birch ", "canoe ": 6.5 units a piece every 100
+        ms), stretch 1.2: after "birch " (0.1 s) 11 units wait; the first chunk needs 8 * 0.325 + 5 = 7.6, the 3rd
+        (frames 6-13, due 0.12 s after the first, 0.19 s after "birch ") 20 * 0.325 + 5 = 11.5, and "canoe " counts
+        by then as 6.5 * (1 - 0.6) = 2.6: 13.6; each later one needs 5.2 more per 16 frames while 6.5 come every 5:
+        the check passes at once. Text in one piece so far (no pace known: a text sent whole, or a client's first
+        batch of words) starts once the units of the first NO_PACE_FRAMES frames are there (11.5)."""
         if len(self._pushes) < 2 or self._pushes[1] <= self._pushes[0]:  # no pace known: the first chunk's units
             return units >= self._units_for(NO_PACE_FRAMES)
         last, every = self._pushes[1], self._every()
