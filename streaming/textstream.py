@@ -303,7 +303,8 @@ class TextStream:
         (frames 6-13, due 0.12 s after the first, 0.19 s after "birch ") 20 * 0.325 + 5 = 11.5, and "canoe " counts
         by then as 6.5 * (1 - 0.6) = 2.6: 13.6; each later one needs 5.2 more per 16 frames while 6.5 come every 5:
         the check passes at once. Text in one piece so far (no pace known: a text sent whole, or a client's first
-        batch of words) starts once the units of the first NO_PACE_FRAMES frames are there (11.5)."""
+        batch of words) starts once the units of the first NO_PACE_FRAMES frames are there (20 * 0.29 + 5 = 10.8,
+        counted at SPEECH_UNITS_PER_S)."""
         if len(self._pushes) < 2 or self._pushes[1] <= self._pushes[0]:  # no pace known: the first chunk's units
             return units >= self._units_for(NO_PACE_FRAMES)
         last, every = self._pushes[1], self._every()
@@ -328,8 +329,7 @@ class TextStream:
         """Units the engine needs to hand out a chunk ending at frame ``end`` while it speaks at the start's
         pace (`_may_start`). Example, the shipped shapes (5 units, 7 delay frames), stretch 1.2: end 2 ->
         (2 + 6) * 0.348 / 1.2 + 5 = 7.3."""
-        per_frame = SPEECH_UNITS_PER_S * FAST_START * FRAME_S / self._stretch
-        return (end + self._delay_frames - 1) * per_frame + self._engine_units
+        return (end + self._delay_frames - 1) * SPEECH_UNITS_PER_S * FRAME_S / self._stretch + self._engine_units
 
     def _first_chunk_units(self) -> float:
         return self._units_for(CHUNK_SCHEDULE[0])
