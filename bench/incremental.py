@@ -6,6 +6,7 @@ sent whole. One JSON object.
     python -m bench.incremental --server            # through the real server on loopback, a WebSocket client
     python -m bench.incremental --units             # no model: units word by word against whole sentences
     python -m bench.incremental --simulate          # no timing noise: the engine's rules on a virtual clock
+    python -m bench.incremental --stretch 1         # without elastic pacing (`Slots.pace`; also --simulate)
     python -m bench.incremental --pauses            # no text timing: silence a <break> gives, per length
     python -m bench.incremental --quick             # 8 sentences, 10 words/s, no DNSMOS
     python -m bench.incremental --no-hold           # streams without the start hold (a request's hold: false)
@@ -40,6 +41,7 @@ import soxr
 
 from bench.common import harvard, percentiles
 from tts import SAMPLE_RATE
+from streaming.textstream import engine_lookahead
 from tts.asr import transcribe, wer
 
 STALL_S = 0.02
@@ -58,7 +60,6 @@ class TextClock:
     lookahead asks for a few units more (about 14), so ``engine_ms`` includes any wait for those."""
 
     def __init__(self, engine):
-        from streaming.textstream import engine_lookahead
         self.needed = engine_lookahead(engine.cfg, engine.speculative)[0]
         self.units: dict = {}
         self.ready_at: float | None = None
@@ -230,7 +231,7 @@ def units_report(sentences: list[str], lookaheads: list, rates: list[float]) -> 
     step are there (the first step reads `ahead` units past the first, encoded speculatively: ahead + 1 units,
     `engine_lookahead`)."""
     from rapidfuzz.distance import Levenshtein
-    from streaming.textstream import TextStream, engine_lookahead
+    from streaming.textstream import TextStream
     from tts.model import MODEL_PRESETS
     from tts.text import SYMBOLS, text_to_sentences
     cfg = MODEL_PRESETS["shipped"]
@@ -338,7 +339,8 @@ def _burst_engine(n: int, shipped: bool):
     return Engine(model, codec, presets, max_streams=n, step_factory=kernels.default_step_factory("cpu", True))
 
 
-def simulate_report(sentences: list[str], rates: list, hold: bool = True, speculative: bool = True) -> dict:
+def simulate_report(sentences: list[str], rates: list, hold: bool = True, speculative: bool = True,
+                    stretch: float | None = None) -> dict:
     """Without timing noise: the text front end driven on a virtual clock (word i at i / rate, `end` after the
     last) and the engine's rules for when it may step, each unit's frames from the shipped model's durations
     (default voice), fixed costs for the work (SIM_COSTS_S: a first prefill, an AR step, a codec call; about
@@ -346,13 +348,15 @@ def simulate_report(sentences: list[str], rates: list, hold: bool = True, specul
     stalls as the timed run reports them, and ``stall_free_start_ms``: the earliest start of the player that
     never runs dry. Rules: units are encoded as they arrive (``speculative``, `Engine._prefill`; else once
     ``text_lookahead`` more arrived, all once the text ended), a step at unit p needs units to p + ahead encoded
-    (`Slots.plan`), each unit's frames are its final ones (a speculative unit's may differ a little), frame f completes at step f + K - 1, chunks
+    (`Slots.plan`), each unit's frames are its final ones (a speculative unit's may differ a little) at elastic pacing's
+    factor (`Slots.pace`, up to ``stretch``; 1: none), frame f completes at step f + K - 1, chunks
     go out by `CHUNK_SCHEDULE`. On the idle machine (last session, 20 sentences, this front end then) it gave
     5 / 10 / 20 words/s and 1.2x: 460 / 260 / 160 / 587 ms p50 and 34.6 / 8.4 / 0 / 44.2 stalls a minute,
     against 451 / 254 / 145 / 581 ms and 37.0 / 9.6 / 0 / 44.2 measured."""
-    from streaming.slots import CHUNK_SCHEDULE
-    from streaming.textstream import TextStream, engine_lookahead
+    from streaming.slots import CHUNK_SCHEDULE, PACE_STRETCH
+    from streaming.textstream import TextStream
     from tts.voices import load_shipped
+    stretch = PACE_STRETCH if stretch is None else stretch
     model, _, presets = load_shipped()
     cfg, frames = model.cfg, _durations(model, presets)
     clock = [0.0]
@@ -362,7 +366,7 @@ def simulate_report(sentences: list[str], rates: list, hold: bool = True, specul
 
     def chunks(sentence, rate):
         text, units, arrived = Virtual(hold_start=cfg if hold else False), [], []  # (seconds, units so far, ended)
-        text.set_engine_lookahead(*engine_lookahead(cfg, speculative))
+        text.set_engine_lookahead(*engine_lookahead(cfg, speculative), stretch)
         for i, piece in enumerate(words_of(sentence)):
             clock[0] = i / rate
             text.push(piece)
@@ -375,7 +379,7 @@ def simulate_report(sentences: list[str], rates: list, hold: bool = True, specul
         text.end()
         units += text.take()[0]
         arrived.append((clock[0], len(units), True))
-        return _simulated_chunks(arrived, frames(units), cfg, CHUNK_SCHEDULE, speculative)
+        return _simulated_chunks(arrived, frames(units), cfg, CHUNK_SCHEDULE, speculative, stretch)
 
     whole = [chunks(s, 1e9) for s in sentences]
     speech_rate = sum(len(s.split()) for s in sentences) / sum(n for c in whole for _, n in c) * SAMPLE_RATE
@@ -399,18 +403,19 @@ SIM_COSTS_S = (0.02, 0.006, 0.008)  # a first prefill, an AR step, a codec call
 
 
 def _durations(model, presets):
-    """units -> frames of each (the model's durations, default voice, speed 1): what `_simulated_chunks` needs."""
+    """units -> frames of each before rounding (the model's durations, default voice, speed 1; `predicted_frames`
+    rounds them): what `_simulated_chunks` needs."""
     import torch
-    from tts.alignment import predicted_frames
     from tts.voices import blend_preset
     preset = blend_preset(next(n for n, p in presets.items() if p.get("default")), presets, 0.7)
     weights = torch.zeros(1, model.cfg.voices)
     for row, weight in preset["mix"].items():
         weights[0, row] = weight
 
-    def frames(units: list[int]) -> list[int]:
+    def frames(units: list[int]) -> list[float]:
         with torch.no_grad():
-            return predicted_frames(model.text(torch.tensor([units]), weights)[1][0], preset["pace"]).tolist()
+            log_durations = model.text(torch.tensor([units]), weights)[1][0]
+        return (torch.expm1(log_durations.float()).clamp(min=0) / preset["pace"]).tolist()
     return frames
 
 
@@ -446,7 +451,7 @@ def stalls_report(engine, sentences: list[str], rates: list, hold: bool = True) 
                 replay = [(at - started, n, ended) for at, n, ended, _ in handed]
                 replay[-1] = (*replay[-1][:2], True)
                 simulated = _simulated_chunks(replay, frames(units), engine.model.cfg, CHUNK_SCHEDULE,
-                                              engine.speculative)
+                                              engine.speculative, engine.slots.stretch_max)
                 count = stalls(arrivals)[0]
                 real, text = real + count, text + min(count, stalls(simulated)[0])
                 minutes += len(audio) / SAMPLE_RATE / 60
@@ -459,29 +464,67 @@ def stalls_report(engine, sentences: list[str], rates: list, hold: bool = True) 
     return report
 
 
-def _simulated_chunks(arrived: list, durations: list[int], cfg, schedule: tuple, speculative: bool = True) -> list:
-    """(seconds, samples) of each chunk, given when units arrived (seconds, units so far, ended)."""
+def _simulated_chunks(arrived: list, raw: list[float], cfg, schedule: tuple, speculative: bool = True,
+                      stretch: float = 1.0) -> list:
+    """(seconds, samples) of each chunk, given when units arrived (seconds, units so far, ended) and each unit's
+    frames before rounding (``raw``, `_durations`). Elastic pacing (`Slots.pace`, up to ``stretch``): each
+    tick's text (the arrivals before its step) gives the units encoded and not yet started or confirmed their
+    frames at the factor of then, from the lead of the units received over the aligned unit of the last step,
+    while the text is open and came in more than one piece (the factor kept while it came in one)."""
+    from streaming.slots import pace_factor
     first_cost, step_cost, codec_cost = SIM_COSTS_S
-    ends = np.cumsum(durations)
-    starts, total = ends - durations, len(durations)
-    steps, k, last = [], 0, None
-    for step in range(int(ends[-1]) + cfg.codebooks - 1):
-        while True:  # the first arrival after which this step may run
-            at, received, ended = arrived[k]
-            ended = ended and received == total
-            encoded = received if ended or speculative else max(0, received - cfg.text_lookahead)
-            known = int(ends[encoded - 1]) if encoded else 0
-            frame = min(step, known - 1)
-            owners = [u for u in range(encoded) if starts[u] <= frame and durations[u] > 0]
-            if known and (ended or (step < known and owners and owners[-1] + cfg.ahead < encoded)):
-                break
-            k += 1
+    raw, total, books, look = np.asarray(raw, dtype=float), len(raw), cfg.codebooks, cfg.text_lookahead
+    durations = np.zeros(total, dtype=np.int64)
+    state = {"k": -1, "confirmed": 0, "encoded": 0, "factor": stretch, "ended": False}
+
+    def prefill(step: int, unit: int, upto: int) -> None:  # the text of arrivals up to ``upto``, in one tick
+        state["k"] = upto
+        at, received, ended = arrived[upto]
+        ended = state["ended"] = ended and received == total
+        encoded = received if ended or speculative else max(0, received - look)
+        if ended or arrived[0][0] < at:  # ended, or in pieces: the factor of now (`Slots.pace`)
+            state["factor"] = 1.0 if ended else min(state["factor"], pace_factor(received - unit, stretch))
+        factor = state["factor"] if arrived[0][0] < at else 1.0
+        starts = np.cumsum(durations) - durations
+        for u in range(state["confirmed"], encoded):
+            if u >= state["encoded"] or starts[u] >= step:  # started units keep their frames
+                durations[u] = round(raw[u] * factor)
+        state["encoded"] = max(state["encoded"], encoded)
+        state["confirmed"] = max(state["confirmed"], received if ended else received - look)
+
+    def ready(step: int) -> tuple[bool, int]:
+        encoded = state["encoded"]
+        ends = np.cumsum(durations[:encoded])
+        known = int(ends[-1]) if encoded else 0
+        if state["ended"] and state["encoded"] == total:
+            return step < known + books - 1, -1
+        frame = min(step, known - 1)
+        owners = [u for u in range(encoded) if ends[u] - durations[u] <= frame and durations[u] > 0]
+        return bool(known and step < known and owners and owners[-1] + cfg.ahead < encoded), (owners or [0])[-1]
+
+    steps, last, unit, step = [], None, 0, 0
+    prefill(0, 0, 0)
+    while True:
+        base = arrived[state["k"]][0] + first_cost if last is None else last
+        upto = state["k"]
+        while upto + 1 < len(arrived) and arrived[upto + 1][0] <= base + step_cost:
+            upto += 1  # text that came before this step could run
+        if upto > state["k"]:
+            prefill(step, unit, upto)
+        while not (go := ready(step))[0] and state["k"] + 1 < len(arrived):
+            prefill(step, unit, state["k"] + 1)
+        if not go[0]:
+            break
+        unit = max(unit, go[1])
+        at = arrived[state["k"]][0]
         last = max(at, (at + first_cost if last is None else last) + step_cost)
         steps.append(last)
+        step += 1
+    ends = np.cumsum(durations)
     out, begin, size, free = [], 0, iter(schedule), 0.0
     while begin < ends[-1]:
         stop = min(int(ends[-1]), begin + next(size, schedule[-1]))
-        free = max(free, steps[stop - 1 + cfg.codebooks - 1]) + codec_cost
+        free = max(free, steps[stop - 1 + books - 1]) + codec_cost
         out.append((free, (stop - begin) * 480))
         begin = stop
     return out
@@ -620,6 +663,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-speculative", action="store_true",
                         help="encode units only once their right context is there (the engine before issue 29)")
+    parser.add_argument("--stretch", type=float, help="elastic pacing's most (`Slots.pace`; 1: none; default: "
+                        "streaming.slots.PACE_STRETCH)")
     parser.add_argument("--timeline", action="store_true", help="where the first audio's time goes, stage by stage")
     args = parser.parse_args()
     lookaheads = [None if a in (None, "default") else a if a == "auto" else int(a) for a in args.lookahead]
@@ -630,7 +675,8 @@ def main() -> None:
         return
     sentences = harvard(args.n)
     if args.simulate:
-        print(json.dumps(simulate_report(sentences, args.rates, not args.no_hold, not args.no_speculative), indent=1))
+        print(json.dumps(simulate_report(sentences, args.rates, not args.no_hold, not args.no_speculative,
+                                                    args.stretch), indent=1))
         return
     if args.units:
         rates = [float(r) for r in args.rates if r != "1.2x"]
@@ -640,6 +686,8 @@ def main() -> None:
     from tts.api import get_engine
     engine = get_engine(compile=True)  # as `tts serve` runs it
     engine.speculative = not args.no_speculative
+    if args.stretch is not None:
+        engine.slots.stretch_max = args.stretch
     if args.pauses:
         print(json.dumps(pauses_report(engine, [250, 500, 1000, 2000]), indent=1))
         return
@@ -661,7 +709,8 @@ def main() -> None:
     score = Scorer(not args.no_dnsmos)
     clock = TextClock(engine)
     report = {"sentences": "harvard", "path": "server" if args.server else "engine", "hold": not args.no_hold,
-              "speculative": engine.speculative, "load_avg_1min_start": round(os.getloadavg()[0], 2)}
+              "speculative": engine.speculative, "stretch": engine.slots.stretch_max,
+              "load_avg_1min_start": round(os.getloadavg()[0], 2)}
     if args.server:
         from server import ServerThread
         with ServerThread(engine) as server:

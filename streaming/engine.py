@@ -52,7 +52,7 @@ from streaming.figures import Recent, Timer
 from streaming.parking import Parked, ParkingConfig, ParkingStore, pack, unpack, weights_fingerprint
 from streaming.sampling import sample
 from streaming.slot_state import DetachRequest, SlotMover, Snapshot, host_state
-from streaming.slots import CHUNK_SCHEDULE, META, Slots
+from streaming.slots import CHUNK_SCHEDULE, META, PACE_STRETCH, Slots
 from streaming.stream import MOVING, Stream
 from streaming.text_worker import TextWorker
 from streaming.textstream import engine_lookahead
@@ -267,8 +267,8 @@ class Engine:
                 seed = int(torch.randint(0, 2**62, (), generator=self.seeds))
         stream = Stream(self, preset["name"], float(speed), self.max_chars, seed % 2**63, lookahead_words)
         stream.decode_alone = seeded  # bit-identical audio whatever else runs (see CodecWorker.decode)
-        if not self.speculative:  # the start hold waits for the text encoder's right context too
-            stream.text.set_engine_lookahead(*engine_lookahead(self.cfg, speculative=False))
+        if not self.speculative or self.slots.stretch_max != PACE_STRETCH:  # the start hold counts as the engine
+            stream.text.set_engine_lookahead(*engine_lookahead(self.cfg, self.speculative), self.slots.stretch_max)
         try:
             self.admission.admit(stream, wait_s, lambda s: self._inbox.append(("start", s, preset)))
         except Full as err:
@@ -932,15 +932,18 @@ class Engine:
         offset 6 and count 16 pick 33..48, all confirmed. Speculative: 41 units received, 33 confirmed, 39 encoded:
         units 33..40 are encoded from units 27..40 (padded after 40), offset 6, count 8, of which 33 and 34 (final:
         35 = 41 - 6) are confirmed and reported to the stream's timings; 35..40 stay speculative."""
-        units, rows, offsets, counts, firsts, settles, voices, rates = self._prefill_windows(chosen)
+        units, rows, offsets, counts, firsts, settles, voices, rates, leads, opens, pieces = self._prefill_windows(
+            chosen)
         upload = self._upload
         rows_d, counts_d, first_d = upload(rows), upload(counts), upload(firsts)
+        paced = self.slots.pace(rows_d, upload(leads), upload(opens, torch.bool), upload(pieces, torch.bool))
+        rates_d = upload(rates, torch.float32) / paced  # (M,) elastic pacing: slower while the text's lead is thin
         with exact_convolutions(benchmark=False):  # (M, L, C), (M, L)
             states, log_dur = self.model.text(upload(units), upload(voices, torch.float32))
         at = torch.arange(max(counts), device=self.device)  # (E,)
         keep = at < counts_d[:, None]  # (M, E)
         columns = (upload(offsets)[:, None] + at).clamp(max=units.shape[1] - 1)
-        durations = predicted_frames(log_dur.gather(1, columns), upload(rates, torch.float32)[:, None]) * keep
+        durations = predicted_frames(log_dur.gather(1, columns), rates_d[:, None]) * keep
         durations[:, 0] += (first_d == 0) & (durations.sum(1) == 0)  # an utterance has at least one frame
         positions = first_d[:, None] + at
         # frames chained from the confirmed units' end; started units kept; never stuck behind silent units
@@ -966,6 +969,7 @@ class Engine:
         confirmed counts move on, and units no later prefill reads are forgotten."""
         look = self.cfg.text_lookahead
         rows, windows, offsets, counts, firsts, settles, voices, rates = [], [], [], [], [], [], [], []
+        leads, opens, pieces = [], [], []  # elastic pacing (`Slots.pace`): text over speech; open; in pieces
         for u, stop in chosen:
             slot = u.slot
             start = max(int(self._confirmed[slot]), stop - self.slots.ring)  # older ones are no longer read
@@ -980,6 +984,9 @@ class Engine:
             settles.append(max(0, confirmed - start))
             voices.append(u.voice["weights"])  # (V,): one-hot for a shipped voice
             rates.append(u.rate)
+            leads.append(u.received - max(int(self._unit[slot]), 0))
+            opens.append(not u.text_ended and u.closed_upto != u.received)
+            pieces.append(u.stream.text.in_pieces)
             self.counters["revised_units"] += max(0, int(self._encoded[slot]) - start)
             self._encoded[slot], self._confirmed[slot] = stop, max(start, confirmed)
             old = int(self._confirmed[slot]) - look - 1 - u.unit_base  # host memory stays flat on long speech
@@ -989,7 +996,7 @@ class Engine:
         units = np.zeros((len(rows), max(map(len, windows))), dtype=np.int64)  # (M, L), 0 = padding
         for i, window in enumerate(windows):
             units[i, :len(window)] = window
-        return units, rows, offsets, counts, firsts, settles, voices, rates
+        return units, rows, offsets, counts, firsts, settles, voices, rates, leads, opens, pieces
 
     # -- the batched tick --
     def _launch(self, n: int) -> None:

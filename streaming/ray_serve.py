@@ -107,6 +107,7 @@ class EngineServer:
         self.engine = engine_factory(**engine_kwargs)
         if failover:  # a replay feeds the text after a checkpoint at once: the audio must depend on the text alone,
             self.engine.speculative = False  # not on when its pieces came (what speculative encoding reads)
+            self.engine.slots.stretch_max = 1.0  # nor on how far the text was ahead (elastic pacing, `Slots.pace`)
         served = Checkpointing(self.engine) if failover else self.engine  # a replay may attach a checkpoint
         self.server_app = app_factory(served, **app_kwargs)
         self.hub = self.server_app.state.hub

@@ -50,6 +50,18 @@ step f + K - 1, and its codes are in the history ring of the last K steps at col
 Example, K = 4: at step 9 frame 6 completes; its codebooks 0..3 came out at steps 6, 7, 8, 9, in history
 columns 2, 3, 0, 1.
 
+**Elastic pacing.** A jitter buffer stretches audio when its queue runs thin (WebRTC NetEQ's "preemptive
+expand"); here the engine owns each unit's duration, so a stream whose text has only just begun is spoken a
+little slower until the text is well ahead. Each prefill's rows get a factor from their lead (units received
+minus the aligned unit) while their text is open: PACE_STRETCH at a lead of PACE_LEAD units or less, 1 at
+PACE_LEAD_FULL or more, linear between, and never more than the slot's factor before (``stretch``, which a
+fresh stream starts at PACE_STRETCH and a closed or ended text sets to 1 for good). The durations of the units
+encoded are predicted at the voice's rate divided by it; started units keep theirs (Speculative units), and a
+speculative unit re-encoded later gets the factor of then. Example, 1.2 from lead 24 to 60: a first prefill
+with 10 units received (lead 10) -> 1.2: a unit of 3.0 frames is given round(3.6) = 4; with lead 42 later ->
+1.1; with lead 30 after that -> still 1.1 (it never grows back); text ended -> 1.0. Text in one piece so far
+(`TextStream.in_pieces`: whole text) is divided by exactly 1.0: the same durations, bit for bit.
+
 **Chunk schedule.** Completed frames wait in ``pending`` until a chunk is due: ``schedule[slot, chunks]``
 frames (the last entry repeats), or whatever is left when the utterance is done. Chunk sizes never depend on
 timing (a chunk handed out early because text ran dry would change the codec's float rounding, and a seeded
@@ -82,6 +94,25 @@ from tts.model import ModelConfig
 # about 1.4 times as much per second of audio as 16-frame ones (`python -m bench.codec --quick`).
 CHUNK_SCHEDULE = (2, 4, 8, 16)
 NEVER = 1 << 40
+# Elastic pacing at the start (`Slots.pace`): while a stream's text is open and its lead of text over speech is
+# thin, units not yet started are spoken up to PACE_STRETCH times slower; the factor eases to 1 as the lead grows
+# from PACE_LEAD units to PACE_LEAD_FULL and never grows again. Chosen in the module comment of
+# `streaming.textstream` (above PIECE_SPREAD), with the start hold that counts on it.
+PACE_STRETCH = 1.2
+PACE_LEAD = 24
+PACE_LEAD_FULL = 60
+
+
+def pace_factor(lead, most: float = PACE_STRETCH):
+    """Elastic pacing's factor at a lead of ``lead`` units (a tensor or a float): ``most`` at PACE_LEAD or
+    less, 1 at PACE_LEAD_FULL or more, linear between. Example, 1.2 from 24 to 60: lead 42 -> 1.1."""
+    if isinstance(lead, torch.Tensor):
+        ease = ((lead - PACE_LEAD) / (PACE_LEAD_FULL - PACE_LEAD)).clamp(0, 1)
+    else:
+        ease = min(1.0, max(0.0, (lead - PACE_LEAD) / (PACE_LEAD_FULL - PACE_LEAD)))
+    return most - (most - 1) * ease
+
+
 # Columns of the per-tick table the host reads (`Slots.advance`).
 META = ("unit", "ready", "completed", "pending", "due", "done")
 
@@ -103,6 +134,8 @@ class Slots:
         self.silent = zeros(batch)  # zero-frame units in a row at the end of those confirmed (`cap_silence`)
         self.settled = zeros(batch)  # end frame of the confirmed units: a re-encode chains its frames from here
         self.flushed = zeros(batch)  # end frame of the text the last flush closed (0: none): a chunk ends there
+        self.stretch = torch.ones(batch, device=device)  # (B,) elastic pacing's factor now (`pace`)
+        self.stretch_max = PACE_STRETCH  # a fresh stream's factor (1: no elastic pacing)
         self.key = zeros(batch)  # each stream's sampling-noise key (`streaming.sampling.stream_key` of its seed)
         self.temperature = torch.ones(batch, 1, 1, device=device)  # (B, 1, 1)
         self.tokens = torch.full((batch, books), self.empty, dtype=torch.long, device=device)  # (B, K) last step's
@@ -125,7 +158,8 @@ class Slots:
         out and back, `streaming.parking`). The chunk schedule is included: a stream moved to another slot keeps
         its staggered chunk sizes."""
         names = ("live", "paused", "closed", "ended", "step", "frames", "encoded", "pending", "chunks", "silent", "settled",
-                 "flushed", "key", "temperature", "tokens", "history", "unit_start", "unit_end", "codes", "schedule")
+                 "flushed", "key", "stretch", "temperature", "tokens", "history", "unit_start", "unit_end", "codes",
+                 "schedule")
         return {name: getattr(self, name) for name in names}
 
     def start(self, rows: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
@@ -135,8 +169,22 @@ class Slots:
         self.reset(mask)
         self.live[rows] = True
         self.key[rows] = stream_key(seeds)
+        self.stretch[rows] = self.stretch_max
         self.temperature[rows, 0, 0] = temperatures
         return mask
+
+    def pace(self, rows: torch.Tensor, lead: torch.Tensor, open_text: torch.Tensor,
+             in_pieces: torch.Tensor) -> torch.Tensor:
+        """Elastic pacing's factor (M,) for the units the slots ``rows`` (M,) encode now, given their ``lead``
+        (M,) (units received minus the aligned unit), whether their text is open (M,) bool and came in more than
+        one piece so far (M,) bool (module docstring, Elastic pacing): the durations are predicted at the rate
+        divided by it. Example (1.2 from lead 24 to 60), leads [10, 42, 70, 5] of open texts, factors 1.2 before,
+        the 4th text in one piece so far -> [1.2, 1.1, 1.0, 1.0] (the 4th slot's factor stays 1.2); a closed text
+        -> 1.0, and its slot's factor becomes 1."""
+        stretch = self.stretch[rows]
+        paced = torch.minimum(stretch, pace_factor(lead, self.stretch_max))
+        self.stretch[rows] = torch.where(open_text, torch.where(in_pieces, paced, stretch), 1.0)
+        return torch.where(open_text & in_pieces, paced, 1.0)
 
     def encode_limit(self, unit: torch.Tensor | int) -> torch.Tensor | int:
         """Units below this may be written into the ring while the slot is at ``unit`` (module docstring)."""

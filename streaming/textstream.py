@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Callable
 
-from streaming.slots import CHUNK_SCHEDULE
+from streaming.slots import CHUNK_SCHEDULE, PACE_STRETCH, pace_factor
 from tts.normalize import Token, complete_length, reads_by_next, sentence_end, speak, split_sentences, tokenize
 from tts.codec import CodecConfig
 from tts.model import ModelConfig
@@ -59,34 +59,29 @@ _GAP = " ,;:"  # units between two words of a sentence
 DEFAULT_LOOKAHEAD = 0
 # A stream's first units are handed on only once a player starting at the first chunk is predicted never to run
 # dry at the text's pace so far (`TextStream._may_start`). Why: the engine speaks a frame once ENGINE_UNITS follow
-# its unit (AR step +4, and itself: units are encoded speculatively, before the text encoder's +6 is there,
-# `Engine._prefill`) and completes it DELAY_FRAMES steps later (delay pattern), and hands out chunks of 2, 4, 8,
-# then 16 frames (`CHUNK_SCHEDULE`), so the text it needs runs ahead of the player by 8 frames + 5 units at the
-# first chunk and 22 frames + 5 units from the 4th. Text 1.2 times faster than
-# speech closes only a fifth of that gap per second: slow text must be waited for before the start, fast text
-# not (at 10 words/s the units of the first chunk are about enough).
+# its unit (AR step +4, and itself: units are encoded speculatively, `Engine._prefill`) and completes it
+# DELAY_FRAMES steps later (delay pattern), and hands out chunks of 2, 4, 8, then 16 frames (`CHUNK_SCHEDULE`), so
+# the text it needs runs ahead of the player by 8 frames + 5 units at the first chunk and 22 frames + 5 units from
+# the 4th. Slow text must be waited for before the start, fast text not. The engine's elastic pacing
+# (`streaming.slots.Slots.pace`: up to PACE_STRETCH slower while the text's lead is thin) lets the start come
+# sooner: hindsight's earliest start that never stalls (no hold, Harvard 0-49, `--simulate`) 358 -> 300 ms p50 at
+# 5 w/s with 1.2 (1.15: 312, 1.25: 291).
+# Tuned on Harvard 100-199 (`bench.incremental --simulate`), first audio p50 and stalls/min at 5 / 10 w/s and 1.2x
+# (before: mean-size pieces 2 pieces late, 656 / 191 / 959 ms, 0.3 / 0.3 / 0.7). No stretch, spread 1.0: 554 / 194
+# / 1370, 0 / 0.25 / 0.74. Stretch 1.2, spread 0.6 / 0.8 / 1.0: 335 / 413 / 482 ms at 5 w/s, 1.55 / 0.67 / 0.22
+# stalls. + PIECE_DELAY_S 0.05 and FAST_START 1.12 (the stalls left were the 4th chunk 20-70 ms late with the text
+# as predicted: the first words spoken faster than 17.4 units/s): 385 / 182 / 597, 0.44 / 0.22 / 2.27. + the ease
+# from lead 24 to 60 (not 12 to 30): 385 / 182 / 597, 0.43 / 0.22 / 1.74. + SLOW_SPREAD 0.9 under SLOW_PACE 1.5
+# (at 1.2x a second piece longer than the rest started it): 385 / 182 / 693, 0.43 / 0.22 / 0.65 (1.6 or 1.7:
+# 482 ms at 5 w/s). On 0-49: 385 / 182 / 132 / 812 ms at 5 / 10 / 20 w/s / 1.2x, no stall (before: 682 / 191 / 132
+# / 993, no stall).
 SPEECH_UNITS_PER_S = 17.4  # the shipped voices at speed 1: 3.16 words/s, 5.47 units a word (Harvard sentences)
+FAST_START = 1.12  # the start's units counted this much faster than SPEECH_UNITS_PER_S (fast first words)
 UNITS_PER_CHAR = 1.08  # units per character of English text, spaces included (720 Harvard sentences)
 FRAME_S = 1 / CodecConfig().frame_rate  # 20 ms; ENGINE_UNITS and DELAY_FRAMES come from the model's config
-# The margin: text at up to LAG_PACE times the speaking rate has each piece's units counted PIECE_LAG pieces after
-# it comes; faster text proportionally fewer (10 words/s, 3.2 times the speaking rate: 0.75 pieces, 75 ms; 20 w/s
-# 0.38). Why: a piece's units may come later than the piece (a number waits for its unit, "slid." for the next
-# word, the gap after a word for the next), and pieces differ in size. Slow text needs the margin in whole pieces,
-# as the player is then ahead of it for seconds; fast text is past the player within a few chunks, where a margin
-# of pieces would only cost time (at 10 w/s a piece of lag is 100 ms of first audio). Modelled on Harvard sentences
-# 100-199 (`bench.incremental --simulate`, FLUENT), first audio p50 and stalls/min at 5 / 10 / 20 w/s and 1.2x:
-# lag 1.5 at every pace 834 / 344 / 182 / 1111 ms, 0.5 / 0 / 0.3 / 0.7; lag 1: 735 / 294 / 163 / 1022, 4.5 / 0.3
-# / 0.3 / 5.5; lag 0.5: 634 / 262 / 141 / 890, 8.4 / 0.7 / 0.3 / 12.6; these (2, 1.2): 825 / 282 / 144 / 1211,
-# 1.2 / 0.5 / 0.3 / 0.5; (1.5, 1.5): 806 / 282 / 144 / 1111, 1.5 / 0.5 / 0.3 / 1.7. At 10 w/s 282 ms is the 3rd
-# word (200 ms) and the simulated engine's 82 ms: no margin starts sooner where the first chunk needs 3 words.
-# Re-tuned for speculative encoding (5 units of right context, not 11; NO_PACE_FRAMES 14, it was the first chunk's
-# 2), same sentences, first audio p50 and stalls/min at 5 / 10 w/s and 1.2x: (2, 1.2) 591 / 182 / 927 ms, 1.0 /
-# 0.3 / 1.5; (1, 0.6) 409 / 182 / 613, 5.7 / 0.3 / 12.6; (1.5, 1.2) 526 / 182 / 830, 2.2 / 0.3 / 3.5; (2.5, 1.2)
-# 656 / 191 / 1047, 0.3 / 0.3 / 0.7; (3, 1.2) 682 / 210 / 1153, 0 / 0.3 / 0.3; these (2, 1.5) 656 / 191 / 959,
-# 0.3 / 0.3 / 0.7. The earliest start that never stalls (hindsight, no hold; sentences 0-49) is 358 ms p50 at
-# 5 w/s and 574 at 1.2x: what is left is the hold's prediction of text it has not seen, not the engine.
-PIECE_LAG = 2.0
-LAG_PACE = 1.5
+PIECE_SPREAD = 0.6  # k pieces to come are counted as k - PIECE_SPREAD * sqrt(k) of the mean size
+SLOW_PACE, SLOW_SPREAD = 1.5, 0.9  # text under SLOW_PACE times speech counts with SLOW_SPREAD
+PIECE_DELAY_S = 0.05  # and each as read this long after it is due
 START_LATENCY_S = 0.07  # from the start to the first chunk on 2 cores (`bench.incremental`'s engine_ms, whole text)
 # Text in one piece so far (no pace known) starts once the units of its first 14 frames (3 chunks) are there: with
 # the first chunk's alone (7.8 units) a first piece of 2 words started at once and stalled (100-199, 5 w/s: 8
@@ -146,8 +141,10 @@ class TextStream:
         self._may_hold = True  # False: held units go with the next take (`hold_off`)
         self._engine_units, self._delay_frames = engine_lookahead(
             hold_start if isinstance(hold_start, ModelConfig) else ModelConfig())
+        self._stretch = PACE_STRETCH  # the engine's elastic pacing at the start (`set_engine_lookahead`)
         self._pushes: list[float] = []  # when the first text came, and the latest (perf_counter seconds)
         self._first_chars = 0  # characters of the first piece
+        self._unread = 0  # characters come but not yet read into units (a word waiting for the next one)
         self._pieces = 0
         self._lock = threading.Lock()
         self.spoken_any = False
@@ -197,6 +194,12 @@ class TextStream:
         return self._dirty
 
     @property
+    def in_pieces(self) -> bool:
+        """Whether the text came in more than one piece so far (a text sent whole never did): the engine's
+        elastic pacing (`streaming.slots.Slots.pace`) is for text still arriving."""
+        return self._pieces > 1
+
+    @property
     def ended(self) -> bool:
         return self._closed and not self._dirty and not self._text.strip() and not self._in_sentence
 
@@ -244,11 +247,13 @@ class TextStream:
         later = not self.spoken_any and len(spans) > 1  # a first take reads the first sentence alone
         if later:
             spans, closes = spans[:1], False
-        units, consumed = [], 0
+        units, consumed, read_upto = [], 0, 0
         for start, stop, closed in spans:
             sentence = tokens[start:stop]
             units += self._speak(sentence, len(sentence) if closed else self._ready(sentence, usable < ready), closed)
+            read_upto = sentence[-1].end if closed or self._done >= len(sentence) else sentence[self._done].start
             consumed = sentence[-1].end if closed else self._forget_spoken(sentence, consumed)
+        self._unread = len(text) - read_upto if spans else len(text)  # text come but not read (`_may_start`)
         self._text = "" if closes and not text[consumed:].strip() else text[consumed:]
         self._dirty = usable < ready or later  # the rest comes in the next takes
         self._final = final and not closes
@@ -273,48 +278,58 @@ class TextStream:
             self.marks["released"] = self.clock()
         return ids, closes
 
-    def set_engine_lookahead(self, units: int, delay_frames: int) -> None:
-        """What the engine needs (`engine_lookahead`), when it is not the default (an engine that does not encode
-        speculatively): the start hold (`_may_start`) counts with it."""
+    def set_engine_lookahead(self, units: int, delay_frames: int, stretch: float = PACE_STRETCH) -> None:
+        """What the engine needs (`engine_lookahead`) and how much it slows the start (`Slots.pace`), when it is
+        not the default (an engine that does not encode speculatively, or paces without stretching): the start
+        hold (`_may_start`) counts with it."""
         with self._lock:
-            self._engine_units, self._delay_frames = units, delay_frames
+            self._engine_units, self._delay_frames, self._stretch = units, delay_frames, stretch
 
     def _every(self) -> float:
         """Seconds between pieces so far (two pushes or more)."""
         return (self._pushes[1] - self._pushes[0]) / (self._pieces - 1)
 
     def _may_start(self, units: int, at: float | None = None) -> bool:
-        """Whether the engine, given ``units`` now and the rest at the text's pace so far (a piece of the mean
-        size every mean interval, counted ``lag`` pieces late: PIECE_LAG, fewer for text faster than LAG_PACE
-        times speech), would hand out every chunk before a player that starts at the first one (START_LATENCY_S
-        after ``at``, default now) reaches it. A chunk ending at frame E goes out once frame E - 1 is complete,
-        i.e. step E + 6 ran, whose unit needs ENGINE_UNITS - 1 after it: ``(E + 6) * 0.348 + 5`` units (17.4
-        units/s of speech); it is due when the player reaches its first frame. Example, 10 words/s ("The ",
-        "birch ", "canoe ": 6.5 units a piece every 100 ms; lag 2 * min(1, 1.5 * 1.74 / 6.5) = 0.8 pieces): after
-        "birch " (0.1 s) 11 units wait; the first chunk needs 8 * 0.348 + 5 = 7.8, the 3rd (frames 6-13, due
-        0.12 s after the first) 20 * 0.348 + 5 = 12.0, which "canoe " brings in time, and each later one 5.6 more
-        per 16 frames while 6.5 come every 5: the check passes at once. Text in one piece so far (no pace known: a
-        text sent whole, or a client's first batch of words) starts once the units of the first NO_PACE_FRAMES
-        frames are there (12.0)."""
+        """Whether the engine, given ``units`` now and the rest at the text's pace so far, would hand out every chunk
+        before a player that starts at the first one (START_LATENCY_S after ``at``, default now) reaches it. The
+        text to come: what came but waits unread (a word waiting for the next one) with the next piece, and k pieces
+        of the mean size less PIECE_SPREAD * sqrt(k) of one (sizes vary; their sum varies less; SLOW_SPREAD for text
+        under SLOW_PACE times speech), each counted PIECE_DELAY_S late. A chunk ending at frame E goes out once step
+        E + 6 ran, whose unit needs ENGINE_UNITS - 1 after it: ``(E + 6) * 0.39 / stretch + 5`` units
+        (SPEECH_UNITS_PER_S * FAST_START, 19.5 a second, slowed by the engine's elastic pacing,
+        `streaming.slots.Slots.pace`, which eases off as the predicted lead grows: ``stretch``); it is due when the
+        player reaches its first frame. Example, 10 words/s ("The ", "birch ", "canoe ": 6.5 units a piece every 100
+        ms), stretch 1.2: after "birch " (0.1 s) 11 units wait; the first chunk needs 8 * 0.325 + 5 = 7.6, the 3rd
+        (frames 6-13, due 0.12 s after the first, 0.19 s after "birch ") 20 * 0.325 + 5 = 11.5, and "canoe " counts
+        by then as 6.5 * (1 - 0.6) = 2.6: 13.6; each later one needs 5.2 more per 16 frames while 6.5 come every 5:
+        the check passes at once. Text in one piece so far (no pace known: a text sent whole, or a client's first
+        batch of words) starts once the units of the first NO_PACE_FRAMES frames are there (20 * 0.29 + 5 = 10.8,
+        counted at SPEECH_UNITS_PER_S)."""
         if len(self._pushes) < 2 or self._pushes[1] <= self._pushes[0]:  # no pace known: the first chunk's units
             return units >= self._units_for(NO_PACE_FRAMES)
         last, every = self._pushes[1], self._every()
         piece = UNITS_PER_CHAR * (self._chars - self._first_chars) / (self._pieces - 1)  # units a piece
+        waiting = UNITS_PER_CHAR * self._unread  # come but not read: read when the next piece comes
         since = (self.clock() if at is None else at) - last + START_LATENCY_S  # last piece -> first chunk plays
-        lag = PIECE_LAG * min(1.0, LAG_PACE * SPEECH_UNITS_PER_S * every / max(piece, 1e-9))
+        stretch, per_frame = self._stretch, SPEECH_UNITS_PER_S * FAST_START * FRAME_S
+        spread = PIECE_SPREAD if piece / every >= SLOW_PACE * SPEECH_UNITS_PER_S else SLOW_SPREAD
+        spoken = (self._delay_frames - 1) * per_frame / stretch  # units the delay steps cover
         played, end, sizes = 0, 0, iter(CHUNK_SCHEDULE)
         while played < HOLD_HORIZON_FRAMES:  # chunk by chunk: due when the player reaches its first frame
-            played, end = end, end + next(sizes, CHUNK_SCHEDULE[-1])
-            needed = self._units_for(end)
-            pieces = max(0.0, (played * FRAME_S + since - lag * every) // every)  # to come and be read by then
-            if units + piece * pieces < needed:
+            played, end = end, end + (size := next(sizes, CHUNK_SCHEDULE[-1]))
+            spoken += size * per_frame / stretch
+            pieces = max(0.0, (played * FRAME_S + since - PIECE_DELAY_S) // every)  # to come and be read by then
+            there = units + (waiting + piece * (pieces - spread * pieces ** 0.5) if pieces >= 1 else 0.0)
+            if there < spoken + self._engine_units:
                 return False
+            stretch = min(stretch, pace_factor(there - spoken, self._stretch))  # the engine's, as its lead grows
         return True
 
     def _units_for(self, end: int) -> float:
-        """Units the engine needs to hand out a chunk ending at frame ``end`` (`_may_start`). Example, the shipped
-        shapes (11 units, 7 delay frames): end 2 -> (2 + 6) * 0.348 + 11 = 13.8."""
-        return (end + self._delay_frames - 1) * SPEECH_UNITS_PER_S * FRAME_S + self._engine_units
+        """Units the engine needs to hand out a chunk ending at frame ``end`` while it speaks at the start's
+        pace (`_may_start`). Example, the shipped shapes (5 units, 7 delay frames), stretch 1.2: end 2 ->
+        (2 + 6) * 0.348 / 1.2 + 5 = 7.3."""
+        return (end + self._delay_frames - 1) * SPEECH_UNITS_PER_S * FRAME_S / self._stretch + self._engine_units
 
     def _first_chunk_units(self) -> float:
         return self._units_for(CHUNK_SCHEDULE[0])

@@ -1,5 +1,6 @@
 """Speculative text encoding (`Engine._prefill`, `Slots.place`): units are encoded before their right context has
-arrived and revised when it comes, never once their frames have started; whole text takes no speculative path."""
+arrived and revised when it comes, never once their frames have started; whole text takes no speculative path.
+Elastic pacing (`Slots.pace`): a start whose text is thin is spoken slower; whole text is not."""
 import time
 
 import numpy as np
@@ -66,6 +67,7 @@ def test_revisions_that_land_before_the_ar_reads_give_the_whole_texts_audio():
     """Text word by word, much faster than the (slowed) AR steps: every speculative unit is revised before a step
     reads it, so audio and word timings equal the whole text's (which takes no speculative path)."""
     engine = tiny_random(max_streams=1, sampling=GREEDY, step_factory=_slow_steps(0.02))
+    engine.slots.stretch_max = 1.0  # revisions alone: elastic pacing changes durations (`test_elastic_pacing_...`)
     words = [w + " " for w in TEXT.split()]
     pieces = ["".join(words[:4])] + words[4:]  # a first piece of ~20 units: the first steps read final units
     whole, whole_timings = _speak(engine, [TEXT])
@@ -90,6 +92,7 @@ def _stalled(engine, stream_step):
 
 def test_a_speculative_unit_is_revised_and_a_started_one_is_not():
     engine = tiny_random(max_streams=1, sampling=GREEDY, parking=NO_PARKING)
+    engine.slots.stretch_max = 1.0  # revisions alone, without elastic pacing's factor
     look, ahead = engine.cfg.text_lookahead, engine.cfg.ahead
     stream = engine.open(seed=1, lookahead_words=0)
     stream.push_text("The birch ")
@@ -139,3 +142,57 @@ def test_place_keeps_started_units_and_chains_the_rest_from_the_confirmed_end():
     assert begin[0, :4].tolist() == [20, 23, 25, 29]
     assert write.tolist() == [[False, False] + [True] * 7]
     assert int(slots.settled[0]) == 29  # the end of unit 6, the last confirmed
+
+
+def test_pace_eases_with_the_lead_never_grows_back_and_ends_with_the_text():
+    """`Slots.pace`, its docstring's example: 1.2 at a thin lead, 1.1 halfway, never more than before, 1 for
+    text in one piece (its factor kept) and for closed text (for good)."""
+    from streaming.slots import PACE_LEAD, PACE_LEAD_FULL, Slots
+    from tts.model import MODEL_PRESETS
+    slots = Slots(MODEL_PRESETS["shipped"], 4, 32)
+    slots.stretch_max = 1.2
+    rows = torch.arange(4)
+    slots.start(rows, torch.arange(4), torch.ones(4))
+    half = (PACE_LEAD + PACE_LEAD_FULL) / 2
+    yes, no = torch.ones(4, dtype=torch.bool), torch.tensor([True, True, True, False])
+    factor = slots.pace(rows, torch.tensor([PACE_LEAD - 2, half, PACE_LEAD_FULL + 10, 5]), yes, no)
+    torch.testing.assert_close(factor, torch.tensor([1.2, 1.1, 1.0, 1.0]))
+    torch.testing.assert_close(slots.stretch, torch.tensor([1.2, 1.1, 1.0, 1.2]))  # one piece: kept
+    factor = slots.pace(rows, torch.tensor([PACE_LEAD - 2, PACE_LEAD - 2, PACE_LEAD - 2, 5]), yes, yes)
+    torch.testing.assert_close(factor, torch.tensor([1.2, 1.1, 1.0, 1.2]))  # a thinner lead: never back up
+    factor = slots.pace(rows, torch.tensor([5, 5, 5, 5]), torch.tensor([False, True, True, True]), yes)
+    torch.testing.assert_close(factor, torch.tensor([1.0, 1.1, 1.0, 1.2]))
+    assert float(slots.stretch[0]) == 1.0 and "stretch" in slots.rows()  # closed: for good; parking carries it
+
+
+def test_elastic_pacing_slows_a_thin_start_and_whole_text_takes_no_such_path():
+    """Word by word with a thin lead, the first units get longer durations than with pacing off (the same seed
+    and text); whole text gives the same audio, bit for bit, with pacing on or off."""
+    engine = tiny_random(max_streams=1, sampling=GREEDY, parking=NO_PARKING)
+
+    def first_frames(stretch):
+        engine.slots.stretch_max = stretch
+        stream = engine.open(seed=2, lookahead_words=0)
+        stream.text.hold_off()
+        for piece in ("The ", "birch ", "canoe "):
+            stream.push_text(piece)
+            time.sleep(0.05)
+        step = _stalled(engine, [0])
+        frames = int(engine.slots.unit_end[0, :8].max())  # the frames of the first units (all confirmed or started)
+        factor = float(engine.slots.stretch[0])
+        stream.end()
+        while stream.read(timeout=30) is not None:
+            pass
+        return frames, factor, step
+
+    paced, factor, _ = first_frames(1.2)
+    plain, plain_factor, _ = first_frames(1.0)
+    assert factor == pytest.approx(1.2) and plain_factor == 1.0
+    assert paced > plain
+    engine.slots.stretch_max = 1.2
+    whole_paced = _speak(engine, [TEXT])
+    engine.slots.stretch_max = 1.0
+    whole_plain = _speak(engine, [TEXT])
+    np.testing.assert_array_equal(whole_paced[0], whole_plain[0])
+    assert whole_paced[1] == whole_plain[1]
+    engine.close()
