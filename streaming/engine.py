@@ -56,7 +56,7 @@ from streaming.slots import CHUNK_SCHEDULE, META, PACE_STRETCH, Slots
 from streaming.stream import MOVING, Stream
 from streaming.text_worker import TextWorker
 from streaming.textstream import engine_lookahead
-from tts.alignment import predicted_frames, start_frames
+from tts.alignment import predicted_frames
 from tts.codec import Codec
 from tts.model import TTSModel
 from tts.text import MAX_TEXT_CHARS, TextError
