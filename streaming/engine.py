@@ -932,71 +932,66 @@ class Engine:
         offset 6 and count 16 pick 33..48, all confirmed. Speculative: 41 units received, 33 confirmed, 39 encoded:
         units 33..40 are encoded from units 27..40 (padded after 40), offset 6, count 8, of which 33 and 34 (final:
         35 = 41 - 6) are confirmed and reported to the stream's timings; 35..40 stay speculative."""
-        units, rows, offsets, counts, firsts, settles, voices, rates, leads, opens, pieces = self._prefill_windows(
-            chosen)
+        w = self._prefill_windows(chosen)
         upload = self._upload
-        rows_d, counts_d, first_d = upload(rows), upload(counts), upload(firsts)
-        paced = self.slots.pace(rows_d, upload(leads), upload(opens, torch.bool), upload(pieces, torch.bool))
-        rates_d = upload(rates, torch.float32) / paced  # (M,) elastic pacing: slower while the text's lead is thin
+        rows_d, counts_d, first_d = upload(w.rows), upload(w.counts), upload(w.firsts)
+        paced = self.slots.pace(rows_d, upload(w.leads), upload(w.opens, torch.bool), upload(w.pieces, torch.bool))
+        rates_d = upload(w.rates, torch.float32) / paced  # (M,) elastic pacing: slower while the text's lead is thin
         with exact_convolutions(benchmark=False):  # (M, L, C), (M, L)
-            states, log_dur = self.model.text(upload(units), upload(voices, torch.float32))
-        at = torch.arange(max(counts), device=self.device)  # (E,)
+            states, log_dur = self.model.text(upload(w.units), upload(w.voices, torch.float32))
+        at = torch.arange(max(w.counts), device=self.device)  # (E,)
         keep = at < counts_d[:, None]  # (M, E)
-        columns = (upload(offsets)[:, None] + at).clamp(max=units.shape[1] - 1)
+        columns = (upload(w.offsets)[:, None] + at).clamp(max=w.units.shape[1] - 1)
         durations = predicted_frames(log_dur.gather(1, columns), rates_d[:, None]) * keep
         durations[:, 0] += (first_d == 0) & (durations.sum(1) == 0)  # an utterance has at least one frame
         positions = first_d[:, None] + at
         # frames chained from the confirmed units' end; started units kept; never stuck behind silent units
-        flush = upload([self._ends_flush(u, stop) for u, stop in chosen], torch.bool)
-        begin, durations, write = self.slots.place(rows_d, positions, keep, durations, upload(settles), flush)
+        begin, durations, write = self.slots.place(rows_d, positions, keep, durations, upload(w.settles),
+                                                   upload(w.flushes, torch.bool))
         states = states.gather(1, columns[:, :, None].expand(-1, -1, self.cfg.dim))
         self.caches.write_text(self.model.text_keys_values(states, begin), positions, write, rows_d)
         self.slots.add_units(rows_d, positions, keep, begin, begin + durations, write)
-        if any(settles):  # the confirmed units' final frames, for the streams' timings (read at collect)
+        if any(w.settles):  # the confirmed units' final frames, for the streams' timings (read at collect)
             schedule = torch.stack([begin, durations])  # (2, M, E)
             if self.device.type == "cuda":
                 schedule = _to_host(schedule)
-            self._schedules.append(([u for u, _ in chosen], firsts, settles, schedule))
+            self._schedules.append(([u for u, _ in chosen], w.firsts, w.settles, schedule))
 
-    def _ends_flush(self, u: Utterance, stop: int) -> bool:
-        """Whether this prefill confirms the last unit of text a flush closed (not the end): it gets a pause
-        after it, so that all its frames complete before more text comes (`streaming.slots`, Flush)."""
-        return not u.text_ended and u.closed_upto == u.received == stop == int(self._confirmed[u.slot])
-
-    def _prefill_windows(self, chosen: list[tuple[Utterance, int]]):
+    def _prefill_windows(self, chosen: list[tuple[Utterance, int]]) -> "_PrefillRows":
         """Host side of a prefill: each row's unit window (padded into one (M, L) array) and what to take from it,
         from the slot's confirmed count to ``stop``, and how many of those it confirms; the slots' encoded and
         confirmed counts move on, and units no later prefill reads are forgotten."""
         look = self.cfg.text_lookahead
-        rows, windows, offsets, counts, firsts, settles, voices, rates = [], [], [], [], [], [], [], []
-        leads, opens, pieces = [], [], []  # elastic pacing (`Slots.pace`): text over speech; open; in pieces
+        w, windows = _PrefillRows(), []
         for u, stop in chosen:
             slot = u.slot
             start = max(int(self._confirmed[slot]), stop - self.slots.ring)  # older ones are no longer read
             lo, hi = max(0, start - look), min(u.received, stop + look)
-            rows.append(slot)
+            w.rows.append(slot)
             u.stream.mark("prefill")
             windows.append(u.units[lo - u.unit_base:hi - u.unit_base])
-            offsets.append(start - lo)
-            counts.append(stop - start)
-            firsts.append(start)
+            w.offsets.append(start - lo)
+            w.counts.append(stop - start)
+            w.firsts.append(start)
             confirmed = min(int(self._final[slot]), stop)
-            settles.append(max(0, confirmed - start))
-            voices.append(u.voice["weights"])  # (V,): one-hot for a shipped voice
-            rates.append(u.rate)
-            leads.append(u.received - max(int(self._unit[slot]), 0))
-            opens.append(not u.text_ended and u.closed_upto != u.received)
-            pieces.append(u.stream.text.in_pieces)
+            w.settles.append(max(0, confirmed - start))
+            w.voices.append(u.voice["weights"])  # (V,): one-hot for a shipped voice
+            w.rates.append(u.rate)
+            w.leads.append(u.received - max(int(self._unit[slot]), 0))
+            w.opens.append(not u.text_ended and u.closed_upto != u.received)
+            w.pieces.append(u.stream.text.in_pieces)
             self.counters["revised_units"] += max(0, int(self._encoded[slot]) - start)
             self._encoded[slot], self._confirmed[slot] = stop, max(start, confirmed)
+            # this prefill confirms the last unit of text a flush closed (not the end): a pause goes after it
+            w.flushes.append(not u.text_ended and u.closed_upto == u.received == stop == self._confirmed[slot])
             old = int(self._confirmed[slot]) - look - 1 - u.unit_base  # host memory stays flat on long speech
             if old > 1024:
                 del u.units[:old]
                 u.unit_base += old
-        units = np.zeros((len(rows), max(map(len, windows))), dtype=np.int64)  # (M, L), 0 = padding
+        w.units = np.zeros((len(w.rows), max(map(len, windows))), dtype=np.int64)  # (M, L), 0 = padding
         for i, window in enumerate(windows):
-            units[i, :len(window)] = window
-        return units, rows, offsets, counts, firsts, settles, voices, rates, leads, opens, pieces
+            w.units[i, :len(window)] = window
+        return w
 
     # -- the batched tick --
     def _launch(self, n: int) -> None:
@@ -1274,6 +1269,25 @@ class Engine:
             taking.fail(err)
         finally:
             taking.copied.set()
+
+
+@dataclass
+class _PrefillRows:
+    """One prefill's host side (`Engine._prefill_windows`): the padded unit windows (M, L) and, per row, its
+    slot, what to take from its window, what it confirms, its voice and rate, and what elastic pacing
+    (`Slots.pace`) and a flush's pause (`Slots.place`) need."""
+    units: np.ndarray | None = None  # (M, L), 0 = padding
+    rows: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    firsts: list[int] = field(default_factory=list)
+    settles: list[int] = field(default_factory=list)
+    voices: list[list[float]] = field(default_factory=list)
+    rates: list[float] = field(default_factory=list)
+    leads: list[int] = field(default_factory=list)  # units received minus the aligned unit
+    opens: list[bool] = field(default_factory=list)  # the text is not closed or ended
+    pieces: list[bool] = field(default_factory=list)  # the text came in more than one piece
+    flushes: list[bool] = field(default_factory=list)  # it confirms the end of a flushed text
 
 
 @dataclass
