@@ -113,7 +113,13 @@ def open_sink(output: str | None, fmt: str | None):
     return stdout_sink(fmt) if output == "-" else file_sink(output, fmt)
 
 
+_interrupted = threading.Event()
+
+
 def _interrupt(*_) -> None:
+    """SIGINT/SIGTERM: KeyboardInterrupt, remembered, since one raised while a finalizer runs (garbage collection
+    in the main thread) is printed and dropped by Python, and the command would then finish as if not stopped."""
+    _interrupted.set()
     raise KeyboardInterrupt
 
 
@@ -140,7 +146,8 @@ def speak(source: Iterator, parts: list[str], write, quiet: bool) -> tuple[int, 
 def cmd_say(args) -> int:
     from tts import subtitles
     from tts.output import format_for
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` cleans up like Ctrl-C: no partial file
+    for signum in (signal.SIGTERM, signal.SIGINT):  # `kill` cleans up like Ctrl-C: no partial file
+        signal.signal(signum, _interrupt)
     fmt = format_for(args.output, args.format) if args.output else None
     if args.subtitles:
         subtitles.subtitle_format(args.subtitles)
@@ -155,6 +162,8 @@ def cmd_say(args) -> int:
     started = time.perf_counter()
     with contextlib.closing(source), open_sink(args.output, fmt) as write:
         samples, words = speak(source, parts, write, args.quiet)
+        if _interrupted.is_set():  # stopped, though the KeyboardInterrupt was lost: the file is discarded
+            raise KeyboardInterrupt
     if args.subtitles:
         subtitles.write(args.subtitles, words)
     if not args.quiet:
