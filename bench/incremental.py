@@ -406,6 +406,7 @@ def _durations(model, presets):
     """units -> frames of each before rounding (the model's durations, default voice, speed 1; `predicted_frames`
     rounds them): what `_simulated_chunks` needs."""
     import torch
+    from tts.alignment import unrounded_frames
     from tts.voices import blend_preset
     preset = blend_preset(next(n for n, p in presets.items() if p.get("default")), presets, 0.7)
     weights = torch.zeros(1, model.cfg.voices)
@@ -415,7 +416,7 @@ def _durations(model, presets):
     def frames(units: list[int]) -> list[float]:
         with torch.no_grad():
             log_durations = model.text(torch.tensor([units]), weights)[1][0]
-        return (torch.expm1(log_durations.float()).clamp(min=0) / preset["pace"]).tolist()
+        return unrounded_frames(log_durations, preset["pace"]).tolist()
     return frames
 
 

@@ -17,11 +17,16 @@ def start_frames(durations: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(durations, -1) - durations
 
 
-def predicted_frames(log_durations: torch.Tensor, rate: float | torch.Tensor = 1.0) -> torch.Tensor:
+def unrounded_frames(log_durations: torch.Tensor, rate: float | torch.Tensor = 1.0) -> torch.Tensor:
     """Frames of each unit from the text encoder's log(1 + frames) (the inverse of the training target
-    ``log1p(durations)``), divided by ``rate`` (speed times the voice's pace; a tensor broadcasts per row)
-    and rounded. Example: log1p([3, 0, 5.6]) at rate 2 -> [2, 0, 3] (1.5 rounds to even)."""
-    return torch.round(torch.expm1(log_durations.float()).clamp(min=0) / rate).long()
+    ``log1p(durations)``), divided by ``rate`` (speed times the voice's pace; a tensor broadcasts per row).
+    Example: log1p([3, 0, 5.6]) at rate 2 -> [1.5, 0, 2.8]."""
+    return torch.expm1(log_durations.float()).clamp(min=0) / rate
+
+
+def predicted_frames(log_durations: torch.Tensor, rate: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """`unrounded_frames`, rounded. Example: log1p([3, 0, 5.6]) at rate 2 -> [2, 0, 3] (1.5 rounds to even)."""
+    return torch.round(unrounded_frames(log_durations, rate)).long()
 
 
 def teacher_forcing_batch(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], codebook_size: int):
