@@ -283,6 +283,12 @@ class FrameCodec:
         self.use_graphs = self.device.type == "cuda" and fast_path_enabled("graph")
         # One memory pool for every bucket's graph: they run one at a time and copy their output out.
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # Captured on a stream of their own: PyTorch keys the cuBLAS workspace a captured matmul uses by the
+        # capture stream, and graphs captured without one (the engine's tick graphs) share one stream and so one
+        # workspace (pytorch/pytorch#193402). The engine replays this graph on its codec stream while the next
+        # tick's graph runs: sharing, greedy never-parked rounds on an H200 (64 slots stepped together) parted
+        # from their first run, every live stream from one tick on, in 6 of 12 rounds; apart, in 0 of 16.
+        self.capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
 
     def run(self, n: int, codes: torch.Tensor, completed: torch.Tensor, reset: torch.Tensor | None) -> torch.Tensor:
         self.take(n, codes, completed, reset)
@@ -339,7 +345,7 @@ class FrameCodec:
                 self._step(n)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
             self._step(n)
         for old, kept in zip(self.state.buffers, saved[0]):  # the warm-up stepped live rows: undo it
             old[:n].copy_(kept)
