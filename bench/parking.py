@@ -4,6 +4,11 @@ never parked. One JSON object.
     python -m bench.parking                              # shipped model, CPU, 8 streams
     python -m bench.parking --device cuda --streams 64   # GPU <-> pinned host, host <-> disk
     python -m bench.parking --tiny
+    python -m bench.parking --device cuda --streams 64 --moved-slots 64 --warm-up --trace   # the H200 check
+
+``--trace``: per stream of the parked rounds, its first sample over 1e-4 from the reference beside its parks and
+restores (slot, samples delivered by then). ``--frame-codec``: the GPU's codec path (a frame a tick, one tick in
+flight) on the CPU. ``--one-bucket``: every tick steps every slot (an experiment on batch invariance).
 
 Per round, N streams (one slot each) get the first words of a sentence, run dry and are parked together
 (``park_after_s`` 0.05); in the disk round they wait until every state has spilled to disk; then each gets the
@@ -122,6 +127,45 @@ def moved_round(engine: Engine, other: Engine, sentence: str) -> np.ndarray:
     return audio
 
 
+def trace_slots(engine: Engine) -> dict:
+    """Record each stream's parks and restores (engine thread): per stream, by its seed, a list of
+    ("park" | "start" | "restore", slot, samples delivered by then, highest live slot + 1 then). Reads the engine's
+    host side only; for finding where a parked stream parts from its reference."""
+    events: dict = {}
+    park, occupy = engine._park, engine._occupy
+
+    def note(kind, u, slot):
+        live = np.flatnonzero(engine._live)
+        events.setdefault(u.stream.seed, []).append((kind, int(slot), u.stream.samples,
+                                                     int(live[-1]) + 1 if len(live) else 0))
+
+    def traced_park(u):
+        note("park", u, u.slot)
+        park(u)
+
+    def traced_occupy(u):
+        why = u.waiting
+        occupy(u)
+        note(why, u, u.slot)
+
+    engine._park, engine._occupy = traced_park, traced_occupy
+    return events
+
+
+def traced(rounds: list[dict], got: list[np.ndarray], want: list[np.ndarray]) -> list:
+    """Per stream of the parked rounds (host, then disk): the first sample over 1e-4 from its reference (None:
+    none; -1: lengths differ), its reference's start (slot, bucket) and its parks and restores (`trace_slots`)."""
+    rows = []
+    for i, (g, w) in enumerate(zip(got, want)):
+        seed = 100 + i % (len(got) // 2)
+        bad = np.flatnonzero(np.abs(g[:len(w)] - w[:len(g)]) > 1e-4)
+        first = int(bad[0]) if len(bad) else (None if len(g) == len(w) else -1)
+        rows.append({"round": "host" if i < len(got) // 2 else "disk", "stream": i % (len(got) // 2),
+                     "first_bad": first, "length": [len(g), len(w)], "reference": rounds[0].get(seed),
+                     "events": rounds[1 + i // (len(got) // 2)].get(seed)})
+    return rows
+
+
 def max_diff(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max()) if len(got) == len(want) else float("inf")
 
@@ -144,6 +188,12 @@ def main() -> None:
                         help="slots of the engine the detached stream is attached to (its batch bucket)")
     parser.add_argument("--warm-up", action="store_true",
                         help="build every batch bucket's step (CUDA graphs) before the first round")
+    parser.add_argument("--frame-codec", action="store_true",
+                        help="decode every frame in the tick (the GPU's codec path) on any device")
+    parser.add_argument("--one-bucket", action="store_true",
+                        help="step every slot in every tick (one batch bucket): an experiment on batch invariance")
+    parser.add_argument("--trace", action="store_true",
+                        help="report each parted stream's first differing sample beside its parks and restores")
     parser.add_argument("--switch-interval", type=float,
                         help="Python's thread switch interval in seconds (sys.setswitchinterval)")
     args = parser.parse_args()
@@ -158,23 +208,34 @@ def main() -> None:
         from tts.voices import load_shipped
         model, codec, voices = load_shipped(device=args.device)
     factory = kernels.default_step_factory(args.device) if args.device.startswith("cuda") else None
+    frame_codec = True if args.frame_codec else None
     engine = Engine(model.to(args.device), codec.to(args.device), voices, max_streams=args.streams,
-                    device=args.device, sampling=greedy, parking=parking, step_factory=factory)
+                    device=args.device, sampling=greedy, parking=parking, step_factory=factory, frame_codec=frame_codec)
     sentences = [s for s in harvard(64) if len(s.split()) >= 7][:args.streams]
     sentences = (sentences * args.streams)[:args.streams]
+    if args.one_bucket:
+        engine._bucket = lambda: engine.max_streams if engine._live.any() else 0
     if args.warm_up:
         engine.warm_up()
+    events = trace_slots(engine) if args.trace else {}
+    rounds = []  # each traced round's events: the reference, the host round, the disk round
+
+    def traced_round(played):
+        rounds.append(dict(events))
+        events.clear()
+        return played
     parking.park_after_s = 0  # the reference: never parked
-    expected = reference_round(engine, sentences)
+    expected = traced_round(reference_round(engine, sentences))
     again = reference_round(engine, sentences)  # the control: never parked either
     whole = [read_all(speak(engine, sentences[0], 100, None))]  # the moved round's reference
+    events.clear()
     parking.park_after_s = 0.05
     restores: dict = {}
-    host = parked_round(engine, sentences, disk=False, restores=restores)
+    host = traced_round(parked_round(engine, sentences, disk=False, restores=restores))
     parking.disk_after_s = 0.05
-    disk = parked_round(engine, sentences, disk=True, restores=restores)
+    disk = traced_round(parked_round(engine, sentences, disk=True, restores=restores))
     other = Engine(model, codec, voices, max_streams=args.moved_slots, device=args.device, sampling=greedy,
-                   step_factory=factory)
+                   step_factory=factory, frame_codec=frame_codec)
     moved = moved_round(engine, other, sentences[0])
     diffs = [max_diff(got, want) for got, want in zip(host + disk + [moved], expected * 2 + whole)]
     parted = [parting(got, want) for got, want in zip(host + disk + [moved], expected * 2 + whole)]
@@ -182,7 +243,8 @@ def main() -> None:
     state_bytes = engine.caches.nbytes // engine.max_streams
     print(json.dumps({"engine": "tiny_random" if args.tiny else "shipped", "device": args.device,
                       "cpu_cores": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
-                      "streams": args.streams, "switch_interval_s": sys.getswitchinterval(), "parks": stats["parks"], "restores": stats["restores"],
+                      "streams": args.streams, "one_bucket": args.one_bucket, "frame_codec": engine.frame_codec,
+                      "switch_interval_s": sys.getswitchinterval(), "parks": stats["parks"], "restores": stats["restores"],
                       "cache_bytes_per_stream": state_bytes,
                       "tiers_ms_per_stream": {kind: stats["parking"][f"{kind}_ms"] for kind in
                                               ("park", "restore", "spill", "load", "park_host", "restore_host")},
@@ -194,7 +256,8 @@ def main() -> None:
                                                "unparked_again": sum(max_diff(a, b) <= 1e-4
                                                                      for a, b in zip(again, expected))},
                       "compared_streams": len(diffs),
-                      "parted": [(i, p) for i, p in enumerate(parted) if p is not None][:12]}, indent=2))
+                      "parted": [(i, p) for i, p in enumerate(parted) if p is not None][:12],
+                      **({"trace": traced(rounds, host + disk, expected * 2)} if args.trace else {})}, indent=2))
     engine.close()
 
 
