@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# One device call: install the kit, then run the named steps in order, each with its own time limit, each's
+# output to $OUT/<step>.txt (so a later failure or the call's limit loses nothing earlier). From the
+# repository root on the device machine:   bash .gpu/extra/run.sh STEP [STEP ...]
+# Steps: smoke | park16 | park64* (traced) | diag* | race | pytest | latency; a name containing one_bucket or shared
+# adds that experiment's flag (--one-bucket; diag.py --shared-capture)
+set -u
+HERE=$(cd "$(dirname "$0")" && pwd)
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+STARTED=$SECONDS
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$HERE"/wheels/*.whl || { echo "run.sh: the wheels did not install"; exit 1; }
+export PYTHONPATH=$PWD:/tmp/site:$HERE/site PYTHONUNBUFFERED=1 TTS_HARVARD=$HERE/harvard.txt
+nvidia-smi --query-gpu=name,memory.used,clocks.sm,driver_version --format=csv,noheader
+echo "run.sh: $(date -u +%T) $(git log -1 --format='%h %s' 2>/dev/null | cut -c1-80)"
+step() {  # name, limit in seconds, command...
+    local name=$1 limit=$2; shift 2
+    local left=$(( 575 - (SECONDS - STARTED) ))
+    [ "$left" -gt 30 ] || { echo "run.sh: no time left for $name"; return; }
+    [ "$limit" -lt "$left" ] || limit=$left
+    echo "run.sh: $(date -u +%T) $name (limit $limit s): $*"
+    local t0=$SECONDS
+    echo "== $name: $*" >> "$OUT/errors.log"
+    timeout -k 5 "$limit" "$@" > "$OUT/$name.txt" 2>> "$OUT/errors.log"
+    echo "run.sh: $name exit $? after $(( SECONDS - t0 )) s"
+}
+summary() {  # a parking JSON's key figures
+    python3 - "$1" <<'EOF' 2>/dev/null || tail -n 5 "$1"
+import json, sys
+d = json.load(open(sys.argv[1]))
+t = d.get("tiers_ms_per_stream", {})
+print(" ", d["within_1e-4_by_round"], "max", d["max_abs_diff"], "park", t.get("park"), "restore", t.get("restore"),
+      "parks", d["parks"], "parted", d["parted"][:4])
+for row in d.get("trace", []):
+    if row["first_bad"] is not None:
+        print("  ", row)
+        break
+EOF
+}
+dsummary() {  # a diag JSON's key figures
+    python3 - "$1" <<'EOF' 2>/dev/null || tail -n 5 "$1"
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(" ", "one_bucket", d["one_bucket"], "shared_capture", d.get("shared_capture"), "parted per round", [r["parted"] for r in d["rounds"]])
+for r in d["rounds"]:
+    for p in r["detail"][:2]:
+        print("   round", r["round"], {k: v for k, v in p.items() if k != "schedules"})
+EOF
+}
+variant() {  # experiment flags named in a step's name
+    local flags=()
+    [[ $1 == *one_bucket* ]] && flags+=(--one-bucket)
+    [[ $1 == *shared* ]] && flags+=(--shared-capture)
+    echo "${flags[@]}"
+}
+for s in "$@"; do
+    case $s in
+        diag*) # shellcheck disable=SC2046
+               step "$s" 150 python3 "$HERE/diag.py" --device cuda --streams 64 --rounds 5 $(variant "$s")
+               dsummary "$OUT/$s.txt" ;;
+        smoke) step smoke 150 python3 "$HERE/smoke.py"; cat "$OUT/smoke.txt" ;;
+        park16) step park16 120 python3 -m bench.parking --device cuda --streams 16 --warm-up
+                summary "$OUT/park16.txt" ;;
+        park64*) # shellcheck disable=SC2046
+                 step "$s" 150 python3 -m bench.parking --device cuda --streams 64 --moved-slots 64 --warm-up \
+                     --trace $(variant "$s")
+                 summary "$OUT/$s.txt" ;;
+        race) step race 60 python3 "$HERE/workspace_race.py"; cat "$OUT/race.txt" ;;
+        pytest) step pytest 90 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_graphs.py
+                tail -n 4 "$OUT/pytest.txt" ;;
+        latency) step latency 150 python3 -m bench.latency --device cuda --streams 64 256 --poisson-max 64 \
+                     --sentences 2
+                 tail -n 3 "$OUT/latency.txt" ;;
+        *) echo "run.sh: unknown step $s" ;;
+    esac
+done
+echo "run.sh: done after $(( SECONDS - STARTED )) s"
