@@ -2,8 +2,8 @@
 # One device call: install the kit, then run the named steps in order, each with its own time limit, each's
 # output to $OUT/<step>.txt (so a later failure or the call's limit loses nothing earlier). From the
 # repository root on the device machine:   bash .gpu/extra/run.sh STEP [STEP ...]
-# Steps: smoke | park16 | park64* (traced) | diag* | race | pytest | latency; a name containing one_bucket or shared
-# adds that experiment's flag (--one-bucket; diag.py --shared-capture)
+# Steps: smoke | parkN[_label] (bench.parking N streams, traced) | diag* | race | pytest | latency; a step name
+# containing one_bucket or shared adds that experiment's flag (--one-bucket; diag.py --shared-capture)
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/gpu-out}
@@ -60,10 +60,9 @@ for s in "$@"; do
                step "$s" 150 python3 "$HERE/diag.py" --device cuda --streams 64 --rounds 5 $(variant "$s")
                dsummary "$OUT/$s.txt" ;;
         smoke) step smoke 150 python3 "$HERE/smoke.py"; cat "$OUT/smoke.txt" ;;
-        park16) step park16 120 python3 -m bench.parking --device cuda --streams 16 --warm-up
-                summary "$OUT/park16.txt" ;;
-        park64*) # shellcheck disable=SC2046
-                 step "$s" 150 python3 -m bench.parking --device cuda --streams 64 --moved-slots 64 --warm-up \
+        park[0-9]*) n=${s#park}; n=${n%%_*}  # parkN[_label]: N streams, the detached one into N slots
+                 # shellcheck disable=SC2046
+                 step "$s" 240 python3 -m bench.parking --device cuda --streams "$n" --moved-slots "$n" --warm-up \
                      --trace $(variant "$s")
                  summary "$OUT/$s.txt" ;;
         race) step race 60 python3 "$HERE/workspace_race.py"; cat "$OUT/race.txt" ;;
