@@ -60,8 +60,8 @@ DEFAULT_LOOKAHEAD = 0
 # A stream's first units are handed on only once a player starting at the first chunk is predicted never to run
 # dry at the text's pace so far (`TextStream._may_start`). Why: the engine speaks a frame once ENGINE_UNITS follow
 # its unit (AR step +4, and itself: units are encoded speculatively, `Engine._prefill`) and completes it
-# DELAY_FRAMES steps later (delay pattern), and hands out chunks of 4, 4, 8, then 16 frames (`CHUNK_SCHEDULE`),
-# which the hold plans as 2, 4, 8, 16 (`PLANNED_CHUNKS`: the player's cushion), so the text it needs runs ahead of
+# DELAY_FRAMES steps later (delay pattern), and hands out chunks of 4, 4, 6, 8, 12, then 16 frames
+# (`CHUNK_SCHEDULE`), which the hold plans as 2, 4, 8, 16 (`PLANNED_CHUNKS`: a cushion), so the text it needs runs ahead of
 # the player by 8 frames + 5 units at the first chunk and 22 frames + 5 units from the 4th (as planned). Slow text must be waited for before the start, fast text not. The engine's elastic pacing
 # (`streaming.slots.Slots.pace`: up to PACE_STRETCH slower while the text's lead is thin) lets the start come
 # sooner: hindsight's earliest start that never stalls (no hold, Harvard 0-49, `--simulate`) 358 -> 300 ms p50 at
@@ -92,16 +92,20 @@ NO_PACE_FRAMES = 14
 # speech) before the next word, bound to stall (`test_protocol`'s hold case). Simulated 0-49 unchanged but 1.2x p99
 # (1,388 -> 1,459 ms): faster text is bound by its first chunks, not by this horizon.
 HOLD_HORIZON_FRAMES = 200
-# The hold plans with a first chunk CUSHION_FRAMES shorter than the engine's (`PLANNED_CHUNKS`): its start decision
-# is the one it made with (2, 4, 8, 16) chunks, and the player then starts with the engine's larger first chunk,
-# 40 ms more audio in hand when it reaches the 2nd. Why: with 2-frame first chunks the 2nd chunk (4 more steps
-# and a codec call after the 1st) came about 16 ms before the player reached it (`bench.incremental --simulate`,
-# least_margin_ms), and a slow tick on 2 cores stalled it (one stall at 5 w/s and at 1.2x in 50 sentences). The
-# engine's first chunk costs 2 more steps (~12 ms on 2 cores) of first audio and no hold. Example, (4, 4, 8, 16)
-# and a cushion of 2: the hold plans chunks of (2, 4, 8, 16) (ends 2, 6, 14, 30, ...), the engine hands out
-# frames 0-3, 4-7, 8-15, 16-31, ...
-CUSHION_FRAMES = 2
-PLANNED_CHUNKS = (CHUNK_SCHEDULE[0] - CUSHION_FRAMES, *CHUNK_SCHEDULE[1:])
+# The chunks the hold plans with: those it was tuned with, a first chunk CUSHION_FRAMES shorter than the engine's
+# and then chunks that double, where the engine's grow by half (`CHUNK_SCHEDULE`, (4, 4, 6, 8, 12, 16)): its
+# start decision is the one it made when the engine's chunks were (2, 4, 8, 16), and the player then starts with
+# the engine's larger first chunk, 40 ms more audio in hand when it reaches the 2nd. Why: with 2-frame first
+# chunks the 2nd chunk (4 more steps and a codec call after the 1st) came about 16 ms before the player reached
+# it (`bench.incremental --simulate`, least_margin_ms), and a slow tick on 2 cores stalled it (one stall at 5 w/s
+# and at 1.2x in 50 sentences). The engine's first chunk costs 2 more steps (~12 ms on 2 cores) of first audio
+# and no hold. Planning with the engine's own chunks would start sooner (~40 ms at 5 w/s) and spend the cushion
+# (--simulate with (4, 4, 8, 16) planned as is: a stall at 1.2x). The plan asks, at each of its chunks' due
+# times, for the text of 6 frames + the chunk's size ahead of the player (8, 10, 14, 22, 22, ...); the engine's
+# chunks ask for 10, 10, 12, 14, 18, 22, ...: no more from the 3rd on, the 2nd's 2 frames (0.7 units) more than
+# planned covered by its start 2 steps later and the text that keeps coming.
+PLANNED_CHUNKS = (2, 4, 8, 16)
+CUSHION_FRAMES = CHUNK_SCHEDULE[0] - PLANNED_CHUNKS[0]
 
 
 def engine_lookahead(cfg: ModelConfig, speculative: bool = True) -> tuple[int, int]:
@@ -308,12 +312,12 @@ class TextStream:
         E + 6 ran, whose unit needs ENGINE_UNITS - 1 after it: ``(E + 6) * 0.39 / stretch + 5`` units
         (SPEECH_UNITS_PER_S * FAST_START, 19.5 a second, slowed by the engine's elastic pacing,
         `streaming.slots.Slots.pace`, which eases off as the predicted lead grows: ``stretch``); it is due when the
-        player reaches its first frame. The chunks are PLANNED_CHUNKS: the engine's with a first chunk CUSHION_FRAMES
-        shorter, a cushion the plan leaves the player. Example, planned (2, 4, 8, 16) for the engine's (4, 4, 8, 16):
-        the plan has frames 6-13, due when the player reaches frame 6, needing 20 frames' units; the engine hands
-        out frames 8-15, due at frame 8 (40 ms of audio later), needing 22 frames' (0.7 units more: what text at
-        the speaking rate brings in 40 ms). The text is as early as planned, and the player has 40 ms more in hand
-        when it reaches the 2nd chunk, which the engine's steps alone make late or not. Example, 10 words/s ("The ", "birch ", "canoe ": 6.5 units a piece every 100
+        player reaches its first frame. The chunks are PLANNED_CHUNKS, whose first is CUSHION_FRAMES shorter than the
+        engine's: a cushion the plan leaves the player. Example, planned (2, 4, 8, 16) for the engine's (4, 4, 6, 8,
+        12, 16): the plan has frames 6-13 due when the player reaches frame 6, needing 20 frames' units; the engine
+        hands out frames 8-13 due at frame 8 (40 ms of audio later), needing 20 frames' too: the text is as early as
+        planned, and the player has 40 ms more in hand when it reaches the 2nd chunk, which the engine's steps alone
+        make late or not. Example, 10 words/s ("The ", "birch ", "canoe ": 6.5 units a piece every 100
         ms), stretch 1.2: after "birch " (0.1 s) 11 units wait; the first chunk needs 8 * 0.325 + 5 = 7.6, the 3rd
         (frames 6-13, due 0.12 s after the first, 0.19 s after "birch ") 20 * 0.325 + 5 = 11.5, and "canoe " counts
         by then as 6.5 * (1 - 0.6) = 2.6: 13.6; each later one needs 5.2 more per 16 frames while 6.5 come every 5:

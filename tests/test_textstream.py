@@ -327,8 +327,9 @@ def test_a_held_start_ends_between_pieces_at_release_at_without_more_text():
 
 def test_the_hold_plans_with_a_first_chunk_smaller_than_the_engines(monkeypatch):
     """The start hold decides as if the engine's first chunk were CUSHION_FRAMES shorter: two words at 5 a second
-    are released about that much audio (40 ms) later than by a hold planning with the engine's own chunks, so the
-    player starts with that much more in hand than the text's pace needs (`textstream.PLANNED_CHUNKS`)."""
+    are released about that much audio (40 ms) later than by the same plan with the engine's first chunk, so the
+    player starts with that much more in hand than the text's pace needs; and no sooner than by a plan with the
+    engine's own chunks, which grow more slowly (`textstream.PLANNED_CHUNKS`)."""
     def release_at():
         stream = _Clocked(hold_start=True)
         for i, piece in enumerate(WORDS[:2]):
@@ -338,9 +339,13 @@ def test_the_hold_plans_with_a_first_chunk_smaller_than_the_engines(monkeypatch)
         return stream.release_at()
 
     cushioned = release_at()
+    monkeypatch.setattr(textstream, "PLANNED_CHUNKS", (CHUNK_SCHEDULE[0], *textstream.PLANNED_CHUNKS[1:]))
+    uncushioned = release_at()
     monkeypatch.setattr(textstream, "PLANNED_CHUNKS", CHUNK_SCHEDULE)
     own = release_at()
-    assert 0.5 * CUSHION_FRAMES * FRAME_S < cushioned - own <= CUSHION_FRAMES * FRAME_S + 0.005  # bisected to 5 ms
+    cushion_s = CUSHION_FRAMES * FRAME_S
+    assert 0.5 * cushion_s < cushioned - uncushioned <= cushion_s + 0.005  # release_at bisects to 5 ms
+    assert own <= uncushioned
 
 
 def test_a_held_word_by_word_stream_hands_out_the_engines_chunk_schedule_from_the_first(tiny_engine):
