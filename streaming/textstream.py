@@ -74,7 +74,9 @@ DEFAULT_LOOKAHEAD = 0
 # from lead 24 to 60 (not 12 to 30): 385 / 182 / 597, 0.43 / 0.22 / 1.74. + SLOW_SPREAD 0.9 under SLOW_PACE 1.5
 # (at 1.2x a second piece longer than the rest started it): 385 / 182 / 693, 0.43 / 0.22 / 0.65 (1.6 or 1.7:
 # 482 ms at 5 w/s). On 0-49: 385 / 182 / 132 / 812 ms at 5 / 10 / 20 w/s / 1.2x, no stall (before: 682 / 191 / 132
-# / 993, no stall).
+# / 993, no stall). + the engine's chunks (4, 4, 6, 8, 12, 16), planned as (2, 4, 8, 16) (`PLANNED_CHUNKS`): 397 /
+# 194 / 144 / 824 ms, no stall, least margin 16 -> 56 ms (32 at 12 ms a step); measured, 50 sentences, LOADED
+# (load 1.5-5): 464 / 217 / 152 / 849 ms, 0 / 1.3 / 0 / 0 stalls/min, least margin p5 31 / 7 / 37 / 21 ms.
 SPEECH_UNITS_PER_S = 17.4  # the shipped voices at speed 1: 3.16 words/s, 5.47 units a word (Harvard sentences)
 FAST_START = 1.12  # the start's units counted this much faster than SPEECH_UNITS_PER_S (fast first words)
 UNITS_PER_CHAR = 1.08  # units per character of English text, spaces included (720 Harvard sentences)
