@@ -22,7 +22,8 @@ the first audio chunk (p50/p99); ``stalls_per_min``: underruns of a player that 
 and plays every chunk as it comes (a chunk later than the audio before it ran out, by more than 20 ms), per
 minute of audio; ``least_margin_ms`` (p5/p50 over the sentences): per sentence, the least headroom of that
 player once speaking (when it reaches a chunk's first frame less when the chunk came: `least_margin`), what tells
-a lucky stall-free run from a safe one; ``demo_player``: the same for the demo's player, which (re)starts once 100 ms of audio wait
+a lucky stall-free run from a safe one; ``demo_player``: the same for the demo's player, which (re)starts once
+100 ms of audio wait
 (``first_sound_ms``: when it first sounds); ``wer`` (Whisper tiny.en, `tts.asr`) and ``dnsmos`` (speechmos OVRL) of the audio, with the
 same for the sentences sent whole. Each sentence is spoken with the same seed both ways, so word by word and
 whole differ only where their units or holds differ. ``1.2x`` is 1.2 times the speaking rate of the whole

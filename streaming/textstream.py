@@ -61,8 +61,9 @@ DEFAULT_LOOKAHEAD = 0
 # dry at the text's pace so far (`TextStream._may_start`). Why: the engine speaks a frame once ENGINE_UNITS follow
 # its unit (AR step +4, and itself: units are encoded speculatively, `Engine._prefill`) and completes it
 # DELAY_FRAMES steps later (delay pattern), and hands out chunks of 4, 4, 6, 8, 12, then 16 frames
-# (`CHUNK_SCHEDULE`), which the hold plans as 2, 4, 8, 16 (`PLANNED_CHUNKS`: a cushion), so the text it needs runs ahead of
-# the player by 8 frames + 5 units at the first chunk and 22 frames + 5 units from the 4th (as planned). Slow text must be waited for before the start, fast text not. The engine's elastic pacing
+# (`CHUNK_SCHEDULE`), which the hold plans as 2, 4, 8, 16 (`PLANNED_CHUNKS`: a cushion), so the text it needs
+# runs ahead of the player by 8 frames + 5 units at the first chunk and 22 frames + 5 units from the 4th (as
+# planned). Slow text must be waited for before the start, fast text not. The engine's elastic pacing
 # (`streaming.slots.Slots.pace`: up to PACE_STRETCH slower while the text's lead is thin) lets the start come
 # sooner: hindsight's earliest start that never stalls (no hold, Harvard 0-49, `--simulate`) 358 -> 300 ms p50 at
 # 5 w/s with 1.2 (1.15: 312, 1.25: 291).
@@ -85,9 +86,9 @@ PIECE_SPREAD = 0.6  # k pieces to come are counted as k - PIECE_SPREAD * sqrt(k)
 SLOW_PACE, SLOW_SPREAD = 1.5, 0.9  # text under SLOW_PACE times speech counts with SLOW_SPREAD
 PIECE_DELAY_S = 0.05  # and each as read this long after it is due
 START_LATENCY_S = 0.07  # from the start to the first chunk on 2 cores (`bench.incremental`'s engine_ms, whole text)
-# Text in one piece so far (no pace known) starts once the units of its first 14 frames (3 planned chunks) are there: with
-# the first chunk's alone (7.8 units) a first piece of 2 words started at once and stalled (100-199, 5 w/s: 8
-# stalls/min at (2, 1.2), 1.0 with 14 frames; 30 frames changed nothing more)
+# Text in one piece so far (no pace known) starts once the units of its first 14 frames (3 planned chunks) are
+# there: with the first chunk's alone (7.8 units) a first piece of 2 words started at once and stalled (100-199,
+# 5 w/s: 8 stalls/min at (2, 1.2), 1.0 with 14 frames; 30 frames changed nothing more)
 NO_PACE_FRAMES = 14
 # The prediction looks 4 s ahead: text slower than speech waits that long, then stalls. 3 s (150 frames) before
 # speculative encoding; with 5 units of need it started "The birch canoe slid on the" at 2.5 words/s (slower than
@@ -104,8 +105,9 @@ HOLD_HORIZON_FRAMES = 200
 # and no hold. Planning with the engine's own chunks would start sooner (~40 ms at 5 w/s) and spend the cushion
 # (--simulate with (4, 4, 8, 16) planned as is: a stall at 1.2x). The plan asks, at each of its chunks' due
 # times, for the text of 6 frames + the chunk's size ahead of the player (8, 10, 14, 22, 22, ...); the engine's
-# chunks ask for 10, 10, 12, 14, 18, 22, ...: no more from the 3rd on, the 2nd's 2 frames (0.7 units) more than
-# planned covered by its start 2 steps later and the text that keeps coming.
+# chunks ask for 10, 10, 12, 14, 18, 22, ... at theirs (0, 4, 8, 14, 22, 34 frames against 0, 2, 6, 14, 30):
+# from the 2nd on, no more than the plan's last due time before asked; the 1st's 2 frames (0.7 units) more are
+# the 2 steps more before the first audio.
 PLANNED_CHUNKS = (2, 4, 8, 16)
 CUSHION_FRAMES = CHUNK_SCHEDULE[0] - PLANNED_CHUNKS[0]
 
@@ -317,8 +319,8 @@ class TextStream:
         player reaches its first frame. The chunks are PLANNED_CHUNKS, whose first is CUSHION_FRAMES shorter than the
         engine's: a cushion the plan leaves the player. Example, planned (2, 4, 8, 16) for the engine's (4, 4, 6, 8,
         12, 16): the plan has frames 6-13 due when the player reaches frame 6, needing 20 frames' units; the engine
-        hands out frames 8-13 due at frame 8 (40 ms of audio later), needing 20 frames' too: the text is as early as
-        planned, and the player has 40 ms more in hand when it reaches the 2nd chunk, which the engine's steps alone
+        hands out frames 8-13 due at frame 8 (40 ms of audio later), needing 20 frames' too. The text is as early as
+        planned, and the player has 40 ms more in hand when it reaches each chunk, which the engine's steps alone
         make late or not. Example, 10 words/s ("The ", "birch ", "canoe ": 6.5 units a piece every 100
         ms), stretch 1.2: after "birch " (0.1 s) 11 units wait; the first chunk needs 8 * 0.325 + 5 = 7.6, the 3rd
         (frames 6-13, due 0.12 s after the first, 0.19 s after "birch ") 20 * 0.325 + 5 = 11.5, and "canoe " counts
