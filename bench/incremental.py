@@ -20,7 +20,10 @@ Words go out as an LLM client sends them, each with its trailing space ("The ", 
 i / rate seconds; the last word is followed by `end`. Per rate: ``first_audio_ms`` from the first word sent to
 the first audio chunk (p50/p99); ``stalls_per_min``: underruns of a player that starts at the first chunk
 and plays every chunk as it comes (a chunk later than the audio before it ran out, by more than 20 ms), per
-minute of audio; ``demo_player``: the same for the demo's player, which (re)starts once 100 ms of audio wait
+minute of audio; ``least_margin_ms`` (p5/p50 over the sentences): per sentence, the least headroom of that
+player once speaking (when it reaches a chunk's first frame less when the chunk came: `least_margin`), what tells
+a lucky stall-free run from a safe one; ``demo_player``: the same for the demo's player, which (re)starts once
+100 ms of audio wait
 (``first_sound_ms``: when it first sounds); ``wer`` (Whisper tiny.en, `tts.asr`) and ``dnsmos`` (speechmos OVRL) of the audio, with the
 same for the sentences sent whole. Each sentence is spoken with the same seed both ways, so word by word and
 whole differ only where their units or holds differ. ``1.2x`` is 1.2 times the speaking rate of the whole
@@ -163,6 +166,27 @@ def stalls(arrivals: list) -> tuple[int, float]:
     return play(arrivals)[1:]
 
 
+def least_margin(arrivals: list) -> float | None:
+    """Seconds of headroom a player that starts at the first chunk had once speaking: the least, over every later
+    chunk, of (when it reaches the chunk's first frame - when the chunk came); negative: that late (a stall once
+    below -STALL_S), and the player restarts when it comes. None for a single chunk. What tells a lucky stall-free
+    run from a safe one. Example, chunks of 40 / 80 / 160 ms coming at 0.10 / 0.13 / 0.25 s: the player reaches
+    the 2nd chunk at 0.14 (margin 10 ms) and the 3rd at 0.22, 30 ms before it comes: -0.03."""
+    least, play_end = None, None
+    for at, samples in arrivals:
+        if play_end is not None:
+            least = play_end - at if least is None else min(least, play_end - at)
+        play_end = max(at, play_end or at) + samples / SAMPLE_RATE
+    return least
+
+
+def margin_percentiles(runs: list) -> dict:
+    """p5 and p50 in ms of `least_margin` over the streams of ``runs`` (each a list of chunk arrivals) that had
+    more than one chunk."""
+    margins = [1000 * m for m in map(least_margin, runs) if m is not None]
+    return {"p5": round(float(np.percentile(margins, 5)), 1), "p50": round(float(np.percentile(margins, 50)), 1)}
+
+
 def dnsmos(audio: np.ndarray) -> float:
     from speechmos import dnsmos as model
     audio16 = soxr.resample(audio.astype(np.float32), SAMPLE_RATE, 16_000)
@@ -218,6 +242,7 @@ def summary(audios: list, scores: list, runs: list | None) -> dict:
             out["text_ready_ms"] = percentiles([ready * 1000 for *_, ready in runs])
             out["engine_ms"] = percentiles([(arrivals[0][0] - ready) * 1000 for _, arrivals, ready in runs])
         out["stalls_per_min"] = round(sum(c for c, _ in counted) / minutes, 2)
+        out["least_margin_ms"] = margin_percentiles([arrivals for _, arrivals, _ in runs])
         out["stall_seconds"] = round(sum(s for _, s in counted), 3)
         demo = [play(arrivals, DEMO_PREBUFFER_S) for _, arrivals, _ in runs]
         out["demo_player"] = {"first_sound_ms": percentiles([first * 1000 for first, _, _ in demo]),
@@ -392,6 +417,7 @@ def simulate_report(sentences: list[str], rates: list, hold: bool = True, specul
                  for c in runs]
         report[str(rate)] = {"words_per_s": round(wps, 2), "first_audio_ms": percentiles([c[0][0] * 1000 for c in runs]),
                              "stalls_per_min": round(sum(stalls(c)[0] for c in runs) / minutes, 2),
+                             "least_margin_ms": margin_percentiles(runs),
                              "stall_free_start_ms": percentiles([1000 * t for t in start])}
         demo = [play(c, DEMO_PREBUFFER_S) for c in runs]
         report[str(rate)]["demo_player"] = {"first_sound_ms": percentiles([first * 1000 for first, _, _ in demo]),

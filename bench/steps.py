@@ -14,7 +14,7 @@ cold build left, and ``rss_mb`` is what the build added to the process. ``max_ab
 each kind's logits with the eager ``decode_step``'s on the same inputs.
 
 Codec rows (``codec_ms``): the CPU codec worker's decode call (`Codec.decode_step`, codes to audio with the
-decoder state carried) for each chunk length the engine hands it (2, 4, 8, 16 frames) and batch size, torch
+decoder state carried) for each chunk length the engine hands it (`CHUNK_SCHEDULE`'s) and batch size, torch
 (eager) and onnxruntime (`kernels.ort_codec`), interleaved the same way: per call p50/p99 and the thread's
 CPU time, and ``frame_ms_p50`` = call p50 / (batch x chunk), the decoder's cost per frame of one stream
 (real time for N streams on the codec's one core needs N x frame_ms below the 20 ms frame;
@@ -33,6 +33,8 @@ import time
 
 import numpy as np
 import torch
+
+from streaming.slots import CHUNK_SCHEDULE
 
 KINDS = ("eager", "lean", "onnxruntime", "onnxruntime-int8", "compiled")  # also "aot_inductor", on request: minutes to build
 
@@ -233,7 +235,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--kinds", nargs="*", default=None, help=f"default: {' '.join(KINDS)} (--quick: no compiled)")
-    parser.add_argument("--chunks", type=int, nargs="*", default=[2, 4, 8, 16], help="codec chunk lengths (frames)")
+    parser.add_argument("--chunks", type=int, nargs="*", default=sorted(set(CHUNK_SCHEDULE)),
+                        help="codec chunk lengths (frames)")
     parser.add_argument("--codec-only", action="store_true", help="only the codec decoder rows")
     parser.add_argument("--quality", type=int, metavar="N", help="only the int8-against-fp32 quality rows, N sentences")
     parser.add_argument("--skip", type=int, default=100, help="--quality: Harvard sentences to skip (bench.wer uses the first 100)")

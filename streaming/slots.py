@@ -65,10 +65,11 @@ with 10 units received (lead 10) -> 1.2: a unit of 3.0 frames is given round(3.6
 **Chunk schedule.** Completed frames wait in ``pending`` until a chunk is due: ``schedule[slot, chunks]``
 frames (the last entry repeats), or whatever is left when the utterance is done. Chunk sizes never depend on
 timing (a chunk handed out early because text ran dry would change the codec's float rounding, and a seeded
-or parked stream would no longer repeat bit for bit). Example, (2, 4, 8, 16, 16):
-a stream's chunks hold frames 0-1, 2-5, 6-13, 14-29, 30-45, ..., and the tail. With ``stagger`` the fourth
-chunk of slot s is ``16 - s % 8`` frames, so streams that started in the same tick hand out their 16-frame
-chunks in 8 different ticks, not all in one: slot 3's chunks hold frames 0-1, 2-5, 6-13, 14-26, 27-42, ...
+or parked stream would no longer repeat bit for bit). Example, (4, 4, 6, 8, 12, 16, 16):
+a stream's chunks hold frames 0-3, 4-7, 8-13, 14-21, 22-33, 34-49, 50-65, ..., and the tail. With ``stagger``
+the first 16-frame chunk of slot s is ``16 - s % 8`` frames, so streams that started in the same tick hand out
+their 16-frame chunks in 8 different ticks, not all in one: slot 3's chunks hold frames ..., 22-33, 34-46,
+47-62, ...
 
 **Flush.** A flush closes the text so far, and its audio must all come out without more text; but frame f is
 complete only at step f + K - 1, whose codebook 0 belongs to frame f + K - 1. So the last unit a flush closes
@@ -76,9 +77,9 @@ gets K - 1 frames of pause after its predicted ones (`place`), the stream steps 
 due once the closed text's last frame is complete (``flushed``), whatever its size. Both depend on the text
 alone, not on when it came. The schedule goes on (a player that ran dry waiting for the next text restarts
 with one whole chunk, not with chunks doubling from 2 frames, which a busy engine's ticks cannot keep ahead
-of). Example, K = 8, chunks (2, 4, 8, 16): a flushed sentence's frames are 0-37; its last unit ends at frame
-45 instead of 38, steps run to 44, which completes frame 37, and the chunk of frames 30-37 goes out (8 frames,
-not 16). The pause's frames 38-44 complete as the next text's first frames step (steps 45-51) and go out in
+of). Example, K = 8, chunks (4, 4, 6, 8, 12, 16): a flushed sentence's frames are 0-37; its last unit ends at
+frame 45 instead of 38, steps run to 44, which completes frame 37, and the chunk of frames 34-37 goes out (4
+frames, not 16). The pause's frames 38-44 complete as the next text's first frames step (steps 45-51) and go out in
 the next chunk, frames 38-53.
 """
 from __future__ import annotations
@@ -91,8 +92,15 @@ from tts.model import ModelConfig
 
 # Frames per codec decode: small first chunks for a fast first sound, then 320 ms. On 2 CPU cores the
 # decoder's fixed cost per call (short convolutions, the LSTM's per-call setup) makes 8-frame chunks cost
-# about 1.4 times as much per second of audio as 16-frame ones (`python -m bench.codec --quick`).
-CHUNK_SCHEDULE = (2, 4, 8, 16)
+# about 1.4 times as much per second of audio as 16-frame ones (`python -m bench.codec --quick`). A player that
+# starts at the first chunk has the audio of the chunks before chunk k to play while the engine steps to chunk k's
+# end: margin_k = 20 ms * E_(k-1) - step * (E_k - E_1) (E_k: the end frame of chunk k), so chunks that double
+# lose margin whenever a step takes over 10 ms (half of a frame), and a bigger first chunk adds step * E_1 to each.
+# The first is 4 frames, not 2 (the 2nd chunk comes ~56 ms ahead of the player, not ~16 ms, at 6 ms a step; the
+# start hold still plans with a 2-frame one: `streaming.textstream.PLANNED_CHUNKS`), and they grow by half, not
+# double (at 12 ms a step, loaded 2 cores, (4, 4, 8, 16)'s 4th chunk came 16 ms late; these keep 32 ms in hand).
+# Example, 12 ms a step: ends 4, 8, 14, 22, 34, 50 -> margins 80 - 48 = 32, 160 - 120 = 40, 280 - 216 = 64, ...
+CHUNK_SCHEDULE = (4, 4, 6, 8, 12, 16)
 NEVER = 1 << 40
 # Elastic pacing at the start (`Slots.pace`): while a stream's text is open and its lead of text over speech is
 # thin, units not yet started are spoken up to PACE_STRETCH times slower; the factor eases to 1 as the lead grows
@@ -230,13 +238,12 @@ class Slots:
         durations = torch.where(frozen, old, durations)
         durations = torch.where(frozen, old, self.cap_silence(rows, durations, keep, settle))
         last = (settle - 1).clamp(min=0)[:, None]  # (M, 1)
-        if flush is not None:
-            pause = torch.where(flush & (settle > 0), self.books - 1, 0)[:, None]  # (M, 1)
-            durations = durations.scatter_add(1, last, pause)
+        flush = torch.zeros_like(settle, dtype=torch.bool) if flush is None else flush
+        pause = torch.where(flush & (settle > 0), self.books - 1, 0)  # (M,) frames after the closed text
+        durations = durations.scatter_add(1, last, pause[:, None])
         begin = self.settled[rows][:, None] + start_frames(durations)  # (M, E)
         self.settled[rows] = torch.where(settle > 0, (begin + durations).gather(1, last)[:, 0], self.settled[rows])
-        if flush is not None:
-            self.flushed[rows] = torch.where(pause[:, 0] > 0, self.settled[rows] - pause[:, 0], self.flushed[rows])
+        self.flushed[rows] = torch.where(pause > 0, self.settled[rows] - pause, self.flushed[rows])
         return begin, durations, keep & ~frozen
 
     def add_units(self, rows: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, start: torch.Tensor,

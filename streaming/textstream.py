@@ -60,9 +60,10 @@ DEFAULT_LOOKAHEAD = 0
 # A stream's first units are handed on only once a player starting at the first chunk is predicted never to run
 # dry at the text's pace so far (`TextStream._may_start`). Why: the engine speaks a frame once ENGINE_UNITS follow
 # its unit (AR step +4, and itself: units are encoded speculatively, `Engine._prefill`) and completes it
-# DELAY_FRAMES steps later (delay pattern), and hands out chunks of 2, 4, 8, then 16 frames (`CHUNK_SCHEDULE`), so
-# the text it needs runs ahead of the player by 8 frames + 5 units at the first chunk and 22 frames + 5 units from
-# the 4th. Slow text must be waited for before the start, fast text not. The engine's elastic pacing
+# DELAY_FRAMES steps later (delay pattern), and hands out chunks of 4, 4, 6, 8, 12, then 16 frames
+# (`CHUNK_SCHEDULE`), which the hold plans as 2, 4, 8, 16 (`PLANNED_CHUNKS`: a cushion), so the text it needs
+# runs ahead of the player by 8 frames + 5 units at the first chunk and 22 frames + 5 units from the 4th (as
+# planned). Slow text must be waited for before the start, fast text not. The engine's elastic pacing
 # (`streaming.slots.Slots.pace`: up to PACE_STRETCH slower while the text's lead is thin) lets the start come
 # sooner: hindsight's earliest start that never stalls (no hold, Harvard 0-49, `--simulate`) 358 -> 300 ms p50 at
 # 5 w/s with 1.2 (1.15: 312, 1.25: 291).
@@ -74,7 +75,9 @@ DEFAULT_LOOKAHEAD = 0
 # from lead 24 to 60 (not 12 to 30): 385 / 182 / 597, 0.43 / 0.22 / 1.74. + SLOW_SPREAD 0.9 under SLOW_PACE 1.5
 # (at 1.2x a second piece longer than the rest started it): 385 / 182 / 693, 0.43 / 0.22 / 0.65 (1.6 or 1.7:
 # 482 ms at 5 w/s). On 0-49: 385 / 182 / 132 / 812 ms at 5 / 10 / 20 w/s / 1.2x, no stall (before: 682 / 191 / 132
-# / 993, no stall).
+# / 993, no stall). + the engine's chunks (4, 4, 6, 8, 12, 16), planned as (2, 4, 8, 16) (`PLANNED_CHUNKS`): 397 /
+# 194 / 144 / 824 ms, no stall, least margin 16 -> 56 ms (32 at 12 ms a step); measured, 50 sentences, LOADED
+# (load 1.5-5): 464 / 217 / 152 / 849 ms, 0 / 1.3 / 0 / 0 stalls/min, least margin p5 31 / 7 / 37 / 21 ms.
 SPEECH_UNITS_PER_S = 17.4  # the shipped voices at speed 1: 3.16 words/s, 5.47 units a word (Harvard sentences)
 FAST_START = 1.12  # the start's units counted this much faster than SPEECH_UNITS_PER_S (fast first words)
 UNITS_PER_CHAR = 1.08  # units per character of English text, spaces included (720 Harvard sentences)
@@ -83,15 +86,30 @@ PIECE_SPREAD = 0.6  # k pieces to come are counted as k - PIECE_SPREAD * sqrt(k)
 SLOW_PACE, SLOW_SPREAD = 1.5, 0.9  # text under SLOW_PACE times speech counts with SLOW_SPREAD
 PIECE_DELAY_S = 0.05  # and each as read this long after it is due
 START_LATENCY_S = 0.07  # from the start to the first chunk on 2 cores (`bench.incremental`'s engine_ms, whole text)
-# Text in one piece so far (no pace known) starts once the units of its first 14 frames (3 chunks) are there: with
-# the first chunk's alone (7.8 units) a first piece of 2 words started at once and stalled (100-199, 5 w/s: 8
-# stalls/min at (2, 1.2), 1.0 with 14 frames; 30 frames changed nothing more)
+# Text in one piece so far (no pace known) starts once the units of its first 14 frames (3 planned chunks) are
+# there: with the first chunk's alone (7.8 units) a first piece of 2 words started at once and stalled (100-199,
+# 5 w/s: 8 stalls/min at (2, 1.2), 1.0 with 14 frames; 30 frames changed nothing more)
 NO_PACE_FRAMES = 14
 # The prediction looks 4 s ahead: text slower than speech waits that long, then stalls. 3 s (150 frames) before
 # speculative encoding; with 5 units of need it started "The birch canoe slid on the" at 2.5 words/s (slower than
 # speech) before the next word, bound to stall (`test_protocol`'s hold case). Simulated 0-49 unchanged but 1.2x p99
 # (1,388 -> 1,459 ms): faster text is bound by its first chunks, not by this horizon.
 HOLD_HORIZON_FRAMES = 200
+# The chunks the hold plans with: those it was tuned with, a first chunk CUSHION_FRAMES shorter than the engine's
+# and then chunks that double, where the engine's grow by half (`CHUNK_SCHEDULE`, (4, 4, 6, 8, 12, 16)): its
+# start decision is the one it made when the engine's chunks were (2, 4, 8, 16), and the player then starts with
+# the engine's larger first chunk, 40 ms more audio in hand when it reaches the 2nd. Why: with 2-frame first
+# chunks the 2nd chunk (4 more steps and a codec call after the 1st) came about 16 ms before the player reached
+# it (`bench.incremental --simulate`, least_margin_ms), and a slow tick on 2 cores stalled it (one stall at 5 w/s
+# and at 1.2x in 50 sentences). The engine's first chunk costs 2 more steps (~12 ms on 2 cores) of first audio
+# and no hold. Planning with the engine's own chunks would start sooner (~40 ms at 5 w/s) and spend the cushion
+# (--simulate with (4, 4, 8, 16) planned as is: a stall at 1.2x). The plan asks, at each of its chunks' due
+# times, for the text of 6 frames + the chunk's size ahead of the player (8, 10, 14, 22, 22, ...); the engine's
+# chunks ask for 10, 10, 12, 14, 18, 22, ... at theirs (0, 4, 8, 14, 22, 34 frames against 0, 2, 6, 14, 30):
+# from the 2nd on, no more than the plan's last due time before asked; the 1st's 2 frames (0.7 units) more are
+# the 2 steps more before the first audio.
+PLANNED_CHUNKS = (2, 4, 8, 16)
+CUSHION_FRAMES = CHUNK_SCHEDULE[0] - PLANNED_CHUNKS[0]
 
 
 def engine_lookahead(cfg: ModelConfig, speculative: bool = True) -> tuple[int, int]:
@@ -298,7 +316,12 @@ class TextStream:
         E + 6 ran, whose unit needs ENGINE_UNITS - 1 after it: ``(E + 6) * 0.39 / stretch + 5`` units
         (SPEECH_UNITS_PER_S * FAST_START, 19.5 a second, slowed by the engine's elastic pacing,
         `streaming.slots.Slots.pace`, which eases off as the predicted lead grows: ``stretch``); it is due when the
-        player reaches its first frame. Example, 10 words/s ("The ", "birch ", "canoe ": 6.5 units a piece every 100
+        player reaches its first frame. The chunks are PLANNED_CHUNKS, whose first is CUSHION_FRAMES shorter than the
+        engine's: a cushion the plan leaves the player. Example, planned (2, 4, 8, 16) for the engine's (4, 4, 6, 8,
+        12, 16): the plan has frames 6-13 due when the player reaches frame 6, needing 20 frames' units; the engine
+        hands out frames 8-13 due at frame 8 (40 ms of audio later), needing 20 frames' too. The text is as early as
+        planned, and the player has 40 ms more in hand when it reaches each chunk, which the engine's steps alone
+        make late or not. Example, 10 words/s ("The ", "birch ", "canoe ": 6.5 units a piece every 100
         ms), stretch 1.2: after "birch " (0.1 s) 11 units wait; the first chunk needs 8 * 0.325 + 5 = 7.6, the 3rd
         (frames 6-13, due 0.12 s after the first, 0.19 s after "birch ") 20 * 0.325 + 5 = 11.5, and "canoe " counts
         by then as 6.5 * (1 - 0.6) = 2.6: 13.6; each later one needs 5.2 more per 16 frames while 6.5 come every 5:
@@ -314,9 +337,9 @@ class TextStream:
         stretch, per_frame = self._stretch, SPEECH_UNITS_PER_S * FAST_START * FRAME_S
         spread = PIECE_SPREAD if piece / every >= SLOW_PACE * SPEECH_UNITS_PER_S else SLOW_SPREAD
         spoken = (self._delay_frames - 1) * per_frame / stretch  # units the delay steps cover
-        played, end, sizes = 0, 0, iter(CHUNK_SCHEDULE)
+        played, end, sizes = 0, 0, iter(PLANNED_CHUNKS)
         while played < HOLD_HORIZON_FRAMES:  # chunk by chunk: due when the player reaches its first frame
-            played, end = end, end + (size := next(sizes, CHUNK_SCHEDULE[-1]))
+            played, end = end, end + (size := next(sizes, PLANNED_CHUNKS[-1]))
             spoken += size * per_frame / stretch
             pieces = max(0.0, (played * FRAME_S + since - PIECE_DELAY_S) // every)  # to come and be read by then
             there = units + (waiting + piece * (pieces - spread * pieces ** 0.5) if pieces >= 1 else 0.0)
@@ -332,7 +355,7 @@ class TextStream:
         return (end + self._delay_frames - 1) * SPEECH_UNITS_PER_S * FRAME_S / self._stretch + self._engine_units
 
     def _first_chunk_units(self) -> float:
-        return self._units_for(CHUNK_SCHEDULE[0])
+        return self._units_for(PLANNED_CHUNKS[0])
 
     def _ready(self, tokens: list[Token], more: bool = False) -> int:
         """How many of an open sentence's complete tokens may be spoken now; ``more``: complete words follow

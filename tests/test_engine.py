@@ -46,7 +46,7 @@ def test_speaks_whole_frames_and_stops(engine):
 def test_first_chunk_is_small_and_comes_before_the_rest(engine):
     chunks = list(synthesize_stream(TEXT, engine=engine))
     assert len(chunks) > 3
-    assert len(chunks[0]) == 2 * engine.codec.cfg.hop
+    assert len(chunks[0]) == 4 * engine.codec.cfg.hop  # CHUNK_SCHEDULE: 80 ms, then 80, 120, 160, 240, 320 ms
 
 
 def test_incremental_text_equals_whole_text(engine):

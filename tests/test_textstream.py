@@ -4,7 +4,9 @@ import time
 
 import pytest
 
-from streaming.textstream import PARTIAL_WORDS, TextStream
+from streaming import textstream
+from streaming.slots import CHUNK_SCHEDULE
+from streaming.textstream import CUSHION_FRAMES, FRAME_S, PARTIAL_WORDS, TextStream
 from tts.text import SYMBOLS, TextError, text_to_sentences
 
 SENTENCES = [
@@ -321,6 +323,44 @@ def test_a_held_start_ends_between_pieces_at_release_at_without_more_text():
     _Clocked.now = at
     assert stream.take() == (units, False)  # what the words gave, unchanged
     assert stream.release_at() is None  # started
+
+
+def test_the_hold_plans_with_a_first_chunk_smaller_than_the_engines(monkeypatch):
+    """The start hold decides as if the engine's first chunk were CUSHION_FRAMES shorter: two words at 5 a second
+    are released about that much audio (40 ms) later than by the same plan with the engine's first chunk, so the
+    player starts with that much more in hand than the text's pace needs; and no sooner than by a plan with the
+    engine's own chunks, which grow more slowly (`textstream.PLANNED_CHUNKS`)."""
+    def release_at():
+        stream = _Clocked(hold_start=True)
+        for i, piece in enumerate(WORDS[:2]):
+            _Clocked.now = i / 5
+            stream.push(piece)
+            assert stream.take()[0] == []
+        return stream.release_at()
+
+    cushioned = release_at()
+    monkeypatch.setattr(textstream, "PLANNED_CHUNKS", (CHUNK_SCHEDULE[0], *textstream.PLANNED_CHUNKS[1:]))
+    uncushioned = release_at()
+    monkeypatch.setattr(textstream, "PLANNED_CHUNKS", CHUNK_SCHEDULE)
+    own = release_at()
+    cushion_s = CUSHION_FRAMES * FRAME_S
+    assert 0.5 * cushion_s < cushioned - uncushioned <= cushion_s + 0.005  # release_at bisects to 5 ms
+    assert own <= uncushioned
+
+
+def test_a_held_word_by_word_stream_hands_out_the_engines_chunk_schedule_from_the_first(tiny_engine):
+    """The hold plans with a smaller first chunk, but the engine hands out its own: word by word (held, then
+    released), the first chunks are CHUNK_SCHEDULE's sizes, the first one included."""
+    stream = tiny_engine.open(seed=1)
+    started = time.perf_counter()
+    for i, piece in enumerate(WORDS):
+        time.sleep(max(0.0, started + i / 10 - time.perf_counter()))
+        stream.push_text(piece)
+    stream.end()
+    sizes = []
+    while (chunk := stream.read(timeout=30)) is not None:
+        sizes.append(len(chunk) // tiny_engine.codec.cfg.hop)
+    assert sizes[:3] == list(CHUNK_SCHEDULE[:3])
 
 
 def test_the_text_thread_ends_a_held_start_between_pieces(tiny_engine):
