@@ -39,7 +39,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from streaming.parked_file import _remove, read_state, write_state
+from streaming.parked_file import FileInfo, _remove, read_state, write_state
 
 # Grace before a stalled stream is parked. A stream waiting for text usually gets it within a tick or two
 # (an LLM's next token), and a park + restore costs ~1 ms on 2 cores; half a second parks only real pauses
@@ -148,7 +148,8 @@ class Parked:
         self.layout: RowLayout | None = None
         self.captured = threading.Event()  # every row is in `rows` (the CPU codec worker adds the decoder's later)
         self.copied = None  # a CUDA event: the device -> pinned host copies are done
-        self.path: str | None = None
+        self.path: str | None = None  # its file, while it is on disk
+        self.file: FileInfo | None = None  # what reads that file back
         self.parked_at = time.monotonic()
         self.wanted = False  # a restore waits for it: keep it in memory, or bring it back
         self.wanted_at = 0.0  # when its load was asked for (`ParkingStore.want`)
@@ -201,7 +202,7 @@ class Parked:
 class ParkingStore:
     """The parked states of one engine, bounded (`ParkingConfig`); the engine thread puts, wants and takes,
     ``io_threads`` I/O threads move states between host memory and disk (loads before spills)."""
-    KINDS = ("park", "restore", "spill", "load", "load_wait", "park_host", "restore_host")
+    KINDS = ("park", "restore", "spill", "load", "load_wait", "spill_cpu", "load_cpu", "park_host", "restore_host")
 
     def __init__(self, config: ParkingConfig, on_loaded: Callable[[], None]):
         self.config, self.on_loaded = config, on_loaded
@@ -216,7 +217,8 @@ class ParkingStore:
         self.host_bytes = self.disk_bytes = 0
         self.failures = {"spill": 0, "load": 0}
         # ms per stream; "load_wait": from the `want` that asked for a load until the state is in memory (the
-        # load itself and its wait behind other files)
+        # load itself and its wait behind other files); "spill_cpu"/"load_cpu": the I/O thread's CPU time for a
+        # spill/load (what it costs on an idle core; the wall time beside it adds the waits for a core and the GIL)
         self.times: dict[str, deque] = {kind: deque(maxlen=100_000) for kind in self.KINDS}
         self._threads: list[threading.Thread] = []
         self._device_times: deque = deque()
@@ -345,12 +347,12 @@ class ParkingStore:
     def _spill(self, parked: Parked) -> None:
         """Write ``parked`` to its file and drop it from memory, unless it was restored or wanted meanwhile.
         If the write fails (a full disk) it stays in memory and spilling pauses for SPILL_RETRY_S."""
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         if parked.copied is not None:
             parked.copied.synchronize()
         path = os.path.join(self._directory(), f"{parked.id}.park")
         try:
-            write_state(path, parked.flat, parked.loose, parked.layout and parked.layout.fingerprint)
+            info = write_state(path, parked.flat, parked.loose, parked.layout and parked.layout.fingerprint)
         except Exception as err:
             with self._cond:
                 parked.loading = False
@@ -366,21 +368,22 @@ class ParkingStore:
                 _remove(path)
                 return
             parked.pinned = parked.flat is not None and parked.flat.is_pinned()
-            parked.path, parked.loose, parked.flat = path, {}, None
+            parked.path, parked.file, parked.loose, parked.flat = path, info, {}, None
             self.host_bytes -= self._entries[parked]
             self.disk_bytes += parked.nbytes
             self._entries[parked] = 0
         self.times["spill"].append((time.perf_counter() - started) * 1000)
+        self.times["spill_cpu"].append((time.thread_time() - cpu) * 1000)
 
     def _load(self, parked: Parked) -> None:
         """Read ``parked``'s file back into memory (its packed row in a fresh row, pinned if it was) and wake
         the engine; a file that cannot be read leaves the state lost (`lost`)."""
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         try:
-            flat, loose = read_state(parked.path, parked.layout and parked.layout.fingerprint, pin=parked.pinned)
+            flat, loose = read_state(parked.path, parked.file, pin=parked.pinned)
         except Exception as err:  # truncated or damaged (CorruptParkedFile), or unreadable
             flat, loose = None, err
-        ended = time.perf_counter()
+        ended, cpu = time.perf_counter(), time.thread_time() - cpu
         with self._cond:
             parked.loading = False
             _remove(parked.path)
@@ -393,10 +396,12 @@ class ParkingStore:
                 self._lost.append(parked)
             else:
                 parked.flat, parked.loose, parked.path = flat, loose, None  # the file's byte count: `nbytes`
+                parked.file = None
                 self.host_bytes += parked.nbytes
                 self._entries[parked] = parked.nbytes
                 self.times["load"].append((ended - started) * 1000)
                 self.times["load_wait"].append((ended - parked.wanted_at) * 1000)
+                self.times["load_cpu"].append(cpu * 1000)
         if parked.error is not None:
             print(f"parking: a parked state could not be read back, its stream ends: {parked.error}")
         self.on_loaded()
