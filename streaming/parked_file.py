@@ -77,7 +77,7 @@ def write_state(path: str, flat: torch.Tensor | None, loose: dict[str, torch.Ten
         _write_all(fd, [memoryview(head)] + [memoryview(words).cast("B") for words in payload])
     except BaseException:
         os.close(fd)
-        _remove(temporary)
+        remove_file(temporary)
         raise
     os.close(fd)
     os.replace(temporary, path)
@@ -152,7 +152,8 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
             views[0] = views[0][written:]
 
 
-def _remove(path: str | None) -> None:
+def remove_file(path: str | None) -> None:
+    """Remove ``path`` if there is one and it exists (a parked state's file, once restored or discarded)."""
     if path is not None:
         try:
             os.remove(path)

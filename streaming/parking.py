@@ -12,7 +12,7 @@ drop them from memory; restoring a spilled stream reads its file on those thread
 straight into a fresh packed row, so the engine thread never waits for the disk and restores it as it restores
 one from host memory. Files are removed on restore, on cancel and when the store closes (the directory with
 them). A state that cannot be written (a full disk) stays in memory; one whose file cannot be read back
-(truncated, damaged) is reported by `ParkingStore.failed`, and its stream ends with an error.
+(truncated, damaged) is reported by `ParkingStore.lost`, and its stream ends with an error.
 
 Worked example, ``disk_after_s`` 10: a stream parked at t = 0 is in host memory; at t = 10 (the spill thread
 looks every 1/4 of that) its rows go to ``<dir>/7.park`` and leave memory; text arrives at t = 12:
@@ -39,7 +39,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from streaming.parked_file import FileInfo, _remove, read_state, write_state
+from streaming.parked_file import FileInfo, read_state, remove_file, write_state
 
 # Grace before a stalled stream is parked. A stream waiting for text usually gets it within a tick or two
 # (an LLM's next token), and a park + restore costs ~1 ms on 2 cores; half a second parks only real pauses
@@ -365,7 +365,7 @@ class ParkingStore:
             parked.loading = False
             del self._spilling[parked]
             if parked not in self._entries or parked.wanted:  # restored or wanted meanwhile: keep it in memory
-                _remove(path)
+                remove_file(path)
                 return
             parked.pinned = parked.flat is not None and parked.flat.is_pinned()
             parked.path, parked.file, parked.loose, parked.flat = path, info, {}, None
@@ -386,7 +386,7 @@ class ParkingStore:
         ended, cpu = time.perf_counter(), time.thread_time() - cpu
         with self._cond:
             parked.loading = False
-            _remove(parked.path)
+            remove_file(parked.path)
             if parked not in self._entries:
                 return  # discarded meanwhile
             self.disk_bytes -= parked.nbytes
@@ -419,7 +419,7 @@ class ParkingStore:
         if parked.tier == "disk":
             self.disk_bytes -= parked.nbytes
             if not parked.loading:  # a file being loaded is removed by the loader
-                _remove(parked.path)
+                remove_file(parked.path)
 
 
 def weights_fingerprint(*modules: torch.nn.Module) -> str:
