@@ -4,12 +4,14 @@ never parked. One JSON object.
     python -m bench.parking                              # shipped model, CPU, 8 streams
     python -m bench.parking --device cuda --streams 64   # GPU <-> pinned host, host <-> disk
     python -m bench.parking --tiny
+    python -m bench.parking --store-only --streams 64          # the disk tier alone
     python -m bench.parking --device cuda --streams 64 --moved-slots 64 --warm-up --trace   # the H200 check
 
 ``--store-only``: the disk tier alone, without the model's work beside it: N states of the engine's size (its
 packed row and, on the CPU codec path, its decoder's rows) put in a `ParkingStore` at once, spilled, then all
 wanted at once and taken; per stream ``spill``, ``load`` and ``load_wait`` as below (``store_rounds`` rounds),
-and ``ready_after_asking_all_ms``: from the asks until each state is in memory, as the bench sees it (polling).
+and ``ready_after_asking_all_ms``: from the asks until each state is in memory, as the bench sees it (woken by
+the store's ``on_loaded``; also for a store without ``load_wait``).
 
 ``--trace``: per stream of the parked rounds, its first sample over 1e-4 from the reference beside its parks and
 restores (slot, samples delivered by then). ``--frame-codec``: the GPU's codec path (a frame a tick, one tick in
@@ -188,17 +190,20 @@ def disk_tier(parking: dict, restores: dict) -> dict:
 
 def store_only(engine: Engine, rounds: int) -> dict:
     """The disk tier alone (``--store-only``): per round, every slot's state (its packed row copied out of slot
-    0, its decoder rows captured from the codec worker) put in the engine's store at once, spilled, wanted at
-    once and taken; the store's per-stream figures over all rounds."""
+    0, pinned on a GPU, and its loose rows: the codec worker's decoder rows, or the frame codec's outbox) put in
+    the engine's store at once, spilled, wanted at once and taken; the store's per-stream figures over all
+    rounds."""
     layout, tensors = engine.mover.layout()
-    flat = torch.empty(layout.row_bytes, dtype=torch.uint8)
+    flat = torch.empty(layout.row_bytes, dtype=torch.uint8, pin_memory=engine.device.type == "cuda")
     layout.copy([layout.packed(flat)], [layout.slot(tensors, 0)])
-    captured = threading.Event()
-    decoder: list[dict] = []
-    if engine.codec_worker is not None:
+    if engine.frame_codec:  # the GPU's codec path: the audio outbox travels beside the packed row
+        loose = {"outbox": torch.from_numpy(engine.outbox.audio[0:1].copy())}
+    else:  # the CPU codec worker's decoder rows
+        captured = threading.Event()
+        decoder: list[dict] = []
         engine.codec_worker.capture([0], lambda states: (decoder.extend(states), captured.set()))
         captured.wait(30)
-    loose = decoder[0] if decoder else {}
+        loose = decoder[0]
     store = engine.store
     store.config.disk_after_s = 0.0
     ready_ms: list[float] = []
@@ -208,7 +213,7 @@ def store_only(engine: Engine, rounds: int) -> dict:
         states = []
         for _ in range(engine.max_streams):
             parked = Parked()
-            parked.add_packed(flat.clone(), layout)
+            parked.add_packed(torch.empty_like(flat, pin_memory=flat.is_pinned()).copy_(flat), layout)
             parked.add({name: t.clone() for name, t in loose.items()})
             parked.captured.set()
             states.append(parked)
