@@ -62,7 +62,8 @@ class ParkingConfig:
     disk_after_s: float = 10.0  # a parked stream idle this long moves from host memory to disk
     directory: str | None = None  # where spilled states go: a fresh directory under it (default: the temp dir)
     max_host_bytes: int = 1 << 30  # past this the oldest parked states spill to disk at once
-    max_disk_bytes: int = 4 << 30  # past this nothing more spills (states stay in memory)
+    max_disk_bytes: int = 4 << 30  # past this nothing more spills (states stay in memory; counts the states'
+    # bytes, each file adds a header of a few hundred bytes)
     io_threads: int = field(default_factory=_io_threads)  # threads writing and reading the files
 
 
@@ -334,11 +335,12 @@ class ParkingStore:
         if now < self._spill_after:
             return None
         cutoff = now - self.config.disk_after_s
-        over = self.host_bytes - sum(self._spilling.values()) > self.config.max_host_bytes  # (not counting those on their way)
+        on_their_way = sum(self._spilling.values())  # being written by other threads: count them on disk already
+        over = self.host_bytes - on_their_way > self.config.max_host_bytes
         for parked in self._entries:  # oldest first
             if parked.tier == "host" and not parked.wanted and not parked.loading and parked.captured.is_set() \
                     and (over or parked.parked_at <= cutoff) \
-                    and self.disk_bytes + parked.nbytes <= self.config.max_disk_bytes:
+                    and self.disk_bytes + on_their_way + parked.nbytes <= self.config.max_disk_bytes:
                 parked.loading = True  # busy: not spilled twice
                 self._spilling[parked] = self._entries[parked]
                 return self._spill, parked

@@ -168,3 +168,19 @@ def test_a_stream_whose_parked_file_was_damaged_ends_with_a_typed_error(tmp_path
         audio.append(chunk)
     assert np.concatenate(audio).size > 0
     engine.close()
+
+
+def test_the_directory_holds_at_most_max_disk_bytes_of_states(tmp_path):
+    """Past ``max_disk_bytes`` nothing more spills: the third state stays in memory and still restores."""
+    size = stored(ParkingStore(ParkingConfig(disk_after_s=None), lambda: None), 1)[0].nbytes  # (no I/O threads)
+    store = ParkingStore(ParkingConfig(disk_after_s=0.01, max_disk_bytes=2 * size + 1, directory=str(tmp_path)),
+                         lambda: None)
+    states = stored(store, 3)
+    assert wait_until(lambda: store.stats()["parked"] == {"host": 1, "disk": 2})
+    (folder,) = os.listdir(tmp_path)
+    assert len(os.listdir(tmp_path / folder)) == 2 and store.disk_bytes == 2 * size
+    assert [p.tier for p in states] == ["disk", "disk", "host"]  # the oldest went first
+    assert store.want(states[2])
+    store.take(states[2])
+    store.close()
+    assert os.listdir(tmp_path) == []
