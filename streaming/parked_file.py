@@ -6,8 +6,8 @@ the same way, behind a small header. Writing is one ``os.writev`` straight from 
 copy, no serialiser); reading is one ``readinto`` of the whole file into one fresh buffer (pinned on a GPU)
 whose slices are the packed row and the loose rows, so a state back from disk is restored by the same packed
 copy as one that never left host memory. Few calls matter more than few bytes here: each call that releases
-the GIL may wait for it behind the engine thread, so a load is open, fstat, one allocation, one read, two
-numpy reductions and close, whatever the number of rows.
+the GIL may wait for it behind the engine thread, so a load is one allocation, open, fstat, one read, close and
+two numpy reductions, whatever the number of rows (whose views are numpy's, `unpack_loose`).
 
 Layout of a file (little endian; every part starts at a multiple of 16 bytes)::
 
@@ -98,11 +98,10 @@ def read_state(path: str, info: FileInfo, pin: bool = False) -> tuple[torch.Tens
     if read != info.size or bytes(buffer[:len(info.head)].numpy()) != info.head:
         raise CorruptParkedFile(f"{path}: not the header written (another file, or damaged)")
     start = len(info.head)
-    flat = buffer[start:start + info.flat_bytes]
-    packed = buffer[start + info.flat_bytes:]
-    if _checksum([_words(flat), _words(packed)]) != info.checksum:
+    if _checksum([_words(buffer[start:])]) != info.checksum:  # the parts' words, in one pass (sum, xor: any split)
         raise CorruptParkedFile(f"{path}: the payload's checksum differs (the file is damaged)")
-    return (flat if info.flat_bytes else None), unpack_loose(packed, info.loose)
+    flat = buffer[start:start + info.flat_bytes]
+    return (flat if info.flat_bytes else None), unpack_loose(buffer[start + info.flat_bytes:], info.loose)
 
 
 def pack_loose(loose: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list]:
@@ -120,9 +119,20 @@ def pack_loose(loose: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list]:
 
 
 def unpack_loose(packed: torch.Tensor, entries) -> dict[str, torch.Tensor]:
-    """The named rows of `pack_loose`'s ``packed`` (views of it)."""
-    return {name: packed[at:at + nbytes].view(getattr(torch, dtype)).view(shape)
-            for name, dtype, shape, at, nbytes in entries}
+    """The named rows of `pack_loose`'s ``packed`` (views of it), made through numpy: a torch view is an op that
+    lets the GIL go and waits to get it back behind the engine thread, twice per row; numpy's views do not
+    (a dtype numpy lacks, bfloat16, takes torch's way)."""
+    raw, rows = packed.numpy(), {}
+    for name, dtype, shape, at, nbytes in entries:
+        if dtype in _NUMPY:
+            rows[name] = torch.from_numpy(raw[at:at + nbytes].view(_NUMPY[dtype]).reshape(shape))
+        else:
+            rows[name] = packed[at:at + nbytes].view(getattr(torch, dtype)).view(shape)
+    return rows
+
+
+_NUMPY = {"float32": np.float32, "float64": np.float64, "float16": np.float16, "int64": np.int64,
+          "int32": np.int32, "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_}
 
 
 def _words(tensor: torch.Tensor) -> np.ndarray:
