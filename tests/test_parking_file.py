@@ -25,8 +25,8 @@ def a_state(seed: int = 0) -> tuple[RowLayout, torch.Tensor, dict[str, torch.Ten
     layout = RowLayout(tensors)
     flat = torch.empty(layout.row_bytes, dtype=torch.uint8)
     layout.copy([layout.packed(flat)], [layout.slot(tensors, 1)])
-    loose = {"codec.0": torch.randn(1, 3, 3, generator=generator), "codec.h": torch.randn(1, 1, 5, generator=generator).bfloat16(),
-             "flag": torch.tensor([[True, False, True]]), "outbox": torch.randn(1, 13, generator=generator)}
+    loose = {"codec.0": torch.randn(1, 3, 3, generator=generator),
+             "codec.h": torch.randn(1, 1, 5, generator=generator).bfloat16(), "flag": torch.tensor([[True, False, True]]), "outbox": torch.randn(1, 13, generator=generator)}
     return layout, flat, loose
 
 
