@@ -4,7 +4,14 @@ never parked. One JSON object.
     python -m bench.parking                              # shipped model, CPU, 8 streams
     python -m bench.parking --device cuda --streams 64   # GPU <-> pinned host, host <-> disk
     python -m bench.parking --tiny
+    python -m bench.parking --store-only --streams 64          # the disk tier alone
     python -m bench.parking --device cuda --streams 64 --moved-slots 64 --warm-up --trace   # the H200 check
+
+``--store-only``: the disk tier alone, without the model's work beside it: N states of the engine's size (its
+packed row and, on the CPU codec path, its decoder's rows) put in a `ParkingStore` at once, spilled, then all
+wanted at once and taken; per stream ``spill``, ``load`` and ``load_wait`` as below (``store_rounds`` rounds),
+and ``ready_after_asking_all_ms``: from the asks until each state is in memory, as the bench sees it (woken by
+the store's ``on_loaded``; also for a store without ``load_wait``).
 
 ``--trace``: per stream of the parked rounds, its first sample over 1e-4 from the reference beside its parks and
 restores (slot, samples delivered by then). ``--frame-codec``: the GPU's codec path (a frame a tick, one tick in
@@ -15,7 +22,11 @@ Per round, N streams (one slot each) get the first words of a sentence, run dry 
 rest of its text and is restored. Tier times come from the engine's stats: slot <-> host memory per stream
 (on a GPU: device time between CUDA events, gather + copy to pinned memory, and copy back + scatter;
 ``park_host``/``restore_host``: the engine thread's time for the same, on any device), host
-<-> disk per stream (safetensors file in the temp dir, the page cache's speed: no fsync). ``max_abs_diff``:
+<-> disk per stream (one raw file per state in the temp dir, `streaming.parked_file`: the page cache's speed, no
+fsync). ``disk_tier_ms_per_stream``, the disk tier's figures together: ``spill`` (host memory -> file, per
+stream, on an I/O thread), ``load`` (file -> host memory), ``load_wait`` (from the restore's ask until its state
+is in memory: the load and its wait behind the other streams' files, all restored at once), and
+``restore_disk_round`` (the disk round's copy from host memory into a slot, as `restore`). ``max_abs_diff``:
 the largest difference between a parked-and-restored stream's audio and the same seeded stream speaking
 without parking (greedy sampling), over both rounds and one stream detached mid-utterance and attached to a
 second engine (`Engine.detach`/`attach`). ``unparked_again``: the control, the reference round run a second
@@ -28,15 +39,17 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import time
 
 import numpy as np
+import torch
 
 import kernels
 
 from bench.common import harvard
 from streaming.engine import Engine, SamplingConfig
-from streaming.parking import ParkingConfig
+from streaming.parking import Parked, ParkingConfig
 
 
 def speak(engine: Engine, sentence: str, seed: int, cut: int | None) -> tuple[np.ndarray, object]:
@@ -166,6 +179,70 @@ def traced(rounds: list[dict], got: list[np.ndarray], want: list[np.ndarray]) ->
     return rows
 
 
+def disk_tier(parking: dict, restores: dict) -> dict:
+    """The host <-> disk tier per stream, p50/p99 ms (see the module's docstring), and the store's I/O threads
+    and failures."""
+    return {"spill": parking["spill_ms"], "load": parking["load_ms"], "load_wait": parking.get("load_wait_ms"),
+            "spill_cpu": parking.get("spill_cpu_ms"), "load_cpu": parking.get("load_cpu_ms"),
+            "restore_disk_round": restores.get("disk_round"), "io_threads": parking.get("io_threads", 1),
+            "failures": parking.get("failures")}
+
+
+def store_only(engine: Engine, rounds: int) -> dict:
+    """The disk tier alone (``--store-only``): per round, every slot's state (its packed row copied out of slot
+    0, pinned on a GPU, and its loose rows: the codec worker's decoder rows, or the frame codec's outbox) put in
+    the engine's store at once, spilled, wanted at once and taken; the store's per-stream figures over all
+    rounds."""
+    layout, tensors = engine.mover.layout()
+    flat = torch.empty(layout.row_bytes, dtype=torch.uint8, pin_memory=engine.device.type == "cuda")
+    layout.copy([layout.packed(flat)], [layout.slot(tensors, 0)])
+    if engine.frame_codec:  # the GPU's codec path: the audio outbox travels beside the packed row
+        loose = {"outbox": torch.from_numpy(engine.outbox.audio[0:1].copy())}
+    else:  # the CPU codec worker's decoder rows
+        captured = threading.Event()
+        decoder: list[dict] = []
+        engine.codec_worker.capture([0], lambda states: (decoder.extend(states), captured.set()))
+        captured.wait(30)
+        loose = decoder[0]
+    store = engine.store
+    store.config.disk_after_s = 0.0
+    ready_ms: list[float] = []
+    loaded = threading.Event()
+    store.on_loaded = loaded.set  # (the engine's wake-up is not needed: no stream is restored here)
+    for _ in range(rounds):
+        states = []
+        for _ in range(engine.max_streams):
+            parked = Parked()
+            parked.add_packed(torch.empty_like(flat, pin_memory=flat.is_pinned()).copy_(flat), layout)
+            parked.add({name: t.clone() for name, t in loose.items()})
+            parked.captured.set()
+            states.append(parked)
+            store.put(parked)
+        wait_until(lambda: store.stats()["parked"]["disk"] == len(states))
+        asked = time.perf_counter()
+        for parked in states:
+            store.want(parked)
+        waiting = list(states)
+        while waiting:  # each state's time from the asks until it is in memory, seen from here (any store)
+            loaded.wait(0.01)
+            loaded.clear()
+            ready = [p for p in waiting if store.want(p)]
+            ready_ms += [(time.perf_counter() - asked) * 1000] * len(ready)
+            waiting = [p for p in waiting if p not in ready]
+            if time.perf_counter() - asked > 60:
+                raise TimeoutError("the states did not come back from disk")
+        expected = layout.views(flat) | loose
+        for parked in states:  # what comes back is what went
+            rows = store.take(parked)
+            assert all(torch.equal(rows[name], t) for name, t in expected.items())
+    stats = store.stats()
+    return {"engine": "store_only", "states": engine.max_streams, "rounds": rounds, "state_bytes": states[0].nbytes,
+            "cpu_cores": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
+            "disk_tier_ms_per_stream": disk_tier(stats, {}),
+            "ready_after_asking_all_ms": {"p50": round(float(np.percentile(ready_ms, 50)), 3),
+                                          "p99": round(float(np.percentile(ready_ms, 99)), 3)}}
+
+
 def max_diff(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max()) if len(got) == len(want) else float("inf")
 
@@ -194,12 +271,17 @@ def main() -> None:
                         help="step every slot in every tick (one batch bucket): an experiment on batch invariance")
     parser.add_argument("--trace", action="store_true",
                         help="report each parted stream's first differing sample beside its parks and restores")
+    parser.add_argument("--store-only", action="store_true", help="the disk tier alone (see above)")
+    parser.add_argument("--store-rounds", type=int, default=5, help="rounds of --store-only")
+    parser.add_argument("--io-threads", type=int, help="the parking store's I/O threads (default: min(4, cores))")
     parser.add_argument("--switch-interval", type=float,
                         help="Python's thread switch interval in seconds (sys.setswitchinterval)")
     args = parser.parse_args()
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     parking = ParkingConfig(park_after_s=0.05, disk_after_s=3600)
+    if args.io_threads:
+        parking.io_threads = args.io_threads
     greedy = SamplingConfig(temperature=0.0)
     if args.tiny:
         from tests.helpers import tiny_model_and_codec
@@ -213,6 +295,10 @@ def main() -> None:
                     device=args.device, sampling=greedy, parking=parking, step_factory=factory, frame_codec=frame_codec)
     sentences = [s for s in harvard(64) if len(s.split()) >= 7][:args.streams]
     sentences = (sentences * args.streams)[:args.streams]
+    if args.store_only:
+        print(json.dumps(store_only(engine, args.store_rounds), indent=2))
+        engine.close()
+        return
     if args.one_bucket:
         engine._bucket = lambda: engine.max_streams if engine._live.any() else 0
     if args.warm_up:
@@ -248,7 +334,9 @@ def main() -> None:
                       "cache_bytes_per_stream": state_bytes,
                       "tiers_ms_per_stream": {kind: stats["parking"][f"{kind}_ms"] for kind in
                                               ("park", "restore", "spill", "load", "park_host", "restore_host")},
-                      "restore_ms_per_stream_by_round": restores, "max_abs_diff": max(diffs), "identical_streams": sum(d == 0 for d in diffs),
+                      "restore_ms_per_stream_by_round": restores,
+                      "disk_tier_ms_per_stream": disk_tier(stats["parking"], restores),
+                      "max_abs_diff": max(diffs), "identical_streams": sum(d == 0 for d in diffs),
                       "streams_within_1e-4": sum(d <= 1e-4 for d in diffs), "step": engine.step_kind,
                       "within_1e-4_by_round": {"host": sum(d <= 1e-4 for d in diffs[:len(host)]),
                                                "disk": sum(d <= 1e-4 for d in diffs[len(host):-1]),

@@ -96,6 +96,11 @@ class UnknownVoice(EngineError, ValueError):
     code = "unknown_voice"
 
 
+class ParkedStateLost(EngineError):
+    """A parked stream's state could not be read back from disk (its file truncated or damaged): it cannot
+    continue, and ends with this error (code ``engine_error``); the other streams go on."""
+
+
 class BadState(EngineError, ValueError):
     """`Engine.attach` was given bytes that are not a stream state of an engine with the same weights."""
     code = "bad_state"
@@ -502,6 +507,8 @@ class Engine:
                 if stream is not None:
                     self._fail(stream, err if isinstance(err, (TextError, EngineError)) else
                                EngineError(f"internal error: {type(err).__name__}: {err}"))
+        if self.store.has_lost:
+            self._end_lost()
         if self._parking:
             self._continue_parks()
         if self.parking.park_after_s > 0:
@@ -771,6 +778,14 @@ class Engine:
             restored = set(rows)
             self._codec_resets = [r for r in self._codec_resets if r not in restored]
         return rows
+
+    def _end_lost(self) -> None:
+        """End the streams whose parked state could not be read back from disk (`ParkingStore.lost`)."""
+        for parked in self.store.lost():
+            u = next((u for u in self._by_stream.values() if u.parked is parked), None)
+            if u is not None:
+                self._fail(u.stream, ParkedStateLost(f"the stream's parked state could not be read back from "
+                                                     f"disk: {parked.error}"))
 
     # -- parking at once (hold, detach) --
     def _park_soon(self, u: Utterance) -> None:

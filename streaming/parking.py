@@ -6,13 +6,16 @@ prefix (`StepCaches.rows`, the sinks) and of the codec decoder state (`codec_wor
 one byte row (`RowLayout`; named (1, ...) views of it in `Parked.rows`), plus the engine's host bookkeeping
 (kept by the engine, small). Tiers: when parked the rows are copied to host memory (on a GPU into pinned
 memory, asynchronously; on the CPU they are host memory already). After ``disk_after_s`` idle, or at once
-while the host tier holds more than ``max_host_bytes``, a spill thread writes them to one file each (safetensors)
-in a directory of at most ``max_disk_bytes`` and drops them from memory; restoring a spilled stream loads its
-file on that thread first (`ParkingStore.want`), so the engine thread never waits for the disk. Files are
-removed on restore, on cancel and when the store closes (the directory with them).
+while the host tier holds more than ``max_host_bytes``, a few I/O threads write them to one raw file each
+(`streaming.parked_file`: the packed row as it is in memory) in a directory of at most ``max_disk_bytes`` and
+drop them from memory; restoring a spilled stream reads its file on those threads first (`ParkingStore.want`)
+straight into a fresh packed row, so the engine thread never waits for the disk and restores it as it restores
+one from host memory. Files are removed on restore, on cancel and when the store closes (the directory with
+them). A state that cannot be written (a full disk) stays in memory; one whose file cannot be read back
+(truncated, damaged) is reported by `ParkingStore.lost`, and its stream ends with an error.
 
 Worked example, ``disk_after_s`` 10: a stream parked at t = 0 is in host memory; at t = 10 (the spill thread
-looks every 1/4 of that) its rows go to ``<dir>/7.safetensors`` and leave memory; text arrives at t = 12:
+looks every 1/4 of that) its rows go to ``<dir>/7.park`` and leave memory; text arrives at t = 12:
 ``want`` starts the load and answers False, the load finishes a few ms later and wakes the engine, whose
 next ``want`` answers True; the engine takes the rows (`take`) and the file is gone.
 
@@ -30,18 +33,27 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+
+from streaming.parked_file import FileInfo, read_state, remove_file, write_state
 
 # Grace before a stalled stream is parked. A stream waiting for text usually gets it within a tick or two
 # (an LLM's next token), and a park + restore costs ~1 ms on 2 cores; half a second parks only real pauses
 # (between sentences, a reader seconds behind).
 PARK_AFTER_S = 0.5
 BLOB_FORMAT = "tts-parked-stream/1"
+# A failed spill (a full disk) pauses spilling this long: states stay in memory meanwhile.
+SPILL_RETRY_S = 1.0
+
+
+def _io_threads() -> int:
+    """Threads moving states between host memory and disk: a few, so that many streams parked or restored at
+    once do not queue behind one file each (page-cache copies run in parallel, outside the GIL)."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass
@@ -50,7 +62,9 @@ class ParkingConfig:
     disk_after_s: float = 10.0  # a parked stream idle this long moves from host memory to disk
     directory: str | None = None  # where spilled states go: a fresh directory under it (default: the temp dir)
     max_host_bytes: int = 1 << 30  # past this the oldest parked states spill to disk at once
-    max_disk_bytes: int = 4 << 30  # past this nothing more spills (states stay in memory)
+    max_disk_bytes: int = 4 << 30  # past this nothing more spills (states stay in memory; counts the states'
+    # bytes, each file adds a header of a few hundred bytes)
+    io_threads: int = field(default_factory=_io_threads)  # threads writing and reading the files
 
 
 class RowLayout:
@@ -75,6 +89,7 @@ class RowLayout:
             self.entries.append((name, offset, nbytes, tensor.dtype, tuple(row.shape)))
             offset += -(-nbytes // self.ALIGN) * self.ALIGN
         self.row_bytes = offset
+        self.fingerprint = hashlib.blake2b(repr((self.entries, offset)).encode(), digest_size=8).hexdigest()
         self._slots: dict[tuple[int, int], dict] = {}
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -134,10 +149,14 @@ class Parked:
         self.layout: RowLayout | None = None
         self.captured = threading.Event()  # every row is in `rows` (the CPU codec worker adds the decoder's later)
         self.copied = None  # a CUDA event: the device -> pinned host copies are done
-        self.path: str | None = None
+        self.path: str | None = None  # its file, while it is on disk
+        self.file: FileInfo | None = None  # what reads that file back
         self.parked_at = time.monotonic()
         self.wanted = False  # a restore waits for it: keep it in memory, or bring it back
-        self.loading = False
+        self.wanted_at = 0.0  # when its load was asked for (`ParkingStore.want`)
+        self.loading = False  # an I/O thread is writing or reading its file
+        self.pinned = False  # its packed row was in pinned memory: read it back into pinned memory
+        self.error: Exception | None = None  # its file could not be read back: its state is gone
         self.nbytes = 0
 
     @property
@@ -147,6 +166,9 @@ class Parked:
 
     @property
     def tier(self) -> str:
+        """"host" (its rows in memory), "disk" (only in its file) or "lost" (its file could not be read back)."""
+        if self.error is not None:
+            return "lost"
         return "disk" if self.path is not None and self.flat is None and not self.loose else "host"
 
     @classmethod
@@ -180,19 +202,26 @@ class Parked:
 
 class ParkingStore:
     """The parked states of one engine, bounded (`ParkingConfig`); the engine thread puts, wants and takes,
-    a spill thread moves states between host memory and disk."""
+    ``io_threads`` I/O threads move states between host memory and disk (loads before spills)."""
+    KINDS = ("park", "restore", "spill", "load", "load_wait", "spill_cpu", "load_cpu", "park_host", "restore_host")
 
     def __init__(self, config: ParkingConfig, on_loaded: Callable[[], None]):
         self.config, self.on_loaded = config, on_loaded
         self._entries: OrderedDict[Parked, int] = OrderedDict()  # oldest first -> bytes counted in host memory
         self._cond = threading.Condition()
         self._loads: deque[Parked] = deque()
+        self._lost: list[Parked] = []  # loads that failed, for the engine (`lost`)
         self._dir: str | None = None
         self._closing = False
+        self._spill_after = 0.0  # monotonic time before which nothing spills (after a failed spill)
+        self._spilling: dict[Parked, int] = {}  # states being written now -> their bytes: leaving host memory
         self.host_bytes = self.disk_bytes = 0
-        self.times: dict[str, deque] = {kind: deque(maxlen=100_000) for kind in
-                                        ("park", "restore", "spill", "load", "park_host", "restore_host")}
-        self._thread: threading.Thread | None = None
+        self.failures = {"spill": 0, "load": 0}
+        # ms per stream; "load_wait": from the `want` that asked for a load until the state is in memory (the
+        # load itself and its wait behind other files); "spill_cpu"/"load_cpu": the I/O thread's CPU time for a
+        # spill/load (what it costs on an idle core; the wall time beside it adds the waits for a core and the GIL)
+        self.times: dict[str, deque] = {kind: deque(maxlen=100_000) for kind in self.KINDS}
+        self._threads: list[threading.Thread] = []
         self._device_times: deque = deque()
 
     # ---- engine thread ---------------------------------------------------------------------------
@@ -200,18 +229,18 @@ class ParkingStore:
         with self._cond:
             self._entries[parked] = parked.nbytes
             self.host_bytes += parked.nbytes
-            self._start_thread()
+            self._start_threads()
             self._cond.notify()
 
     def want(self, parked: Parked) -> bool:
         """A restore waits for ``parked``: whether its rows are in memory now (if not, its file is being loaded
-        and `on_loaded` is called when it is)."""
+        and `on_loaded` is called when it is, or when it failed: `lost`)."""
         with self._cond:
             parked.wanted = True
             if parked.tier == "host":
                 return True
-            if not parked.loading:
-                parked.loading = True
+            if not parked.loading and parked.error is None:
+                parked.loading, parked.wanted_at = True, time.perf_counter()
                 self._loads.append(parked)
                 self._cond.notify()
             return False
@@ -227,6 +256,18 @@ class ParkingStore:
         """The stream ended while parked: forget its state, remove its file."""
         with self._cond:
             self._forget(parked)
+
+    @property
+    def has_lost(self) -> bool:
+        """Whether `lost` has states to report (a lock-free look, for the engine's tick)."""
+        return bool(self._lost)
+
+    def lost(self) -> list[Parked]:
+        """The states whose files could not be read back since the last call (each with its ``error``): their
+        streams cannot continue. Still in the store until discarded."""
+        with self._cond:
+            lost, self._lost = self._lost, []
+            return lost
 
     def note(self, kind: str, ms: float, count: int = 1) -> None:
         """Time of a park or restore of ``count`` streams, counted per stream."""
@@ -244,8 +285,9 @@ class ParkingStore:
         with self._cond:
             tiers = {"host": 0, "disk": 0}
             for parked in self._entries:
-                tiers[parked.tier] += 1
-            figures = {"parked": tiers, "host_bytes": self.host_bytes, "disk_bytes": self.disk_bytes}
+                tiers[parked.tier] = tiers.get(parked.tier, 0) + 1  # "lost" only while a stream has one
+            figures = {"parked": tiers, "host_bytes": self.host_bytes, "disk_bytes": self.disk_bytes,
+                       "io_threads": self.config.io_threads, "failures": dict(self.failures)}
         for kind, values in self.times.items():
             values = list(values)[-5000:]
             figures[f"{kind}_ms"] = {"count": len(self.times[kind]), "p50": _percentile(values, 50),
@@ -255,17 +297,19 @@ class ParkingStore:
     def close(self) -> None:
         with self._cond:
             self._closing = True
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=5)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
-    # ---- spill thread ----------------------------------------------------------------------------------
-    def _start_thread(self) -> None:
-        if self._thread is None and self.config.disk_after_s is not None:
-            self._thread = threading.Thread(target=self._run, name="tts-parking", daemon=True)
-            self._thread.start()
+    # ---- I/O threads ---------------------------------------------------------------------------------
+    def _start_threads(self) -> None:
+        if not self._threads and self.config.disk_after_s is not None:
+            for i in range(max(1, self.config.io_threads)):
+                thread = threading.Thread(target=self._run, name=f"tts-parking-{i}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
 
     def _run(self) -> None:
         while True:
@@ -277,58 +321,98 @@ class ParkingStore:
                 if self._closing:
                     return
             try:
-                job[0](job[1])
-            except Exception as err:  # a full or failing disk: the state stays in memory
+                job[0](job[1])  # each handles its own I/O errors
+            except Exception as err:  # anything else: the state stays where it was
                 with self._cond:
                     job[1].loading = False
-                print(f"parking: {job[0].__name__} failed: {err}")
+                    self._spilling.pop(job[1], None)
+                print(f"parking: {job[0].__name__} failed: {type(err).__name__}: {err}")
 
     def _next_job(self):
         if self._loads:
             return self._load, self._loads.popleft()
-        cutoff = time.monotonic() - self.config.disk_after_s
-        over = self.host_bytes > self.config.max_host_bytes
+        now = time.monotonic()
+        if now < self._spill_after:
+            return None
+        cutoff = now - self.config.disk_after_s
+        on_their_way = sum(self._spilling.values())  # being written by other threads: count them on disk already
+        over = self.host_bytes - on_their_way > self.config.max_host_bytes
         for parked in self._entries:  # oldest first
-            if parked.tier == "host" and not parked.wanted and parked.captured.is_set() \
+            if parked.tier == "host" and not parked.wanted and not parked.loading and parked.captured.is_set() \
                     and (over or parked.parked_at <= cutoff) \
-                    and self.disk_bytes + parked.nbytes <= self.config.max_disk_bytes:
+                    and self.disk_bytes + on_their_way + parked.nbytes <= self.config.max_disk_bytes:
                 parked.loading = True  # busy: not spilled twice
+                self._spilling[parked] = self._entries[parked]
                 return self._spill, parked
         return None
 
     def _spill(self, parked: Parked) -> None:
-        started = time.perf_counter()
+        """Write ``parked`` to its file and drop it from memory, unless it was restored or wanted meanwhile.
+        If the write fails (a full disk) it stays in memory and spilling pauses for SPILL_RETRY_S."""
+        started, cpu = time.perf_counter(), time.thread_time()
         if parked.copied is not None:
             parked.copied.synchronize()
-        if self._dir is None:
-            self._dir = tempfile.mkdtemp(prefix="tts-parked-", dir=self.config.directory)
-        path = os.path.join(self._dir, f"{parked.id}.safetensors")
-        save_file({name: t.clone() for name, t in parked.rows.items()}, path)  # views of one packed row: copies
+        path = os.path.join(self._directory(), f"{parked.id}.park")
+        try:
+            info = write_state(path, parked.flat, parked.loose, parked.layout and parked.layout.fingerprint)
+        except Exception as err:
+            with self._cond:
+                parked.loading = False
+                del self._spilling[parked]
+                self.failures["spill"] += 1
+                self._spill_after = time.monotonic() + SPILL_RETRY_S
+            print(f"parking: a state could not be written to disk, it stays in memory: {err}")
+            return
         with self._cond:
             parked.loading = False
+            del self._spilling[parked]
             if parked not in self._entries or parked.wanted:  # restored or wanted meanwhile: keep it in memory
-                _remove(path)
+                remove_file(path)
                 return
-            parked.path, parked.loose, parked.flat = path, {}, None
+            parked.pinned = parked.flat is not None and parked.flat.is_pinned()
+            parked.path, parked.file, parked.loose, parked.flat = path, info, {}, None
             self.host_bytes -= self._entries[parked]
             self.disk_bytes += parked.nbytes
             self._entries[parked] = 0
         self.times["spill"].append((time.perf_counter() - started) * 1000)
+        self.times["spill_cpu"].append((time.thread_time() - cpu) * 1000)
 
     def _load(self, parked: Parked) -> None:
-        started = time.perf_counter()
-        rows = load_file(parked.path)
+        """Read ``parked``'s file back into memory (its packed row in a fresh row, pinned if it was) and wake
+        the engine; a file that cannot be read leaves the state lost (`lost`)."""
+        started, cpu = time.perf_counter(), time.thread_time()
+        try:
+            flat, loose = read_state(parked.path, parked.file, pin=parked.pinned)
+        except Exception as err:  # truncated or damaged (CorruptParkedFile), or unreadable
+            flat, loose = None, err
+        ended, cpu = time.perf_counter(), time.thread_time() - cpu
         with self._cond:
             parked.loading = False
-            _remove(parked.path)
+            remove_file(parked.path)
             if parked not in self._entries:
                 return  # discarded meanwhile
-            parked.loose, parked.path = rows, None  # the disk's copy keeps its byte count (`nbytes`)
             self.disk_bytes -= parked.nbytes
-            self.host_bytes += parked.nbytes
-            self._entries[parked] = parked.nbytes
-        self.times["load"].append((time.perf_counter() - started) * 1000)
+            if isinstance(loose, Exception):
+                parked.error, parked.path = loose, None
+                self.failures["load"] += 1
+                self._lost.append(parked)
+            else:
+                parked.flat, parked.loose, parked.path = flat, loose, None  # the file's byte count: `nbytes`
+                parked.file = None
+                self.host_bytes += parked.nbytes
+                self._entries[parked] = parked.nbytes
+                self.times["load"].append((ended - started) * 1000)
+                self.times["load_wait"].append((ended - parked.wanted_at) * 1000)
+                self.times["load_cpu"].append(cpu * 1000)
+        if parked.error is not None:
+            print(f"parking: a parked state could not be read back, its stream ends: {parked.error}")
         self.on_loaded()
+
+    def _directory(self) -> str:
+        with self._cond:
+            if self._dir is None:
+                self._dir = tempfile.mkdtemp(prefix="tts-parked-", dir=self.config.directory)
+            return self._dir
 
     def _forget(self, parked: Parked) -> None:
         if parked not in self._entries:
@@ -337,7 +421,7 @@ class ParkingStore:
         if parked.tier == "disk":
             self.disk_bytes -= parked.nbytes
             if not parked.loading:  # a file being loaded is removed by the loader
-                _remove(parked.path)
+                remove_file(parked.path)
 
 
 def weights_fingerprint(*modules: torch.nn.Module) -> str:
@@ -376,14 +460,6 @@ def unpack(blob: bytes, fingerprint: str) -> tuple[dict, dict[str, torch.Tensor]
         raise ValueError("this stream was made with other weights; it can only continue on an engine with the "
                          "same model and codec")
     return state["host"], state["rows"], [t.numpy() for t in state["unread"]]
-
-
-def _remove(path: str | None) -> None:
-    if path is not None:
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass
 
 
 def _percentile(values: list[float], q: float) -> float | None:

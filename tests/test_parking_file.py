@@ -1,0 +1,186 @@
+"""The disk tier's file format (`streaming.parked_file`) and the store around it: a state read back equals the
+one written, bit for bit; a truncated, extended, damaged or foreign file is a typed error; a failed write keeps
+the state in memory; a failed read ends that stream alone, with a typed error, and leaves no file."""
+import os
+
+import numpy as np
+import pytest
+import torch
+from helpers import tiny_random, wait_until
+
+import streaming.parked_file as parked_file
+import streaming.parking as parking
+from streaming.engine import ParkedStateLost, SamplingConfig
+from streaming.parked_file import ALIGN, CorruptParkedFile, read_state, write_state
+from streaming.parking import Parked, ParkingConfig, ParkingStore, RowLayout
+
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+def a_state(seed: int = 0) -> tuple[RowLayout, torch.Tensor, dict[str, torch.Tensor]]:
+    """A packed row of several dtypes and loose rows of odd byte counts (bfloat16 and bool too)."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {"keys": torch.randn(3, 2, 5, generator=generator), "step": torch.arange(3),
+               "live": torch.tensor([True, False, True]), "half": torch.randn(3, 7, generator=generator).half()}
+    layout = RowLayout(tensors)
+    flat = torch.empty(layout.row_bytes, dtype=torch.uint8)
+    layout.copy([layout.packed(flat)], [layout.slot(tensors, 1)])
+    loose = {"codec.0": torch.randn(1, 3, 3, generator=generator),
+             "codec.h": torch.randn(1, 1, 5, generator=generator).bfloat16(), "flag": torch.tensor([[True, False, True]]), "outbox": torch.randn(1, 13, generator=generator)}
+    return layout, flat, loose
+
+
+def test_a_state_read_back_equals_the_one_written(tmp_path):
+    layout, flat, loose = a_state()
+    path = str(tmp_path / "1.park")
+    info = write_state(path, flat, loose, layout.fingerprint)
+    assert os.listdir(tmp_path) == ["1.park"] and os.path.getsize(path) == info.size
+    assert len(info.head) % ALIGN == 0  # the packed row's views need their dtypes' alignment
+    got_flat, got_loose = read_state(path, info)
+    assert torch.equal(got_flat, flat)
+    assert got_loose.keys() == loose.keys()
+    for name, tensor in loose.items():
+        assert got_loose[name].dtype == tensor.dtype and torch.equal(got_loose[name], tensor), name
+    for name, view in layout.views(got_flat).items():  # the packed row's named views read the same
+        assert torch.equal(view, layout.views(flat)[name]), name
+
+
+def test_a_state_without_a_packed_row_round_trips(tmp_path):
+    _, _, loose = a_state()
+    info = write_state(str(tmp_path / "2.park"), None, loose, None)
+    got_flat, got_loose = read_state(str(tmp_path / "2.park"), info)
+    assert got_flat is None and all(torch.equal(got_loose[n], t) for n, t in loose.items())
+
+
+@pytest.mark.parametrize("damage", ["truncated", "extended", "payload byte", "header byte", "other state"])
+def test_a_damaged_file_is_a_typed_error(tmp_path, damage):
+    layout, flat, loose = a_state()
+    path = str(tmp_path / "3.park")
+    info = write_state(path, flat, loose, layout.fingerprint)
+    data = bytearray(open(path, "rb").read())
+    if damage == "truncated":
+        data = data[:-5]
+    elif damage == "extended":
+        data += b"\0"
+    elif damage == "payload byte":
+        data[len(info.head) + 17] ^= 0x10
+    elif damage == "header byte":
+        data[3] ^= 0x01
+    else:  # another state's file of the same size under this name
+        other = write_state(str(tmp_path / "other.park"), a_state(seed=1)[1], a_state(seed=1)[2], layout.fingerprint)
+        data = bytearray(open(tmp_path / "other.park", "rb").read())
+        assert other.size == info.size
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(CorruptParkedFile):
+        read_state(path, info)
+
+
+def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
+    layout, flat, loose = a_state()
+
+    def full(fd, buffers):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(parked_file.os, "writev", full)
+    with pytest.raises(OSError):
+        write_state(str(tmp_path / "4.park"), flat, loose, layout.fingerprint)
+    assert os.listdir(tmp_path) == []
+
+
+def stored(store: ParkingStore, count: int) -> list[Parked]:
+    states = []
+    for seed in range(count):
+        layout, flat, loose = a_state(seed)
+        parked = Parked()
+        parked.add_packed(flat, layout)
+        parked.add(loose)
+        parked.captured.set()
+        store.put(parked)
+        states.append(parked)
+    return states
+
+
+def test_a_full_disk_keeps_the_state_in_memory(tmp_path, monkeypatch):
+    def full(*args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(parking, "write_state", full)
+    store = ParkingStore(ParkingConfig(disk_after_s=0.01, directory=str(tmp_path)), lambda: None)
+    expected = {name: t.clone() for name, t in a_state(0)[2].items()}
+    (parked,) = stored(store, 1)
+    assert wait_until(lambda: store.stats()["failures"]["spill"] >= 1)
+    assert parked.tier == "host" and store.want(parked)  # still in memory, and restorable at once
+    rows = store.take(parked)
+    assert all(torch.equal(rows[name], t) for name, t in expected.items())
+    assert store.host_bytes == 0 and store.disk_bytes == 0
+    store.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_state_whose_file_was_damaged_is_reported_lost_and_the_others_load(tmp_path):
+    store = ParkingStore(ParkingConfig(disk_after_s=0.01, directory=str(tmp_path)), lambda: None)
+    states = stored(store, 3)
+    expected = [dict(p.rows) for p in states]
+    assert wait_until(lambda: store.stats()["parked"] == {"host": 0, "disk": 3})
+    with open(states[1].path, "r+b") as file:
+        file.truncate(os.path.getsize(states[1].path) - 1)
+    for parked in states:
+        store.want(parked)
+    assert wait_until(lambda: store.want(states[0]) and store.want(states[2]) and store.has_lost)
+    (lost,) = store.lost()
+    assert lost is states[1] and isinstance(lost.error, CorruptParkedFile) and lost.tier == "lost"
+    assert not store.want(lost)  # not asked for again
+    for i in (0, 2):
+        rows = store.take(states[i])
+        assert all(torch.equal(rows[name], t) for name, t in expected[i].items())
+    store.discard(lost)
+    assert store.host_bytes == 0 and store.disk_bytes == 0 and store.stats()["parked"] == {"host": 0, "disk": 0}
+    (folder,) = os.listdir(tmp_path)
+    assert os.listdir(tmp_path / folder) == []
+    store.close()
+
+
+def test_a_stream_whose_parked_file_was_damaged_ends_with_a_typed_error(tmp_path):
+    """The engine ends that stream (ParkedStateLost, code engine_error), forgets its state and goes on."""
+    parking_config = ParkingConfig(park_after_s=0.05, disk_after_s=0.1, directory=str(tmp_path))
+    engine = tiny_random(max_streams=1, sampling=GREEDY, parking=parking_config)
+    stream = engine.open(seed=7)
+    stream.push_text("Hello there. How are you t")
+    assert stream.read(timeout=30) is not None
+    assert wait_until(lambda: engine.stats()["parking"]["parked"]["disk"] == 1, 30)
+    (folder,) = os.listdir(tmp_path)
+    (name,) = os.listdir(tmp_path / folder)
+    with open(tmp_path / folder / name, "r+b") as file:
+        file.seek(-3, os.SEEK_END)
+        file.write(b"\xff\x00\xff")  # damaged, same length: only the checksum tells
+    stream.push_text("oday?")
+    stream.end()
+    with pytest.raises(ParkedStateLost) as raised:
+        while stream.read(timeout=30) is not None:
+            pass
+    assert raised.value.code == "engine_error"
+    figures = engine.stats()["parking"]
+    assert figures["parked"] == {"host": 0, "disk": 0} and figures["disk_bytes"] == 0
+    assert figures["failures"]["load"] == 1 and os.listdir(tmp_path / folder) == []
+    other = engine.open(seed=8)  # the engine goes on
+    other.push_text("Bye.")
+    other.end()
+    audio = []
+    while (chunk := other.read(timeout=30)) is not None:
+        audio.append(chunk)
+    assert np.concatenate(audio).size > 0
+    engine.close()
+
+
+def test_the_directory_holds_at_most_max_disk_bytes_of_states(tmp_path):
+    """Past ``max_disk_bytes`` nothing more spills: the third state stays in memory and still restores."""
+    size = stored(ParkingStore(ParkingConfig(disk_after_s=None), lambda: None), 1)[0].nbytes  # (no I/O threads)
+    store = ParkingStore(ParkingConfig(disk_after_s=0.01, max_disk_bytes=2 * size + 1, directory=str(tmp_path)),
+                         lambda: None)
+    states = stored(store, 3)
+    assert wait_until(lambda: store.stats()["parked"] == {"host": 1, "disk": 2})
+    (folder,) = os.listdir(tmp_path)
+    assert len(os.listdir(tmp_path / folder)) == 2 and store.disk_bytes == 2 * size
+    assert [p.tier for p in states] == ["disk", "disk", "host"]  # the oldest went first
+    assert store.want(states[2])
+    store.take(states[2])
+    store.close()
+    assert os.listdir(tmp_path) == []
