@@ -32,6 +32,7 @@ d = json.load(open(sys.argv[1]))
 t = d.get("tiers_ms_per_stream", {})
 print(" ", d["within_1e-4_by_round"], "max", d["max_abs_diff"], "park", t.get("park"), "restore", t.get("restore"),
       "parks", d["parks"], "parted", d["parted"][:4])
+print("  disk", d.get("disk_tier_ms_per_stream"))
 for row in d.get("trace", []):
     if row["first_bad"] is not None:
         print("  ", row)
