@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 HARVARD = Path(os.environ.get("TTS_HARVARD", ROOT.parent / "shared" / "eval" / "harvard-sentences.txt"))
@@ -19,6 +23,8 @@ def percentiles(values_ms: list[float]) -> dict:
 
 def log_mel_l1(a: np.ndarray, b: np.ndarray, sample_rate: int = 24_000) -> float:
     """Mean |log-mel(a) - log-mel(b)| (80 mels, 1024-sample window, 256 hop) over the common length."""
+    import torch  # here, not at the top: bench.paths imports this module and must not load torch itself
+
     from training.losses import mel_filters
     n = min(len(a), len(b))
     window, filters = torch.hann_window(1024), mel_filters(1024, 80, sample_rate)
@@ -47,3 +53,64 @@ def heldout_rows(corpus: Path, per_voice: int, voices: list[str] | None = None, 
         raise SystemExit(f"no held-out corpus in {corpus}: build it with "
                          "python -m training.corpus --out corpus-heldout --heldout 125")
     return rows
+
+
+def free_port() -> int:
+    """A loopback port free now (the OS picks it; a race with another process binding it is possible, not likely)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class ServeProcess:
+    """`python -m tts.cli serve` with ``flags`` in a child process on a free loopback port, as a user runs it; its
+    log goes to a file."""
+
+    def __init__(self, *flags: str):
+        self.port = free_port()
+        self.url, self.ws_url = f"http://127.0.0.1:{self.port}", f"ws://127.0.0.1:{self.port}/v1/stream"
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        self.child = subprocess.Popen([sys.executable, "-m", "tts.cli", "serve", "--port", str(self.port), *flags],
+                                      stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+    def wait(self, seconds: float = 600) -> "ServeProcess":
+        """Until ``/health`` answers; SystemExit with the log's tail if the child ends or the time runs out."""
+        import httpx2 as httpx
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and self.child.poll() is None:
+            try:
+                httpx.get(self.url + "/health", timeout=2)
+                return self
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        raise SystemExit(f"the server did not come up: {self.log_text()[-2000:]}")
+
+    def wait_for_log(self, text: str, seconds: float) -> bool:
+        """Whether ``text`` appeared in the log within ``seconds`` (e.g. the faster step swapped in)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and self.child.poll() is None:
+            if text in self.log_text():
+                return True
+            time.sleep(0.2)
+        return text in self.log_text()
+
+    def log_text(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def health(self) -> dict:
+        import httpx2 as httpx
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def tracebacks(self) -> int:
+        return self.log_text().count("Traceback")
+
+    def stop(self) -> None:
+        self.child.terminate()
+        self.child.wait(timeout=30)
+        os.unlink(self.log.name)
+
+    def __enter__(self) -> "ServeProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

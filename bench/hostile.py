@@ -19,56 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx2 as httpx
 import websockets
 
+from bench.common import ServeProcess
+
 OTHER = "The other client is speaking, and it goes on all the way to the end."
 NUMBER = "The number is " + "7" * 400 + "."
 SPEECH = "Please call me back when you have a moment this afternoon."
-
-
-class Server:
-    """`python -m tts.cli serve` with `flags` on a free loopback port; its log goes to a file."""
-
-    def __init__(self, *flags: str):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.url, self.ws_url = f"http://127.0.0.1:{self.port}", f"ws://127.0.0.1:{self.port}/v1/stream"
-        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        self.child = subprocess.Popen([sys.executable, "-m", "tts.cli", "serve", "--port", str(self.port), *flags],
-                                      stdout=self.log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
-
-    def wait(self, seconds: float = 600) -> "Server":
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and self.child.poll() is None:
-            try:
-                httpx.get(self.url + "/health", timeout=2)
-                return self
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        raise SystemExit(f"the server did not come up: {Path(self.log.name).read_text()[-2000:]}")
-
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=10).json()
-
-    def tracebacks(self) -> int:
-        return Path(self.log.name).read_text().count("Traceback")
-
-    def stop(self) -> None:
-        self.child.terminate()
-        self.child.wait(timeout=30)
-        os.unlink(self.log.name)
 
 
 async def utterance(url: str, text: str, start: dict | None = None, audio_enough: int | None = None,
@@ -126,7 +88,7 @@ async def speech(http: httpx.AsyncClient, body: dict, keep: int | None = None) -
         return {"status": 200, "bytes": size, "seconds": round(time.perf_counter() - started, 2)}
 
 
-async def http_rows(server: Server) -> list[dict]:
+async def http_rows(server: ServeProcess) -> list[dict]:
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
         nul = await speech(http, {"input": "Hello\u0000 world.", "voice": "alloy"})
         number = await speech(http, {"input": NUMBER, "voice": "alloy", "response_format": "pcm"}, keep=65536)
@@ -153,7 +115,7 @@ def _all_complete(row: str, results: list[dict]) -> dict:
             "slowest_s": max(r.get("seconds", 0) for r in results), "ok": statuses.count(200) == len(results)}
 
 
-async def origin_rows(server: Server) -> list[dict]:
+async def origin_rows(server: ServeProcess) -> list[dict]:
     rows = []
     for row, origin in (("origin_evil", "https://evil.example"), ("origin_null", "null"),
                         ("origin_own", server.url)):
@@ -170,14 +132,14 @@ async def origin_rows(server: Server) -> list[dict]:
     return rows
 
 
-async def voice_empty_ws(server: Server) -> dict:
+async def voice_empty_ws(server: ServeProcess) -> dict:
     async with websockets.connect(server.ws_url) as ws:
         await ws.send(json.dumps({"type": "start", "voice": ""}))
         event = json.loads(await ws.recv())
     return {"row": "voice_empty_ws", "answer": event, "ok": event.get("code") == "unknown_voice"}
 
 
-async def aborts(server: Server, count: int = 30) -> dict:
+async def aborts(server: ServeProcess, count: int = 30) -> dict:
     """`count` connections aborted in a tight loop (no close frame), at every stage of an utterance's start. A
     dropped session that had its `ready` waits for a resume (30 s by default) and keeps its place in the
     client's connection cap (16), so later ones may be refused with 1013 client_limit: typed, and documented."""
@@ -209,7 +171,7 @@ async def aborts(server: Server, count: int = 30) -> dict:
             and health["connections"] == 0 and health["engine"]["active_streams"] == 0}
 
 
-async def idle_noop_cancels(server: Server, idle_timeout_s: float, count: int = 16) -> dict:
+async def idle_noop_cancels(server: ServeProcess, idle_timeout_s: float, count: int = 16) -> dict:
     """`count` sockets that never speak but send a cancel every second; a newcomer from another loopback
     address meanwhile."""
     async def idler() -> tuple[float, int | None, str | None]:
@@ -239,7 +201,7 @@ async def idle_noop_cancels(server: Server, idle_timeout_s: float, count: int = 
             and max(lived) < idle_timeout_s + 3}
 
 
-async def four_slot_rows(server: Server, idle_timeout_s: float) -> list[dict]:
+async def four_slot_rows(server: ServeProcess, idle_timeout_s: float) -> list[dict]:
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
         many = await asyncio.gather(*(speech(http, {"input": SPEECH, "voice": "alloy", "response_format": "pcm"})
                                       for _ in range(12)))
@@ -273,8 +235,8 @@ def threads_api(threads: int = 8, slots: int = 4) -> dict:
 
 def main() -> None:
     idle_timeout_s = 3.0
-    default = Server().wait()
-    small = Server("--max-streams", "4", "--idle-timeout-s", str(idle_timeout_s)).wait()
+    default = ServeProcess().wait()
+    small = ServeProcess("--max-streams", "4", "--idle-timeout-s", str(idle_timeout_s)).wait()
     rows = []
 
     def emit(row: dict) -> None:

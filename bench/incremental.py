@@ -4,6 +4,8 @@ sent whole. One JSON object.
     python -m bench.incremental                     # 50 Harvard sentences at 5, 10, 20 words/s and 1.2x speech
     python -m bench.incremental --lookahead 0 1 2   # one block per lookahead ("auto" waits for sentence ends)
     python -m bench.incremental --server            # through the real server on loopback, a WebSocket client
+    python -m bench.incremental --serve             # the same through `tts serve` in its own process, as a user
+                                                    # runs it (the --server one shares this process's lock)
     python -m bench.incremental --units             # no model: units word by word against whole sentences
     python -m bench.incremental --simulate          # no timing noise: the engine's rules on a virtual clock
     python -m bench.incremental --stretch 1         # without elastic pacing (`Slots.pace`; also --simulate)
@@ -112,7 +114,7 @@ def speak_engine(engine, sentence: str, rate: float | None, lookahead, seed: int
 
 
 def speak_server(url: str, sentence: str, rate: float | None, clock: TextClock | None = None,
-                 starts: list | None = None):
+                 starts: list | None = None, seed: int | None = None):
     """The same through the WebSocket protocol with the project's client (default lookahead); ``starts`` gets
     when the first word was sent (perf_counter), the moment the chunks' times count from."""
     from tts.client import connect
@@ -131,7 +133,7 @@ def speak_server(url: str, sentence: str, rate: float | None, clock: TextClock |
             started = time.perf_counter()
             if starts is not None:
                 starts.append(started)
-            async for chunk in client.speak(pieces()):
+            async for chunk in client.speak(pieces(), seed=seed):
                 arrivals.append((time.perf_counter() - started, len(chunk)))
                 chunks.append(chunk)
         return np.concatenate(chunks), arrivals
@@ -248,6 +250,27 @@ def summary(audios: list, scores: list, runs: list | None) -> dict:
         out["demo_player"] = {"first_sound_ms": percentiles([first * 1000 for first, _, _ in demo]),
                               "stalls_per_min": round(sum(c for _, c, _ in demo) / minutes, 2)}
     return out
+
+
+def serve_report(sentences: list[str], rates: list, with_dnsmos: bool) -> dict:
+    """`measure` through `tts serve` in a child process with its default flags, as a user runs it (and as issue 29
+    measured it): the server's interpreter lock is not this process's. Counted once its fastest step is swapped in
+    and it spoke one sentence. No text clock (the server's marks are in its own process): first audio after the
+    first word, stalls, WER and DNSMOS."""
+    from bench.common import ServeProcess
+    with ServeProcess() as server:
+        server.wait()
+        swapped = server.wait_for_log("step in use:", 300)
+        speak_server(server.ws_url, sentences[0], 10)  # warm-up, not counted
+        report = {"sentences": "harvard", "path": "tts serve (child process)", "step_swapped_in": swapped,
+                  "load_avg_1min_start": round(os.getloadavg()[0], 2)}
+        report.update(measure(lambda s, r, _, k: speak_server(server.ws_url, s, r, seed=k), sentences, rates,
+                              [None], Scorer(with_dnsmos)))
+        engine = server.health()["engine"]  # parks, restores and tick times over the run
+        report["server_engine"] = {k: engine[k] for k in ("parks", "restores", "tick_ms", "step_ms", "codec_ms",
+                                                          "slowest_ticks_ms", "step_kind")}
+        report["server_tracebacks"] = server.tracebacks()
+    return report
 
 
 def units_report(sentences: list[str], lookaheads: list, rates: list[float]) -> dict:
@@ -678,6 +701,8 @@ def main() -> None:
     parser.add_argument("--rates", nargs="+", default=["5", "10", "20", "1.2x"])
     parser.add_argument("--lookahead", nargs="+", default=[None], help="words; 'auto'; default: the engine's")
     parser.add_argument("--server", action="store_true", help="through the real server on loopback")
+    parser.add_argument("--serve", action="store_true",
+                        help="through `tts serve` in a child process (default flags), as a user runs it")
     parser.add_argument("--units", action="store_true", help="no model: units word by word against whole")
     parser.add_argument("--pauses", action="store_true", help="silence a <break> gives, per length")
     parser.add_argument("--burst", type=int, nargs="+", help="N streams starting at once, per N (no model quality)")
@@ -710,6 +735,9 @@ def main() -> None:
         print(json.dumps(units_report(harvard(max(args.n, 200)), lookaheads if lookaheads != [None] else
                                       [0, 1, 2, "auto"], rates), indent=1))
         return
+    if args.serve:
+        print(json.dumps(serve_report(sentences, args.rates, not args.no_dnsmos), indent=1))
+        return
     from tts.api import get_engine
     engine = get_engine(compile=True)  # as `tts serve` runs it
     engine.speculative = not args.no_speculative
@@ -741,8 +769,8 @@ def main() -> None:
     if args.server:
         from server import ServerThread
         with ServerThread(engine) as server:
-            report.update(measure(lambda s, r, _, k: speak_server(server.ws_url, s, r, clock), sentences, args.rates,
-                                  [None], score))
+            report.update(measure(lambda s, r, _, k: speak_server(server.ws_url, s, r, clock, seed=k), sentences,
+                                  args.rates, [None], score))
     else:
         hold = not args.no_hold
         report.update(measure(lambda s, r, lookahead, k: speak_engine(engine, s, r, lookahead, k, clock, hold),

@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,7 +46,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent  # nothing here imports torch: the API row times that itself
+from bench.common import ROOT, free_port  # nothing here imports torch: the API row times that itself
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river."
 CACHE_VARS = ("TTS_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME")
 
@@ -171,12 +170,6 @@ def cli_play(cache: Path, tmp: Path) -> dict:
 
 
 # ---- the server -----------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def first_ok(url: str, started: float, deadline_s: float) -> float:
     """Seconds from ``started`` until ``url`` answers 200 (polled every 20 ms)."""
     while time.perf_counter() - started < deadline_s:

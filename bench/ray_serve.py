@@ -37,21 +37,14 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
-from bench.common import ROOT, percentiles
+from bench.common import ROOT, free_port, percentiles
 from bench.serve import SAMPLE_RATE, SENTENCES, load
 
 PACES = {"word": 0.05, "sentence": 0.5}  # --kill: seconds between the client's text messages (both ~20 words/s)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def engine_factory(tiny: bool):
