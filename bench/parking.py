@@ -14,14 +14,18 @@ and ``ready_after_asking_all_ms``: from the asks until each state is in memory, 
 the store's ``on_loaded``; also for a store without ``load_wait``).
 
 ``--trace``: per stream of the parked rounds, its first sample over 1e-4 from the reference beside its parks and
-restores (slot, samples delivered by then). ``--frame-codec``: the GPU's codec path (a frame a tick, one tick in
+restores (slot, samples delivered by then); and ``batches``: every park and restore call of the engine (one per
+tick that parks or restores), with its round, its number of streams, its device ms (the copies), the device's
+wait for the codec stream before it (``wait_ms``) and the engine thread's ms, in total (not per stream): which
+parks make the tail. ``--frame-codec``: the GPU's codec path (a frame a tick, one tick in
 flight) on the CPU. ``--one-bucket``: every tick steps every slot (an experiment on batch invariance).
 
 Per round, N streams (one slot each) get the first words of a sentence, run dry and are parked together
 (``park_after_s`` 0.05); in the disk round they wait until every state has spilled to disk; then each gets the
 rest of its text and is restored. Tier times come from the engine's stats: slot <-> host memory per stream
-(on a GPU: device time between CUDA events, gather + copy to pinned memory, and copy back + scatter;
-``park_host``/``restore_host``: the engine thread's time for the same, on any device), host
+(on a GPU: device time between CUDA events, gather + copy to pinned memory, and copy back + scatter, from
+the end of the wait for the last tick's decode on the codec stream, which ``park_wait``/``restore_wait`` give;
+``park_host``/``restore_host``: the engine thread's time for all of it, on any device), host
 <-> disk per stream (one raw file per state in the temp dir, `streaming.parked_file`: the page cache's speed, no
 fsync). ``disk_tier_ms_per_stream``, the disk tier's figures together: ``spill`` (host memory -> file, per
 stream, on an I/O thread), ``load`` (file -> host memory), ``load_wait`` (from the restore's ask until its state
@@ -165,6 +169,41 @@ def trace_slots(engine: Engine) -> dict:
     return events
 
 
+def trace_batches(engine: Engine, where: dict) -> list[dict]:
+    """Record every park and restore call of ``engine`` (`SlotMover._note`: its device events, then its host
+    time, which closes the record), tagged with ``where["round"]``; `batch_figures` reads them at the end."""
+    batches: list[dict] = []
+    note, note_device = engine.store.note, engine.store.note_device
+    record: dict = {}
+
+    def traced_device(kind, start, end, count):
+        record[kind] = (start, end)
+        note_device(kind, start, end, count)
+
+    def traced_note(kind, ms, count=1):
+        if kind.endswith("_host"):
+            batches.append({"round": where["round"], "kind": kind.removesuffix("_host"), "streams": count,
+                            "host_ms": ms, **record})
+            record.clear()
+        elif kind in ("park", "restore"):  # the CPU's clock
+            record[kind] = ms
+        note(kind, ms, count)
+
+    engine.store.note, engine.store.note_device = traced_note, traced_device
+    return batches
+
+
+def batch_figures(batches: list[dict]) -> list[dict]:
+    """`trace_batches`' records with their device times read (ms, for the whole call)."""
+    def ms(value):
+        if isinstance(value, tuple):
+            value[1].synchronize()
+            return round(value[0].elapsed_time(value[1]), 3)
+        return None if value is None else round(value, 3)
+    return [{"round": b["round"], "kind": b["kind"], "streams": b["streams"], "ms": ms(b.get(b["kind"])),
+             "wait_ms": ms(b.get(f"{b['kind']}_wait")), "host_ms": round(b["host_ms"], 3)} for b in batches]
+
+
 def traced(rounds: list[dict], got: list[np.ndarray], want: list[np.ndarray]) -> list:
     """Per stream of the parked rounds (host, then disk): the first sample over 1e-4 from its reference (None:
     none; -1: lengths differ), its reference's start (slot, bucket) and its parks and restores (`trace_slots`)."""
@@ -304,6 +343,8 @@ def main() -> None:
     if args.warm_up:
         engine.warm_up()
     events = trace_slots(engine) if args.trace else {}
+    where = {"round": "reference"}
+    batches = trace_batches(engine, where) if args.trace else []
     rounds = []  # each traced round's events: the reference, the host round, the disk round
 
     def traced_round(played):
@@ -317,9 +358,12 @@ def main() -> None:
     events.clear()
     parking.park_after_s = 0.05
     restores: dict = {}
+    where["round"] = "host"
     host = traced_round(parked_round(engine, sentences, disk=False, restores=restores))
     parking.disk_after_s = 0.05
+    where["round"] = "disk"
     disk = traced_round(parked_round(engine, sentences, disk=True, restores=restores))
+    where["round"] = "moved"
     other = Engine(model, codec, voices, max_streams=args.moved_slots, device=args.device, sampling=greedy,
                    step_factory=factory, frame_codec=frame_codec)
     moved = moved_round(engine, other, sentences[0])
@@ -333,7 +377,9 @@ def main() -> None:
                       "switch_interval_s": sys.getswitchinterval(), "parks": stats["parks"], "restores": stats["restores"],
                       "cache_bytes_per_stream": state_bytes,
                       "tiers_ms_per_stream": {kind: stats["parking"][f"{kind}_ms"] for kind in
-                                              ("park", "restore", "spill", "load", "park_host", "restore_host")},
+                                              ("park", "restore", "spill", "load", "park_host", "restore_host",
+                                               "park_wait", "restore_wait")},
+                      "row_pool": stats["parking"].get("pool"),
                       "restore_ms_per_stream_by_round": restores,
                       "disk_tier_ms_per_stream": disk_tier(stats["parking"], restores),
                       "max_abs_diff": max(diffs), "identical_streams": sum(d == 0 for d in diffs),
@@ -345,7 +391,8 @@ def main() -> None:
                                                                      for a, b in zip(again, expected))},
                       "compared_streams": len(diffs),
                       "parted": [(i, p) for i, p in enumerate(parted) if p is not None][:12],
-                      **({"trace": traced(rounds, host + disk, expected * 2)} if args.trace else {})}, indent=2))
+                      **({"batches": batch_figures(batches), "trace": traced(rounds, host + disk, expected * 2)}
+                         if args.trace else {})}, indent=2))
     engine.close()
 
 

@@ -4,15 +4,17 @@ any free slot, `Engine.detach`/`attach` and `Engine.snapshot` carry it to anothe
 The engine decides when (its tick loop: which slots stall, when a tick in flight lets a slot go, who gets a
 free slot); `SlotMover` does the copying, on the device the engine runs on. A slot's state is its row of every
 batched tensor (`SlotMover.row_tensors`: the KV rings and the voice prefix, the slot table (`Slots.rows`), and
-with the frame codec its decoder state), packed into one byte row (`streaming.parking.RowLayout`). On a GPU a
-park is one batched gather into a staging buffer and one copy per stream to pinned host memory, a restore one
-copy per stream into the staging buffer and one batched scatter, ordered after the codec's CUDA stream; on the
-CPU one batched copy each way. The CPU codec worker's decoder rows are captured and restored on its own thread,
-in order with its decodes.
+with the frame codec its decoder state), packed into one byte row (`streaming.parking.RowLayout`) of a pool
+reserved once (`streaming.parking.RowPool`, pinned on a GPU: a park allocates nothing). On a GPU a park is one
+batched gather into a staging buffer and one copy to pinned host memory per run of consecutive pool rows, a
+restore one copy per run into the staging buffer and one batched scatter, ordered after the codec's CUDA
+stream; on the CPU one batched copy each way. The CPU codec worker's decoder rows are captured and restored on
+its own thread, in order with its decodes.
 
-Worked example, 16 slots, a GPU, staging 16 rows: streams in slots 3 and 9 park in one tick: slot rows 3 and 9
-are gathered into staging rows 0 and 1, which are copied to two fresh pinned rows; later the stream from slot 9
-is restored into slot 0: its pinned row goes to staging row 0, which is scattered into slot row 0.
+Worked example, 16 slots, a GPU, staging 16 rows, pool rows 0..4 free: streams in slots 3 and 9 park in one
+tick: slot rows 3 and 9 are gathered into staging rows 0 and 1, which go to pool rows 0 and 1 in one copy;
+later the stream from slot 9 is restored into slot 0: pool row 1 goes to staging row 0, which is scattered
+into slot row 0, and pool row 1 is free again.
 
 This module sits below the engine (the engine imports it, never the other way): it knows the engine's
 streams only as objects with the `Utterance` fields it reads.
