@@ -16,8 +16,9 @@ the store's ``on_loaded``; also for a store without ``load_wait``).
 ``--trace``: per stream of the parked rounds, its first sample over 1e-4 from the reference beside its parks and
 restores (slot, samples delivered by then); and ``batches``: every park and restore call of the engine (one per
 tick that parks or restores), with its round, its number of streams, its device ms (the copies), the device's
-wait for the codec stream before it (``wait_ms``) and the engine thread's ms, in total (not per stream): which
-parks make the tail. ``--frame-codec``: the GPU's codec path (a frame a tick, one tick in
+wait for the codec stream before it (``wait_ms``) and the engine thread's ms, wall and CPU (``host_ms``,
+``host_cpu_ms``: wall well above CPU is waiting, for the GIL or in a blocking call), in total (not per stream):
+which parks make the tail. ``--frame-codec``: the GPU's codec path (a frame a tick, one tick in
 flight) on the CPU. ``--one-bucket``: every tick steps every slot (an experiment on batch invariance).
 
 Per round, N streams (one slot each) get the first words of a sentence, run dry and are parked together
@@ -122,7 +123,9 @@ def parked_round(engine: Engine, sentences: list[str], disk: bool, restores: dic
     and then the same copy to the device as from host memory)."""
     streams = [speak(engine, s, 100 + i, 4) for i, s in enumerate(sentences)]
     tier = "disk" if disk else "host"
-    wait_until(lambda: engine.stats()["parking"]["parked"][tier] == len(streams))
+    # polled through the store's tier counts: `Engine.stats` every 10 ms (percentiles of every figure, Python on
+    # this thread) would compete for the GIL with the engine thread during the very parks being timed
+    wait_until(lambda: engine.store.tiers()[tier] == len(streams))
     done = len(engine.store.times["restore"])
     for stream, sentence in zip(streams, sentences):
         finish_text(stream, sentence)
@@ -185,8 +188,8 @@ def trace_batches(engine: Engine, where: dict) -> list[dict]:
             batches.append({"round": where["round"], "kind": kind.removesuffix("_host"), "streams": count,
                             "host_ms": ms, **record})
             record.clear()
-        elif kind in ("park", "restore"):  # the CPU's clock
-            record[kind] = ms
+        elif kind in ("park", "restore") or kind.endswith("_host_cpu"):  # the CPU's clock; the thread's CPU time
+            record[kind.removesuffix("_host_cpu") + "_cpu" if kind.endswith("_host_cpu") else kind] = ms
         note(kind, ms, count)
 
     engine.store.note, engine.store.note_device = traced_note, traced_device
@@ -201,7 +204,8 @@ def batch_figures(batches: list[dict]) -> list[dict]:
             return round(value[0].elapsed_time(value[1]), 3)
         return None if value is None else round(value, 3)
     return [{"round": b["round"], "kind": b["kind"], "streams": b["streams"], "ms": ms(b.get(b["kind"])),
-             "wait_ms": ms(b.get(f"{b['kind']}_wait")), "host_ms": round(b["host_ms"], 3)} for b in batches]
+             "wait_ms": ms(b.get(f"{b['kind']}_wait")), "host_ms": round(b["host_ms"], 3),
+             "host_cpu_ms": ms(b.get(f"{b['kind']}_cpu"))} for b in batches]
 
 
 def traced(rounds: list[dict], got: list[np.ndarray], want: list[np.ndarray]) -> list:
@@ -378,7 +382,7 @@ def main() -> None:
                       "cache_bytes_per_stream": state_bytes,
                       "tiers_ms_per_stream": {kind: stats["parking"][f"{kind}_ms"] for kind in
                                               ("park", "restore", "spill", "load", "park_host", "restore_host",
-                                               "park_wait", "restore_wait")},
+                                               "park_wait", "restore_wait", "park_host_cpu", "restore_host_cpu")},
                       "row_pool": stats["parking"].get("pool"),
                       "restore_ms_per_stream_by_round": restores,
                       "disk_tier_ms_per_stream": disk_tier(stats["parking"], restores),

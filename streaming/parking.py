@@ -284,7 +284,7 @@ class ParkingStore:
     """The parked states of one engine, bounded (`ParkingConfig`); the engine thread puts, wants and takes,
     ``io_threads`` I/O threads move states between host memory and disk (loads before spills)."""
     KINDS = ("park", "restore", "spill", "load", "load_wait", "spill_cpu", "load_cpu", "park_host", "restore_host",
-             "park_wait", "restore_wait")
+             "park_wait", "restore_wait", "park_host_cpu", "restore_host_cpu")
 
     def __init__(self, config: ParkingConfig, on_loaded: Callable[[], None]):
         self.config, self.on_loaded = config, on_loaded
@@ -371,15 +371,21 @@ class ParkingStore:
         self._device_times.append((kind, start, end, count))
 
     # ---- figures, end ------------------------------------------------------------------------------
+    def tiers(self) -> dict[str, int]:
+        """Parked states per tier, {"host": n, "disk": m} ("lost" only while a stream has one): a cheap look,
+        without `stats`' percentiles."""
+        with self._cond:
+            tiers = {"host": 0, "disk": 0}
+            for parked in self._entries:
+                tiers[parked.tier] = tiers.get(parked.tier, 0) + 1
+            return tiers
+
     def stats(self) -> dict:
         while self._device_times and self._device_times[0][2].query():
             kind, start, end, count = self._device_times.popleft()
             self.note(kind, start.elapsed_time(end), count)
         with self._cond:
-            tiers = {"host": 0, "disk": 0}
-            for parked in self._entries:
-                tiers[parked.tier] = tiers.get(parked.tier, 0) + 1  # "lost" only while a stream has one
-            figures = {"parked": tiers, "host_bytes": self.host_bytes, "disk_bytes": self.disk_bytes,
+            figures = {"parked": self.tiers(), "host_bytes": self.host_bytes, "disk_bytes": self.disk_bytes,
                        "io_threads": self.config.io_threads, "failures": dict(self.failures)}
         if self.pool is not None:
             figures["pool"] = {"rows": self.pool.rows, "in_use": self.pool.in_use, "misses": self.pool.misses}

@@ -100,7 +100,7 @@ class SlotMover:
         (`RowLayout`) into rows of the pool: on a GPU one batched gather into the staging buffer, then one copy
         to pinned host memory per run of consecutive pool rows (`RowPool.runs`); on the CPU one gather into
         the pool's rows. Called before the slots are reset or taken again."""
-        started, cuda = time.perf_counter(), self.device.type == "cuda"
+        started, cpu, cuda = time.perf_counter(), time.thread_time(), self.device.type == "cuda"
         layout, tensors = self.prepare()
         rows = [slot for _, slot in parks]
         timer = self._wait_for_codec()
@@ -124,13 +124,13 @@ class SlotMover:
         self.store.put(*[parked for parked, _ in parks])
         if not self.frame_codec:
             self.codec_worker.capture(rows, functools.partial(_captured, [parked for parked, _ in parks]))
-        self._note("park", started, timer, len(parks))
+        self._note("park", started, cpu, timer, len(parks))
 
     def restore(self, rows: list[int], parked: list[Parked]) -> None:
         """Put parked states into slots ``rows``, every row (the voice prefix too) in packed form: on a GPU one
         copy per run of consecutive pool rows into the staging buffer, then one batched scatter. Their rows go
         back to the pool (free at once: `RowPool`)."""
-        started, cuda = time.perf_counter(), self.device.type == "cuda"
+        started, cpu, cuda = time.perf_counter(), time.thread_time(), self.device.type == "cuda"
         layout, tensors = self.prepare()  # the voice prefix (sinks) included: no `Engine._start_caches`
         pool_rows = [p.pool_row if p.pool is self.pool else None for p in parked]
         flats = [p.flat if p.flat is not None and p.layout is layout else layout.flatten(p.rows, pin=cuda)
@@ -151,7 +151,7 @@ class SlotMover:
             timer.mark()
         for p in parked:
             p.release()
-        self._note("restore", started, timer, len(parked))
+        self._note("restore", started, cpu, timer, len(parked))
 
     def copy_row(self, slot: int, done: Callable[[dict[str, torch.Tensor]], None]) -> None:
         """A copy of slot ``slot``'s state while it stays there (CPU codec path: `Engine.snapshot`): its packed
@@ -191,16 +191,19 @@ class SlotMover:
                 else:
                     staging[i].copy_(flat, non_blocking=flat.is_pinned())
 
-    def _note(self, kind: str, started: float, timer: Timer, count: int) -> None:
+    def _note(self, kind: str, started: float, cpu: float, timer: Timer, count: int) -> None:
         """Park/restore time per stream: on a GPU the device's, from the end of the wait for the codec stream
         to the copies' end (CUDA events, read later; the wait itself as ``park_wait``/``restore_wait``), else
-        the clock's; and the engine thread's time for all of it (``park_host``, ``restore_host``) either way."""
+        the clock's; and the engine thread's time for all of it (``park_host``, ``restore_host``) either way,
+        beside its CPU time (``park_host_cpu``, ``restore_host_cpu``: host time well above it is time spent
+        waiting, for the GIL or in a blocking call, rather than working)."""
         host_ms = (time.perf_counter() - started) * 1000
         if timer.cuda:
             self.store.note_device(f"{kind}_wait", timer.marks[0], timer.marks[1], count)
             self.store.note_device(kind, timer.marks[1], timer.marks[-1], count)
         else:
             self.store.note(kind, host_ms, count)
+        self.store.note(f"{kind}_host_cpu", (time.thread_time() - cpu) * 1000, count)
         self.store.note(f"{kind}_host", host_ms, count)
 
 
