@@ -150,8 +150,10 @@ class RowPool:
     streams that can be parked at once (every open stream), nor more bytes than the host tier may hold or the
     pinned reservation allows. Worked example, the shipped model's 2,163,712-byte row and the defaults (1 GiB
     each): 1,024 open streams get 1,073,741,824 // 2,163,712 = 496 rows (1,073,201,152 bytes); 64 open streams
-    get 64 rows (138 MB). A park that finds no free row still works: its row comes from PyTorch's allocator
-    as before (counted in ``misses``), and a spill to disk gives a pool row back.
+    get 64 rows (138 MB). PyTorch's pinned allocator rounds the slab up to a power of two (496 rows: 1 GiB,
+    256 rows: 554 MB in a 1 GiB block), as it rounded every per-park row (2.16 MB in a 4 MiB block). A park
+    that finds no free row still works: its row comes from PyTorch's allocator as before (counted in
+    ``misses``), and a spill to disk gives a pool row back.
 
     A row given back is free at once: every device access to the slab (a park's copy into a row, a restore's
     copy out of it) is queued on the engine's one CUDA stream, in order, so a later park's copy into a row

@@ -75,6 +75,39 @@ def rounds(m, store, sizes, count, prepare):
     return out
 
 
+def puts(row_bytes, k=64, repeats=20):
+    """The engine thread's ms to put k parked states in a store whose 4 I/O threads wait (disk_after_s 3600):
+    one `put` (lock, wake-up) per state, as main did, against one `put` for all; 0.2 ms of Python between puts
+    (the rest of a park), as in a park call of k streams."""
+    out = {}
+    for mode in ("per_state", "one_call", "per_state"):
+        store = ParkingStore(ParkingConfig(disk_after_s=3600, io_threads=4), on_loaded=lambda: None)
+        store.start()
+        times = []
+        for _ in range(repeats):
+            states = []
+            for _ in range(k):
+                p = Parked()
+                p.add({"row": torch.zeros(1, 8)})
+                states.append(p)
+            t0 = time.perf_counter()
+            for p in states:
+                work = time.perf_counter() + 0.0002
+                while time.perf_counter() < work:  # pure Python: holds the GIL
+                    pass
+                if mode == "per_state":
+                    store.put(p)
+            if mode == "one_call":
+                store.put(*states)
+            times.append((time.perf_counter() - t0) * 1000)
+            for p in states:
+                store.take(p)
+        store.close()
+        out.setdefault(mode, []).append({"p50": round(float(np.percentile(times, 50)), 3),
+                                         "max": round(max(times), 3), "ideal": round(k * 0.2, 3)})
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=6)
@@ -93,6 +126,7 @@ def main():
     for slot in range(batch):
         layout.slot(tensors, slot)
     result["slot_views_ms_per_slot"] = round((time.perf_counter() - t0) * 1000 / batch, 3)
+    result["puts_engine_thread_ms"] = puts(layout.row_bytes)
     sizes = [1, 4, 16, 64]
     result["old"] = rounds(*mover(old_cls, model, codec, batch), sizes, args.rounds, prepare=False)
     result["new"] = rounds(m, store, sizes, args.rounds, prepare=True)
