@@ -173,26 +173,20 @@ def trace_slots(engine: Engine) -> dict:
 
 
 def trace_batches(engine: Engine, where: dict) -> list[dict]:
-    """Record every park and restore call of ``engine`` (`SlotMover._note`: its device events, then its host
-    time, which closes the record), tagged with ``where["round"]``; `batch_figures` reads them at the end."""
+    """Record every park and restore call of ``engine`` (wrapping `SlotMover._note`, on the engine thread: its
+    figures are the last the store noted), tagged with ``where["round"]``; `batch_figures` reads them at the end."""
     batches: list[dict] = []
-    note, note_device = engine.store.note, engine.store.note_device
-    record: dict = {}
+    note, times = engine.mover._note, engine.store.times
 
-    def traced_device(kind, start, end, count):
-        record[kind] = (start, end)
-        note_device(kind, start, end, count)
+    def traced(kind, started, cpu, timer, count):
+        note(kind, started, cpu, timer, count)
+        batches.append({"round": where["round"], "kind": kind, "streams": count,
+                        "own": (timer.marks[1], timer.marks[-1]) if timer.cuda else times[kind][-1] * count,
+                        "wait": (timer.marks[0], timer.marks[1]) if timer.cuda else None,
+                        "host_ms": times[f"{kind}_host"][-1] * count,
+                        "host_cpu_ms": times[f"{kind}_host_cpu"][-1] * count})
 
-    def traced_note(kind, ms, count=1):
-        if kind.endswith("_host"):
-            batches.append({"round": where["round"], "kind": kind.removesuffix("_host"), "streams": count,
-                            "host_ms": ms, **record})
-            record.clear()
-        elif kind in ("park", "restore") or kind.endswith("_host_cpu"):  # the CPU's clock; the thread's CPU time
-            record[kind.removesuffix("_host_cpu") + "_cpu" if kind.endswith("_host_cpu") else kind] = ms
-        note(kind, ms, count)
-
-    engine.store.note, engine.store.note_device = traced_note, traced_device
+    engine.mover._note = traced
     return batches
 
 
@@ -203,9 +197,9 @@ def batch_figures(batches: list[dict]) -> list[dict]:
             value[1].synchronize()
             return round(value[0].elapsed_time(value[1]), 3)
         return None if value is None else round(value, 3)
-    return [{"round": b["round"], "kind": b["kind"], "streams": b["streams"], "ms": ms(b.get(b["kind"])),
-             "wait_ms": ms(b.get(f"{b['kind']}_wait")), "host_ms": round(b["host_ms"], 3),
-             "host_cpu_ms": ms(b.get(f"{b['kind']}_cpu"))} for b in batches]
+    return [{"round": b["round"], "kind": b["kind"], "streams": b["streams"], "ms": ms(b["own"]),
+             "wait_ms": ms(b["wait"]), "host_ms": ms(b["host_ms"]), "host_cpu_ms": ms(b["host_cpu_ms"])}
+            for b in batches]
 
 
 def traced(rounds: list[dict], got: list[np.ndarray], want: list[np.ndarray]) -> list:

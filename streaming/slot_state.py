@@ -105,8 +105,8 @@ class SlotMover:
         rows = [slot for _, slot in parks]
         timer = self._wait_for_codec()
         pool_rows = self.pool.take(len(rows))
-        flats = [self.pool.row(r) if r is not None else torch.empty(layout.row_bytes, dtype=torch.uint8, pin_memory=cuda)
-                 for r in pool_rows]
+        flats = [self.pool.row(r) if r is not None else  # a miss: a row of its own, as before the pool
+                 torch.empty(layout.row_bytes, dtype=torch.uint8, pin_memory=cuda) for r in pool_rows]
         if cuda:
             for at in range(0, len(rows), len(self._staging)):
                 part = rows[at:at + len(self._staging)]
