@@ -313,13 +313,15 @@ class ParkingStore:
     # ---- engine thread ---------------------------------------------------------------------------
     def put(self, *parked: Parked) -> None:
         """Keep parked states: a tick's parks at once, under one lock and with one wake-up of an I/O thread
-        (one per state made as many threads want the GIL while the engine thread was parking the rest)."""
+        (one per state made as many threads want the GIL while the engine thread was parking the rest), or
+        as many as there are states to spill at once while the host tier is over ``max_host_bytes``."""
         with self._cond:
             for state in parked:
                 self._entries[state] = state.nbytes
                 self.host_bytes += state.nbytes
             self._start_threads()
-            self._cond.notify()
+            over = self.host_bytes > self.config.max_host_bytes
+            self._cond.notify(min(len(parked), self.config.io_threads) if over else 1)
 
     def start(self) -> None:
         """Start the I/O threads now (`SlotMover.prepare`, at warm-up) rather than in the first park."""
