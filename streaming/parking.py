@@ -164,7 +164,9 @@ class RowPool:
         self.slab = torch.empty(max(rows, 0), row_bytes, dtype=torch.uint8, pin_memory=pin)  # (rows, row_bytes)
         self._views = list(self.slab.unbind(0))  # row r as a (row_bytes,) view, made once
         self._free = list(range(len(self.slab)))  # a heap: the lowest free rows first, so a batch's rows run
-        self._lock = threading.Lock()  # the engine thread takes and gives back, an I/O thread gives back (spill)
+        # the engine thread takes and gives back, an I/O thread gives back (spill); re-entrant: a state's
+        # `Parked.__del__` may give its row back from a garbage collection that runs inside `take`
+        self._lock = threading.RLock()
         self.misses = 0  # rows asked for while none was free
 
     @property
@@ -277,6 +279,12 @@ class Parked:
         if self.pool_row is not None:
             self.pool.give(self.pool_row)
         self.flat, self.pool, self.pool_row = None, None, None
+
+    def __del__(self):
+        """A state dropped without `release` (an error path: a detach given up, an engine fault) still gives its
+        pool row back; safe at any time for the device (`RowPool`: one CUDA stream), and nothing reads it."""
+        if getattr(self, "pool_row", None) is not None:
+            self.pool.give(self.pool_row)
 
     def _count(self) -> None:
         self.nbytes = sum(t.nbytes for t in self.loose.values()) + (0 if self.flat is None else self.flat.nbytes)

@@ -498,6 +498,12 @@ def test_row_pool_hands_out_its_lowest_rows_within_its_bound():
     assert pool.row(2).shape == (16,) and pool.row(2).data_ptr() == pool.slab[2].data_ptr()
     assert RowPool.runs([4, 5, 6, None, 9, 10, 2]) == [(0, 4, 3), (4, 9, 2), (6, 2, 1)]
     assert RowPool.runs([]) == [] and RowPool.runs([None, 3]) == [(1, 3, 1)]
+    pool.give(0)
+    dropped = Parked()
+    dropped.add_packed(pool.row(0), None, pool, pool.take(1)[0])
+    assert pool.in_use == 3
+    del dropped  # never released (an error path): its row is not lost
+    assert pool.in_use == 2
 
 
 @pytest.mark.parametrize("frame_codec", [False, True])
