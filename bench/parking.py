@@ -35,7 +35,9 @@ is in memory: the load and its wait behind the other streams' files, all restore
 the largest difference between a parked-and-restored stream's audio and the same seeded stream speaking
 without parking (greedy sampling), over both rounds and one stream detached mid-utterance and attached to a
 second engine (`Engine.detach`/`attach`). ``unparked_again``: the control, the reference round run a second
-time without parking (streams within 1e-4 of the first run): what timing alone changes.
+time without parking (streams within 1e-4 of the first run): what timing alone changes. ``row_pool``: the
+parked rows' pool at the end (`streaming.parking.RowPool`: rows, rows in use, and misses, parks that found no
+free row and allocated one).
 """
 from __future__ import annotations
 
