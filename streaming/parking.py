@@ -357,10 +357,11 @@ class ParkingStore:
             return parked.rows
 
     def discard(self, parked: Parked) -> None:
-        """The stream ended while parked: forget its state, remove its file, give its row back."""
+        """The stream ended while parked: forget its state, remove its file, give its row back (only if the
+        store still held it: a state taken for a restore or a detach is its taker's to release)."""
         with self._cond:
-            self._forget(parked)
-            parked.release()
+            if self._forget(parked):
+                parked.release()
 
     @property
     def has_lost(self) -> bool:
@@ -528,14 +529,16 @@ class ParkingStore:
                 self._dir = tempfile.mkdtemp(prefix="tts-parked-", dir=self.config.directory)
             return self._dir
 
-    def _forget(self, parked: Parked) -> None:
+    def _forget(self, parked: Parked) -> bool:
+        """Remove ``parked`` from the store (and its file); whether it was there."""
         if parked not in self._entries:
-            return
+            return False
         self.host_bytes -= self._entries.pop(parked)
         if parked.tier == "disk":
             self.disk_bytes -= parked.nbytes
             if not parked.loading:  # a file being loaded is removed by the loader
                 remove_file(parked.path)
+        return True
 
 
 def weights_fingerprint(*modules: torch.nn.Module) -> str:
