@@ -56,6 +56,7 @@ class SlotMover:
         self._staging: torch.Tensor | None = None
         self._staging_rows: list[dict] = []
         self.pool: RowPool | None = None  # `prepare`
+        self._pool_packed: list[dict] = []  # on the CPU, each pool row's views (`RowLayout.packed`), made once
 
     def row_tensors(self) -> dict[str, torch.Tensor]:
         """Every (B, ...) tensor of a slot's state by name: caches (the voice prefix too, so that a restore
@@ -90,6 +91,8 @@ class SlotMover:
             config = self.store.config
             rows = min(self.max_open, min(config.pinned_bytes, config.max_host_bytes) // layout.row_bytes)
             self.pool = self.store.pool = RowPool(rows, layout.row_bytes, pin=cuda)
+            if not cuda:  # the CPU copies straight into pool rows: their views, made now (~3 view ops per tensor)
+                self._pool_packed = [layout.packed(self.pool.row(r)) for r in range(self.pool.rows)]
             for slot in range(self.max_streams):
                 layout.slot(tensors, slot)
             self.store.start()
@@ -114,7 +117,7 @@ class SlotMover:
                 self._staging_copy(pool_rows[at:at + len(part)], flats[at:at + len(part)], to_host=True)
             timer.mark()
         else:
-            layout.copy([layout.packed(flat) for flat in flats], [layout.slot(tensors, r) for r in rows])
+            layout.copy(self._packed(pool_rows, flats), [layout.slot(tensors, r) for r in rows])
         for i, (parked, _) in enumerate(parks):
             parked.add_packed(flats[i], layout, self.pool, pool_rows[i])
             parked.copied = timer.marks[-1] if cuda else None  # the host reads the row after this event
@@ -142,7 +145,7 @@ class SlotMover:
                 self._staging_copy(pool_rows[at:at + n], flats[at:at + n], to_host=False)
                 layout.copy([layout.slot(tensors, r) for r in rows[at:at + n]], self._staging_rows[:n])
         else:
-            layout.copy([layout.slot(tensors, r) for r in rows], [layout.packed(flat) for flat in flats])
+            layout.copy([layout.slot(tensors, r) for r in rows], self._packed(pool_rows, flats))
         if self.frame_codec:
             self.outbox.audio[rows] = torch.cat([p.loose["outbox"] for p in parked]).numpy()
         else:  # the decoder rows are loose rows (captured on the codec thread, or attached)
@@ -162,6 +165,13 @@ class SlotMover:
         layout.copy([layout.packed(flat)], [layout.slot(tensors, slot)])
         rows = layout.views(flat)
         self.codec_worker.capture([slot], lambda states: done(rows | states[0]))
+
+    def _packed(self, pool_rows: list[int | None], flats: list[torch.Tensor]) -> list[dict]:
+        """The CPU's side of `RowLayout.copy` for these states: a pool row's views made at `prepare`, else made
+        now (a miss, or a state loaded from disk or attached)."""
+        layout = self._layout[0]
+        return [self._pool_packed[row] if row is not None else layout.packed(flat)
+                for row, flat in zip(pool_rows, flats)]
 
     def _wait_for_codec(self) -> Timer:
         """On a GPU with the frame codec, order what follows after the codec's CUDA stream (the last tick's
