@@ -6,6 +6,9 @@ on the CPU, 4 idle I/O threads, switch interval 0.5 ms as on a GPU. The CPU has 
 row costs here is malloc + page faults, not cudaHostAlloc; the copies themselves are memcpy.
 
     python bench/results/parking_pool_cpu/probe.py [--rounds 6]
+
+Per park call size k: the first call (slots never parked before) and the later calls' p50 and max, each as
+[wall ms, engine thread CPU ms] per stream.
 """
 import argparse
 import importlib.util
@@ -59,9 +62,9 @@ def rounds(m, store, sizes, count, prepare):
         first, later = None, []
         for r in range(count):
             parked = [Parked() for _ in range(k)]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             m.park([(p, slot) for p, slot in zip(parked, range(k))])
-            ms = (time.perf_counter() - t0) * 1000 / k
+            ms = ((time.perf_counter() - t0) * 1000 / k, (time.thread_time() - c0) * 1000 / k)
             if r == 0:
                 first = ms
             else:
@@ -69,9 +72,10 @@ def rounds(m, store, sizes, count, prepare):
             for p in parked:
                 store.take(p)
             m.restore(list(range(k)), parked)
-        out[k] = {"first_call_ms_per_stream": round(first, 3),
-                  "later_p50": round(float(np.percentile(later, 50)), 3),
-                  "later_max": round(float(np.max(later)), 3)}
+        later = np.array(later)  # (rounds - 1, [wall, cpu])
+        out[k] = {"first_call_ms_per_stream": [round(v, 3) for v in first],
+                  "later_p50": [round(float(v), 3) for v in np.percentile(later, 50, axis=0)],
+                  "later_max": [round(float(v), 3) for v in later.max(axis=0)]}
     return out
 
 
@@ -122,10 +126,11 @@ def main():
     tensors = m.row_tensors()
     layout = RowLayout(tensors)
     result["row_bytes"], result["row_tensors"] = layout.row_bytes, len(tensors)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     for slot in range(batch):
         layout.slot(tensors, slot)
-    result["slot_views_ms_per_slot"] = round((time.perf_counter() - t0) * 1000 / batch, 3)
+    result["slot_views_ms_per_slot"] = [round((time.perf_counter() - t0) * 1000 / batch, 3),
+                                        round((time.thread_time() - c0) * 1000 / batch, 3)]
     result["puts_engine_thread_ms"] = puts(layout.row_bytes)
     sizes = [1, 4, 16, 64]
     result["old"] = rounds(*mover(old_cls, model, codec, batch), sizes, args.rounds, prepare=False)
