@@ -190,6 +190,8 @@ class Engine:
                  if self.frame_codec else {"codec_worker": self.codec_worker})
         self.mover = SlotMover(self.store, self.caches, self.slots, self.device, self.max_streams,
                                max_open=self.max_open, **codec)
+        if self.device.type == "cuda":  # pinned rows for parking now (each cudaHostAlloc costs ms), not in a park:
+            self.mover.prepare()  # a server need not call warm_up
         self._build_host_tables(self.max_streams)
         # thread hand-offs
         self._lock = threading.Lock()  # guards the factory switch

@@ -56,7 +56,7 @@ class SlotMover:
         self._staging: torch.Tensor | None = None
         self._staging_rows: list[dict] = []
         self.pool: RowPool | None = None  # `prepare`
-        self._pool_packed: list[dict] = []  # on the CPU, each pool row's views (`RowLayout.packed`), made once
+        self._pool_packed: dict[int, dict] = {}  # on the CPU, a pool row's views (`RowLayout.packed`), kept
 
     def row_tensors(self) -> dict[str, torch.Tensor]:
         """Every (B, ...) tensor of a slot's state by name: caches (the voice prefix too, so that a restore
@@ -77,10 +77,11 @@ class SlotMover:
         return self._layout
 
     def prepare(self) -> tuple[RowLayout, dict[str, torch.Tensor]]:
-        """Everything a park or a restore uses, made once, at warm-up (`Engine.warm_up`; else by the first park
-        or restore, inside its timing): the layout; on a GPU a staging buffer for the packed rows of up to
-        STAGING_ROWS streams at a time; the row pool (`RowPool`: pinned on a GPU); every slot's row views
-        (`RowLayout.slot`, ~70 per slot, so that no park makes them); the store's I/O threads."""
+        """Everything a park or a restore uses, made once: on a GPU when the engine is built, on the CPU at
+        warm-up (`Engine.warm_up`; else by the first park or restore, inside its timing): the layout; on a GPU
+        a staging buffer for the packed rows of up to STAGING_ROWS streams at a time; the row pool (`RowPool`:
+        pinned on a GPU); every slot's row views (`RowLayout.slot`, ~87 per slot with the frame codec, so that
+        no park makes them); the store's I/O threads."""
         layout, tensors = self.layout()
         if self.pool is None:
             cuda = self.device.type == "cuda"
@@ -91,8 +92,6 @@ class SlotMover:
             config = self.store.config
             rows = min(self.max_open, min(config.pinned_bytes, config.max_host_bytes) // layout.row_bytes)
             self.pool = self.store.pool = RowPool(rows, layout.row_bytes, pin=cuda)
-            if not cuda:  # the CPU copies straight into pool rows: their views, made now (~3 view ops per tensor)
-                self._pool_packed = [layout.packed(self.pool.row(r)) for r in range(self.pool.rows)]
             for slot in range(self.max_streams):
                 layout.slot(tensors, slot)
             self.store.start()
@@ -167,9 +166,13 @@ class SlotMover:
         self.codec_worker.capture([slot], lambda states: done(rows | states[0]))
 
     def _packed(self, pool_rows: list[int | None], flats: list[torch.Tensor]) -> list[dict]:
-        """The CPU's side of `RowLayout.copy` for these states: a pool row's views made at `prepare`, else made
-        now (a miss, or a state loaded from disk or attached)."""
+        """The CPU's side of `RowLayout.copy` for these states: a pool row's views, made at its first use and
+        kept (~3 view ops per row tensor, each letting the GIL go: made per park, they were a third of a CPU
+        park's time), else made now (a miss, or a state loaded from disk or attached)."""
         layout = self._layout[0]
+        for row in pool_rows:
+            if row is not None and row not in self._pool_packed:
+                self._pool_packed[row] = layout.packed(self.pool.row(row))
         return [self._pool_packed[row] if row is not None else layout.packed(flat)
                 for row, flat in zip(pool_rows, flats)]
 
