@@ -142,23 +142,23 @@ class RowLayout:
 class RowPool:
     """Packed rows (`RowLayout`) for parked states, reserved once: one (rows, row_bytes) uint8 slab, pinned on a
     GPU, and a free list, so that a park takes rows and allocates nothing. A fresh pinned block is a
-    cudaHostAlloc (PyTorch's caching allocator rounds a shipped state's 2,163,712-byte row up to a 4 MiB block,
+    cudaHostAlloc (PyTorch's caching allocator rounds a shipped state's 2,202,224-byte row up to a 4 MiB block,
     and pinning it costs milliseconds); allocated per park, every park beyond the blocks warmed at start paid
     it on the engine thread, inside the park's timing.
 
     Bound: ``rows`` = min(max_open, min(pinned_bytes, max_host_bytes) // row_bytes): never more rows than
     streams that can be parked at once (every open stream), nor more bytes than the host tier may hold or the
-    pinned reservation allows. Worked example, the shipped model's 2,163,712-byte row and the defaults (1 GiB
-    each): 1,024 open streams get 1,073,741,824 // 2,163,712 = 496 rows (1,073,201,152 bytes); 64 open streams
-    get 64 rows (138 MB). PyTorch's pinned allocator rounds the slab up to a power of two (496 rows: 1 GiB,
-    256 rows: 554 MB in a 1 GiB block), as it rounded every per-park row (2.16 MB in a 4 MiB block). A park
-    that finds no free row still works: its row comes from PyTorch's allocator as before (counted in
-    ``misses``), and a spill to disk gives a pool row back.
+    pinned reservation allows. Worked example, the shipped model's row with the frame codec (2,202,224 bytes,
+    87 tensors) and the defaults (1 GiB each): 1,024 open streams get 1,073,741,824 // 2,202,224 = 487 rows
+    (1,072,483,088 bytes); 64 open streams get 64 rows (141 MB). PyTorch's pinned allocator rounds the slab up
+    to a power of two (64 rows: a 256 MiB block, 256 rows: 564 MB in a 1 GiB block), as it rounded every
+    per-park row (2.2 MB in a 4 MiB block). A park that finds no free row still works: its row comes from
+    PyTorch's allocator as before (counted in ``misses``), and a spill to disk gives a pool row back.
 
     A row given back is free at once: every device access to the slab (a park's copy into a row, a restore's
     copy out of it) is queued on the engine's one CUDA stream, in order, so a later park's copy into a row
     runs after an earlier restore's copy out of it; the host reads a row only once its park's copy is done
-    (`Parked.settled`, the spill's wait) and never writes one."""
+    (`Parked.settled`, the spill's wait) and never writes one (on the CPU every copy is done when it returns)."""
 
     def __init__(self, rows: int, row_bytes: int, pin: bool):
         self.slab = torch.empty(max(rows, 0), row_bytes, dtype=torch.uint8, pin_memory=pin)  # (rows, row_bytes)
