@@ -14,14 +14,19 @@ and ``ready_after_asking_all_ms``: from the asks until each state is in memory, 
 the store's ``on_loaded``; also for a store without ``load_wait``).
 
 ``--trace``: per stream of the parked rounds, its first sample over 1e-4 from the reference beside its parks and
-restores (slot, samples delivered by then). ``--frame-codec``: the GPU's codec path (a frame a tick, one tick in
+restores (slot, samples delivered by then); and ``batches``: every park and restore call of the engine (one per
+tick that parks or restores), with its round, its number of streams, its device ms (the copies), the device's
+wait for the codec stream before it (``wait_ms``) and the engine thread's ms, wall and CPU (``host_ms``,
+``host_cpu_ms``: wall well above CPU is waiting, for the GIL or in a blocking call), in total (not per stream):
+which parks make the tail. ``--frame-codec``: the GPU's codec path (a frame a tick, one tick in
 flight) on the CPU. ``--one-bucket``: every tick steps every slot (an experiment on batch invariance).
 
 Per round, N streams (one slot each) get the first words of a sentence, run dry and are parked together
 (``park_after_s`` 0.05); in the disk round they wait until every state has spilled to disk; then each gets the
 rest of its text and is restored. Tier times come from the engine's stats: slot <-> host memory per stream
-(on a GPU: device time between CUDA events, gather + copy to pinned memory, and copy back + scatter;
-``park_host``/``restore_host``: the engine thread's time for the same, on any device), host
+(on a GPU: device time between CUDA events, gather + copy to pinned memory, and copy back + scatter, from
+the end of the wait for the last tick's decode on the codec stream, which ``park_wait``/``restore_wait`` give;
+``park_host``/``restore_host``: the engine thread's time for all of it, on any device), host
 <-> disk per stream (one raw file per state in the temp dir, `streaming.parked_file`: the page cache's speed, no
 fsync). ``disk_tier_ms_per_stream``, the disk tier's figures together: ``spill`` (host memory -> file, per
 stream, on an I/O thread), ``load`` (file -> host memory), ``load_wait`` (from the restore's ask until its state
@@ -30,7 +35,9 @@ is in memory: the load and its wait behind the other streams' files, all restore
 the largest difference between a parked-and-restored stream's audio and the same seeded stream speaking
 without parking (greedy sampling), over both rounds and one stream detached mid-utterance and attached to a
 second engine (`Engine.detach`/`attach`). ``unparked_again``: the control, the reference round run a second
-time without parking (streams within 1e-4 of the first run): what timing alone changes.
+time without parking (streams within 1e-4 of the first run): what timing alone changes. ``row_pool``: the
+parked rows' pool at the end (`streaming.parking.RowPool`: rows, rows in use, and misses, parks that found no
+free row and allocated one).
 """
 from __future__ import annotations
 
@@ -118,7 +125,9 @@ def parked_round(engine: Engine, sentences: list[str], disk: bool, restores: dic
     and then the same copy to the device as from host memory)."""
     streams = [speak(engine, s, 100 + i, 4) for i, s in enumerate(sentences)]
     tier = "disk" if disk else "host"
-    wait_until(lambda: engine.stats()["parking"]["parked"][tier] == len(streams))
+    # polled through the store's tier counts: `Engine.stats` every 10 ms (percentiles of every figure, Python on
+    # this thread) would compete for the GIL with the engine thread during the very parks being timed
+    wait_until(lambda: engine.store.tiers()[tier] == len(streams))
     done = len(engine.store.times["restore"])
     for stream, sentence in zip(streams, sentences):
         finish_text(stream, sentence)
@@ -163,6 +172,36 @@ def trace_slots(engine: Engine) -> dict:
 
     engine._park, engine._occupy = traced_park, traced_occupy
     return events
+
+
+def trace_batches(engine: Engine, where: dict) -> list[dict]:
+    """Record every park and restore call of ``engine`` (wrapping `SlotMover._note`, on the engine thread: its
+    figures are the last the store noted), tagged with ``where["round"]``; `batch_figures` reads them at the end."""
+    batches: list[dict] = []
+    note, times = engine.mover._note, engine.store.times
+
+    def traced(kind, started, cpu, timer, count):
+        note(kind, started, cpu, timer, count)
+        batches.append({"round": where["round"], "kind": kind, "streams": count,
+                        "own": (timer.marks[1], timer.marks[-1]) if timer.cuda else times[kind][-1] * count,
+                        "wait": (timer.marks[0], timer.marks[1]) if timer.cuda else None,
+                        "host_ms": times[f"{kind}_host"][-1] * count,
+                        "host_cpu_ms": times[f"{kind}_host_cpu"][-1] * count})
+
+    engine.mover._note = traced
+    return batches
+
+
+def batch_figures(batches: list[dict]) -> list[dict]:
+    """`trace_batches`' records with their device times read (ms, for the whole call)."""
+    def ms(value):
+        if isinstance(value, tuple):
+            value[1].synchronize()
+            return round(value[0].elapsed_time(value[1]), 3)
+        return None if value is None else round(value, 3)
+    return [{"round": b["round"], "kind": b["kind"], "streams": b["streams"], "ms": ms(b["own"]),
+             "wait_ms": ms(b["wait"]), "host_ms": ms(b["host_ms"]), "host_cpu_ms": ms(b["host_cpu_ms"])}
+            for b in batches]
 
 
 def traced(rounds: list[dict], got: list[np.ndarray], want: list[np.ndarray]) -> list:
@@ -304,6 +343,8 @@ def main() -> None:
     if args.warm_up:
         engine.warm_up()
     events = trace_slots(engine) if args.trace else {}
+    where = {"round": "reference"}
+    batches = trace_batches(engine, where) if args.trace else []
     rounds = []  # each traced round's events: the reference, the host round, the disk round
 
     def traced_round(played):
@@ -317,9 +358,12 @@ def main() -> None:
     events.clear()
     parking.park_after_s = 0.05
     restores: dict = {}
+    where["round"] = "host"
     host = traced_round(parked_round(engine, sentences, disk=False, restores=restores))
     parking.disk_after_s = 0.05
+    where["round"] = "disk"
     disk = traced_round(parked_round(engine, sentences, disk=True, restores=restores))
+    where["round"] = "moved"
     other = Engine(model, codec, voices, max_streams=args.moved_slots, device=args.device, sampling=greedy,
                    step_factory=factory, frame_codec=frame_codec)
     moved = moved_round(engine, other, sentences[0])
@@ -333,7 +377,9 @@ def main() -> None:
                       "switch_interval_s": sys.getswitchinterval(), "parks": stats["parks"], "restores": stats["restores"],
                       "cache_bytes_per_stream": state_bytes,
                       "tiers_ms_per_stream": {kind: stats["parking"][f"{kind}_ms"] for kind in
-                                              ("park", "restore", "spill", "load", "park_host", "restore_host")},
+                                              ("park", "restore", "spill", "load", "park_host", "restore_host",
+                                               "park_wait", "restore_wait", "park_host_cpu", "restore_host_cpu")},
+                      "row_pool": stats["parking"].get("pool"),
                       "restore_ms_per_stream_by_round": restores,
                       "disk_tier_ms_per_stream": disk_tier(stats["parking"], restores),
                       "max_abs_diff": max(diffs), "identical_streams": sum(d == 0 for d in diffs),
@@ -345,7 +391,8 @@ def main() -> None:
                                                                      for a, b in zip(again, expected))},
                       "compared_streams": len(diffs),
                       "parted": [(i, p) for i, p in enumerate(parted) if p is not None][:12],
-                      **({"trace": traced(rounds, host + disk, expected * 2)} if args.trace else {})}, indent=2))
+                      **({"batches": batch_figures(batches), "trace": traced(rounds, host + disk, expected * 2)}
+                         if args.trace else {})}, indent=2))
     engine.close()
 
 

@@ -188,7 +188,10 @@ class Engine:
         self._graphs = self._tick_graphs()
         codec = ({"frame_decoder": self.frame_decoder, "outbox": self.outbox, "codec_stream": self.codec_stream}
                  if self.frame_codec else {"codec_worker": self.codec_worker})
-        self.mover = SlotMover(self.store, self.caches, self.slots, self.device, self.max_streams, **codec)
+        self.mover = SlotMover(self.store, self.caches, self.slots, self.device, self.max_streams,
+                               max_open=self.max_open, **codec)
+        if self.device.type == "cuda":  # pinned rows for parking now (each cudaHostAlloc costs ms), not in a park:
+            self.mover.prepare()  # a server need not call warm_up
         self._build_host_tables(self.max_streams)
         # thread hand-offs
         self._lock = threading.Lock()  # guards the factory switch
@@ -380,10 +383,14 @@ class Engine:
         if request.error is not None:
             raise request.error
         u = request.utterance
-        if u.parked is not None and not u.parked.settled(timeout):  # the CPU codec worker adds the decoder's rows
-            raise EngineError("the stream's decoder state was not captured in time")
-        rows = {} if u.parked is None else u.parked.rows
-        return pack(self._host_state(u), rows, stream.take_unread(), self.fingerprint)
+        try:
+            if u.parked is not None and not u.parked.settled(timeout):  # the CPU codec worker adds the decoder's rows
+                raise EngineError("the stream's decoder state was not captured in time")
+            rows = {} if u.parked is None else u.parked.rows
+            return pack(self._host_state(u), rows, stream.take_unread(), self.fingerprint)
+        finally:
+            if u.parked is not None:
+                u.parked.release()  # packed (copied), or given up: its pool row goes back
 
     def attach(self, state: bytes, wait_s: float = 0.0) -> Stream:
         """Continue a stream detached from another engine with the same weights (`detach`): a new Stream that
@@ -560,6 +567,7 @@ class Engine:
                 if n == self.max_streams:
                     break
                 n *= 2
+            self.mover.prepare()  # parking's buffers, row pool and slot views: no park makes them
         finally:
             done.set()
 
@@ -887,6 +895,8 @@ class Engine:
                 self.codec_worker.reset(rows)
             touched += rows
         restores = [(u, state) for u, state in todo.restores if holds(u)]
+        for state in [state for u, state in todo.restores if not holds(u)]:  # ended since: rows back to the pool
+            state.release()
         if restores:
             touched += self._restore_rows(restores)
         if prefill:
@@ -1228,6 +1238,8 @@ class Engine:
             self._drop(u)
             u.stream.finish(EngineError(f"internal error: {err}"))
         self._inflight.clear()
+        for _, state in self._todo.restores:
+            state.release()
         self._todo, self._codec_resets, self._schedules = _DeviceUpdates(), [], []
         self._any_ready = False
         everything = torch.ones(self.max_streams, dtype=torch.bool, device=self.device)

@@ -25,6 +25,7 @@ with the same weights (`weights_fingerprint`). Copying states in and out of slot
 from __future__ import annotations
 
 import hashlib
+import heapq
 import io
 import itertools
 import os
@@ -62,6 +63,7 @@ class ParkingConfig:
     disk_after_s: float = 10.0  # a parked stream idle this long moves from host memory to disk
     directory: str | None = None  # where spilled states go: a fresh directory under it (default: the temp dir)
     max_host_bytes: int = 1 << 30  # past this the oldest parked states spill to disk at once
+    pinned_bytes: int = 1 << 30  # reserved once for parked states' packed rows (pinned on a GPU): `RowPool`
     max_disk_bytes: int = 4 << 30  # past this nothing more spills (states stay in memory; counts the states'
     # bytes, each file adds a header of a few hundred bytes)
     io_threads: int = field(default_factory=_io_threads)  # threads writing and reading the files
@@ -137,6 +139,76 @@ class RowLayout:
             torch._foreach_copy_(dst, src)
 
 
+class RowPool:
+    """Packed rows (`RowLayout`) for parked states, reserved once: one (rows, row_bytes) uint8 slab, pinned on a
+    GPU, and a free list, so that a park takes rows and allocates nothing. A fresh pinned block is a
+    cudaHostAlloc (PyTorch's caching allocator rounds a shipped state's 2,202,224-byte row up to a 4 MiB block,
+    and pinning it costs milliseconds); allocated per park, every park beyond the blocks warmed at start paid
+    it on the engine thread, inside the park's timing.
+
+    Bound: ``rows`` = min(max_open, min(pinned_bytes, max_host_bytes) // row_bytes): never more rows than
+    streams that can be parked at once (every open stream), nor more bytes than the host tier may hold or the
+    pinned reservation allows. Worked example, the shipped model's row with the frame codec (2,202,224 bytes,
+    87 tensors) and the defaults (1 GiB each): 1,024 open streams get 1,073,741,824 // 2,202,224 = 487 rows
+    (1,072,483,088 bytes); 64 open streams get 64 rows (141 MB). PyTorch's pinned allocator rounds the slab up
+    to a power of two (64 rows: a 256 MiB block, 256 rows: 564 MB in a 1 GiB block), as it rounded every
+    per-park row (2.2 MB in a 4 MiB block). A park that finds no free row still works: its row comes from
+    PyTorch's allocator as before (counted in ``misses``), and a spill to disk gives a pool row back.
+
+    A row given back is free at once: every device access to the slab (a park's copy into a row, a restore's
+    copy out of it) is queued on the engine's one CUDA stream, in order, so a later park's copy into a row
+    runs after an earlier restore's copy out of it; the host reads a row only once its park's copy is done
+    (`Parked.settled`, the spill's wait) and never writes one (on the CPU every copy is done when it returns)."""
+
+    def __init__(self, rows: int, row_bytes: int, pin: bool):
+        self.slab = torch.empty(max(rows, 0), row_bytes, dtype=torch.uint8, pin_memory=pin)  # (rows, row_bytes)
+        self._views = list(self.slab.unbind(0))  # row r as a (row_bytes,) view, made once
+        self._free = list(range(len(self.slab)))  # a heap: the lowest free rows first, so a batch's rows run
+        # the engine thread takes and gives back, an I/O thread gives back (spill); re-entrant: a state's
+        # `Parked.__del__` may give its row back from a garbage collection that runs inside `take`
+        self._lock = threading.RLock()
+        self.misses = 0  # rows asked for while none was free
+
+    @property
+    def rows(self) -> int:
+        return len(self.slab)
+
+    @property
+    def in_use(self) -> int:
+        return self.rows - len(self._free)
+
+    def row(self, row: int) -> torch.Tensor:
+        """Slab row ``row``, (row_bytes,) uint8."""
+        return self._views[row]
+
+    def take(self, n: int) -> list[int | None]:
+        """``n`` rows, ascending, the lowest free first; None for each that none is left for (``misses``)."""
+        with self._lock:
+            got = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
+            self.misses += n - len(got)
+        return got + [None] * (n - len(got))
+
+    def give(self, row: int) -> None:
+        with self._lock:
+            heapq.heappush(self._free, row)
+
+    @staticmethod
+    def runs(rows: list[int | None]) -> list[tuple[int, int, int]]:
+        """(position, first row, count) of each run of consecutive slab rows at consecutive positions of
+        ``rows`` (None: not a pool row, left out), so that copying a batch between its staging rows (position
+        i <-> staging row i) and the slab is one copy per run. Example: [4, 5, 6, None, 9, 10, 2] -> (0, 4, 3),
+        (4, 9, 2), (6, 2, 1): staging rows 0..2 <-> slab rows 4..6, 4..5 <-> 9..10, 6 <-> 2."""
+        out: list[tuple[int, int, int]] = []
+        for i, row in enumerate(rows):
+            if row is None:
+                continue
+            if out and out[-1][0] + out[-1][2] == i and out[-1][1] + out[-1][2] == row:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+            else:
+                out.append((i, row, 1))
+        return out
+
+
 class Parked:
     """One parked stream's slot state in host memory (or a file): a packed row of a `RowLayout` (``flat``),
     and named (1, ...) tensors beside it; `rows` names them all."""
@@ -147,6 +219,8 @@ class Parked:
         self.loose: dict[str, torch.Tensor] = {}  # rows outside the layout (the CPU codec worker's, the outbox)
         self.flat: torch.Tensor | None = None  # (row_bytes,) uint8, pinned on a GPU
         self.layout: RowLayout | None = None
+        self.pool: RowPool | None = None  # where ``flat`` is a row of (`release` gives it back)
+        self.pool_row: int | None = None
         self.captured = threading.Event()  # every row is in `rows` (the CPU codec worker adds the decoder's later)
         self.copied = None  # a CUDA event: the device -> pinned host copies are done
         self.path: str | None = None  # its file, while it is on disk
@@ -192,9 +266,25 @@ class Parked:
         self.loose.update(rows)
         self._count()
 
-    def add_packed(self, flat: torch.Tensor, layout: RowLayout) -> None:
+    def add_packed(self, flat: torch.Tensor, layout: RowLayout, pool: RowPool | None = None,
+                   row: int | None = None) -> None:
+        """Its packed row ``flat``: row ``row`` of ``pool``'s slab, or (None) a tensor of its own."""
         self.flat, self.layout = flat, layout
+        self.pool, self.pool_row = (pool, row) if row is not None else (None, None)
         self._count()
+
+    def release(self) -> None:
+        """Drop the packed row (restored, spilled, moved or discarded); a pool row goes back to its pool (free
+        at once: `RowPool`). Twice is once."""
+        if self.pool_row is not None:
+            self.pool.give(self.pool_row)
+        self.flat, self.pool, self.pool_row = None, None, None
+
+    def __del__(self):
+        """A state dropped without `release` (an error path: a detach given up, an engine fault) still gives its
+        pool row back; safe at any time for the device (`RowPool`: one CUDA stream), and nothing reads it."""
+        if getattr(self, "pool_row", None) is not None:
+            self.pool.give(self.pool_row)
 
     def _count(self) -> None:
         self.nbytes = sum(t.nbytes for t in self.loose.values()) + (0 if self.flat is None else self.flat.nbytes)
@@ -203,7 +293,8 @@ class Parked:
 class ParkingStore:
     """The parked states of one engine, bounded (`ParkingConfig`); the engine thread puts, wants and takes,
     ``io_threads`` I/O threads move states between host memory and disk (loads before spills)."""
-    KINDS = ("park", "restore", "spill", "load", "load_wait", "spill_cpu", "load_cpu", "park_host", "restore_host")
+    KINDS = ("park", "restore", "spill", "load", "load_wait", "spill_cpu", "load_cpu", "park_host", "restore_host",
+             "park_wait", "restore_wait", "park_host_cpu", "restore_host_cpu")
 
     def __init__(self, config: ParkingConfig, on_loaded: Callable[[], None]):
         self.config, self.on_loaded = config, on_loaded
@@ -219,18 +310,31 @@ class ParkingStore:
         self.failures = {"spill": 0, "load": 0}
         # ms per stream; "load_wait": from the `want` that asked for a load until the state is in memory (the
         # load itself and its wait behind other files); "spill_cpu"/"load_cpu": the I/O thread's CPU time for a
-        # spill/load (what it costs on an idle core; the wall time beside it adds the waits for a core and the GIL)
+        # spill/load (what it costs on an idle core; the wall time beside it adds the waits for a core and the GIL);
+        # "park_wait"/"restore_wait": on a GPU, the device's wait for the last tick's decode (the codec's CUDA
+        # stream) before a park/restore could start, per stream: the dependency, kept apart from the copies
         self.times: dict[str, deque] = {kind: deque(maxlen=100_000) for kind in self.KINDS}
         self._threads: list[threading.Thread] = []
         self._device_times: deque = deque()
+        self.pool: RowPool | None = None  # the packed rows parks take (`SlotMover.prepare`), for `stats`
 
     # ---- engine thread ---------------------------------------------------------------------------
-    def put(self, parked: Parked) -> None:
+    def put(self, *parked: Parked) -> None:
+        """Keep parked states: a tick's parks at once, under one lock and with one wake-up of an I/O thread
+        (one per state made as many threads want the GIL while the engine thread was parking the rest), or
+        as many as there are states to spill at once while the host tier is over ``max_host_bytes``."""
         with self._cond:
-            self._entries[parked] = parked.nbytes
-            self.host_bytes += parked.nbytes
+            for state in parked:
+                self._entries[state] = state.nbytes
+                self.host_bytes += state.nbytes
             self._start_threads()
-            self._cond.notify()
+            over = self.host_bytes > self.config.max_host_bytes
+            self._cond.notify(min(len(parked), self.config.io_threads) if over else 1)
+
+    def start(self) -> None:
+        """Start the I/O threads now (`SlotMover.prepare`, at warm-up) rather than in the first park."""
+        with self._cond:
+            self._start_threads()
 
     def want(self, parked: Parked) -> bool:
         """A restore waits for ``parked``: whether its rows are in memory now (if not, its file is being loaded
@@ -253,9 +357,11 @@ class ParkingStore:
             return parked.rows
 
     def discard(self, parked: Parked) -> None:
-        """The stream ended while parked: forget its state, remove its file."""
+        """The stream ended while parked: forget its state, remove its file, give its row back (only if the
+        store still held it: a state taken for a restore or a detach is its taker's to release)."""
         with self._cond:
-            self._forget(parked)
+            if self._forget(parked):
+                parked.release()
 
     @property
     def has_lost(self) -> bool:
@@ -278,16 +384,24 @@ class ParkingStore:
         self._device_times.append((kind, start, end, count))
 
     # ---- figures, end ------------------------------------------------------------------------------
+    def tiers(self) -> dict[str, int]:
+        """Parked states per tier, {"host": n, "disk": m} ("lost" only while a stream has one): a cheap look,
+        without `stats`' percentiles."""
+        with self._cond:
+            tiers = {"host": 0, "disk": 0}
+            for parked in self._entries:
+                tiers[parked.tier] = tiers.get(parked.tier, 0) + 1
+            return tiers
+
     def stats(self) -> dict:
         while self._device_times and self._device_times[0][2].query():
             kind, start, end, count = self._device_times.popleft()
             self.note(kind, start.elapsed_time(end), count)
         with self._cond:
-            tiers = {"host": 0, "disk": 0}
-            for parked in self._entries:
-                tiers[parked.tier] = tiers.get(parked.tier, 0) + 1  # "lost" only while a stream has one
-            figures = {"parked": tiers, "host_bytes": self.host_bytes, "disk_bytes": self.disk_bytes,
+            figures = {"parked": self.tiers(), "host_bytes": self.host_bytes, "disk_bytes": self.disk_bytes,
                        "io_threads": self.config.io_threads, "failures": dict(self.failures)}
+        if self.pool is not None:
+            figures["pool"] = {"rows": self.pool.rows, "in_use": self.pool.in_use, "misses": self.pool.misses}
         for kind, values in self.times.items():
             values = list(values)[-5000:]
             figures[f"{kind}_ms"] = {"count": len(self.times[kind]), "p50": _percentile(values, 50),
@@ -370,7 +484,8 @@ class ParkingStore:
                 remove_file(path)
                 return
             parked.pinned = parked.flat is not None and parked.flat.is_pinned()
-            parked.path, parked.file, parked.loose, parked.flat = path, info, {}, None
+            parked.path, parked.file, parked.loose = path, info, {}
+            parked.release()  # its packed row is in the file: a pool row goes back to the pool
             self.host_bytes -= self._entries[parked]
             self.disk_bytes += parked.nbytes
             self._entries[parked] = 0
@@ -414,14 +529,16 @@ class ParkingStore:
                 self._dir = tempfile.mkdtemp(prefix="tts-parked-", dir=self.config.directory)
             return self._dir
 
-    def _forget(self, parked: Parked) -> None:
+    def _forget(self, parked: Parked) -> bool:
+        """Remove ``parked`` from the store (and its file); whether it was there."""
         if parked not in self._entries:
-            return
+            return False
         self.host_bytes -= self._entries.pop(parked)
         if parked.tier == "disk":
             self.disk_bytes -= parked.nbytes
             if not parked.loading:  # a file being loaded is removed by the loader
                 remove_file(parked.path)
+        return True
 
 
 def weights_fingerprint(*modules: torch.nn.Module) -> str:

@@ -13,7 +13,7 @@ from helpers import held_codec_worker, tiny_model_and_codec, tiny_random, wait_u
 from streaming.codec_worker import AudioOutbox, CodecWorker, FrameCodec
 from streaming.decode import TEXT_RING, StepCaches
 from streaming.engine import BadState, EngineError, SamplingConfig, ServerFull
-from streaming.parking import Parked, ParkingConfig, ParkingStore, pack, unpack
+from streaming.parking import Parked, ParkingConfig, ParkingStore, RowPool, pack, unpack
 from streaming.slot_state import SlotMover
 from streaming.slots import CHUNK_SCHEDULE, Slots
 
@@ -96,6 +96,7 @@ def test_a_parked_stream_gives_its_slot_away_and_continues_exactly(frame_codec, 
     stats = engine.stats()
     assert stats["parks"] >= 1 and stats["restores"] >= 1 and stats["parking"]["park_ms"]["count"] >= 1
     assert stats["parking"]["parked"] == {"host": 0, "disk": 0} and stats["parking"]["host_bytes"] == 0
+    assert stats["parking"]["pool"] == {"rows": 2, "in_use": 0, "misses": 0}  # rows: max_open; all given back
     engine.close()
 
 
@@ -181,6 +182,7 @@ def test_cancelling_a_parked_or_waiting_stream_frees_everything(tmp_path):
     stats = engine.stats()
     assert stats["slots_used"] == 0 and stats["waiting_for_slot"] == 0
     assert stats["parking"]["parked"] == {"host": 0, "disk": 0} and stats["parking"]["disk_bytes"] == 0
+    assert stats["parking"]["pool"]["in_use"] == 0
     (folder,) = os.listdir(tmp_path)
     assert os.listdir(tmp_path / folder) == []
     engine.close()
@@ -482,3 +484,89 @@ def test_slot_mover_moves_every_row_of_a_slot_bit_for_bit(tmp_path, frame_codec)
     figures = store.stats()
     assert figures["park_ms"]["count"] == figures["restore_ms"]["count"] == 1
     store.close()
+
+
+def test_row_pool_hands_out_its_lowest_rows_within_its_bound():
+    """`RowPool`: the lowest free rows first, None past its rows (counted), rows given back are taken again;
+    `runs` is its docstring's worked example."""
+    pool = RowPool(3, 16, pin=False)
+    assert pool.take(2) == [0, 1] and pool.in_use == 2
+    assert pool.take(2) == [2, None] and pool.misses == 1 and pool.in_use == 3
+    pool.give(1)
+    pool.give(0)
+    assert pool.take(3) == [0, 1, None] and pool.misses == 2
+    assert pool.row(2).shape == (16,) and pool.row(2).data_ptr() == pool.slab[2].data_ptr()
+    assert RowPool.runs([4, 5, 6, None, 9, 10, 2]) == [(0, 4, 3), (4, 9, 2), (6, 2, 1)]
+    assert RowPool.runs([]) == [] and RowPool.runs([None, 3]) == [(1, 3, 1)]
+    pool.give(0)
+    dropped = Parked()
+    dropped.add_packed(pool.row(0), None, pool, pool.take(1)[0])
+    assert pool.in_use == 3
+    del dropped  # never released (an error path): its row is not lost
+    assert pool.in_use == 2
+
+
+@pytest.mark.parametrize("frame_codec", [False, True])
+def test_parks_beyond_the_row_pool_still_round_trip_bit_for_bit(frame_codec):
+    """A pool of 2 rows (``max_host_bytes`` of 2.5 rows): 3 slots parked in one batch take both rows and one
+    row of their own (a miss); restored into other slots, every row tensor equals what its slot held, and every
+    pool row is back. A state discarded while parked gives its row back too."""
+    model, codec, _ = tiny_model_and_codec()
+    batch, cpu = 6, torch.device("cpu")
+    caches = StepCaches.empty(model.cfg, batch, cpu)
+    slots = Slots(model.cfg, batch, TEXT_RING, cpu, stagger=frame_codec)
+    store = ParkingStore(ParkingConfig(disk_after_s=None), on_loaded=lambda: None)
+    if frame_codec:
+        codec_parts = {"frame_decoder": FrameCodec(codec, batch, cpu),
+                       "outbox": AudioOutbox(batch, max(CHUNK_SCHEDULE), codec.cfg.hop)}
+    else:
+        codec_parts = {"codec_worker": CodecWorker(codec, batch, cpu)}
+    mover = SlotMover(store, caches, slots, cpu, batch, **codec_parts)
+    store.config.max_host_bytes = mover.layout()[0].row_bytes * 5 // 2
+    generator = torch.Generator().manual_seed(1)
+    for tensor in mover.row_tensors().values():
+        if tensor.dtype == torch.bool:
+            tensor.copy_(torch.rand(tensor.shape, generator=generator) > 0.5)
+        else:
+            tensor.copy_(torch.randint(0, 100, tensor.shape, generator=generator).to(tensor.dtype))
+    before = {name: tensor.clone() for name, tensor in mover.row_tensors().items()}
+    parked = [Parked() for _ in range(3)]
+    mover.park([(p, slot) for p, slot in zip(parked, (0, 1, 2))])
+    assert all(p.settled(timeout=10) for p in parked)
+    assert mover.pool.rows == 2 and mover.pool.in_use == 2 and mover.pool.misses == 1
+    assert [p.pool_row for p in parked] == [0, 1, None]
+    assert parked[0].flat.data_ptr() == mover.pool.slab[0].data_ptr()  # the park wrote into the pool
+    for p in parked:
+        store.take(p)
+    mover.restore([5, 3, 4], parked)  # slot 0 -> 5, 1 -> 3, 2 -> 4
+    if not frame_codec:  # the codec worker restores on its thread: a capture queued after it reads it back
+        decoded = threading.Event()
+        codec_parts["codec_worker"].capture([3], lambda states: decoded.set())
+        assert decoded.wait(10)
+    for name, tensor in mover.row_tensors().items():
+        for source, target in ((0, 5), (1, 3), (2, 4)):
+            assert torch.equal(tensor[target], before[name][source]), name
+        assert torch.equal(tensor[:3], before[name][:3]), name
+    assert mover.pool.in_use == 0 and all(p.flat is None for p in parked)
+    gone = Parked()
+    mover.park([(gone, 4)])
+    assert gone.settled(timeout=10) and mover.pool.in_use == 1
+    store.discard(gone)
+    assert mover.pool.in_use == 0 and store.stats()["pool"] == {"rows": 2, "in_use": 0, "misses": 1}
+    if not frame_codec:
+        codec_parts["codec_worker"].close()
+    store.close()
+
+
+def test_warm_up_makes_the_row_pool_and_detach_gives_its_row_back():
+    """After `warm_up` the pool exists before any park (no park allocates it); a detached stream's row goes
+    back once its state is packed."""
+    engine = tiny_random(max_streams=2, max_open=3, sampling=GREEDY, parking=QUICK)
+    engine.warm_up()
+    assert engine.stats()["parking"]["pool"] == {"rows": 3, "in_use": 0, "misses": 0}
+    stream = engine.open(seed=5)
+    stream.push_text(TEXT)
+    assert stream.read(timeout=30) is not None
+    state = engine.detach(stream)
+    assert state and engine.stats()["parking"]["pool"]["in_use"] == 0
+    engine.close()

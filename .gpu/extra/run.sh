@@ -33,6 +33,10 @@ t = d.get("tiers_ms_per_stream", {})
 print(" ", d["within_1e-4_by_round"], "max", d["max_abs_diff"], "park", t.get("park"), "restore", t.get("restore"),
       "parks", d["parks"], "parted", d["parted"][:4])
 print("  disk", d.get("disk_tier_ms_per_stream"))
+print("  park_wait", t.get("park_wait"), "park_host", t.get("park_host"), "row_pool", d.get("row_pool"))
+parks = [b for b in d.get("batches", []) if b["kind"] == "park" and b["ms"] is not None]
+for b in sorted(parks, key=lambda b: -b["ms"] / b["streams"])[:5]:
+    print("   slowest park calls (ms per stream first)", round(b["ms"] / b["streams"], 3), b)
 for row in d.get("trace", []):
     if row["first_bad"] is not None:
         print("  ", row)
