@@ -158,7 +158,9 @@ class RowPool:
     A row given back is free at once: every device access to the slab (a park's copy into a row, a restore's
     copy out of it) is queued on the engine's one CUDA stream, in order, so a later park's copy into a row
     runs after an earlier restore's copy out of it; the host reads a row only once its park's copy is done
-    (`Parked.settled`, the spill's wait) and never writes one (on the CPU every copy is done when it returns)."""
+    (`Parked.settled`, the spill's wait), and writes one (a load from disk) only through `host_row`, which first
+    waits for the device's last copy out of or into it (a restore's or a park's: the CUDA event the row was
+    given back with). On the CPU every copy is done when it returns."""
 
     def __init__(self, rows: int, row_bytes: int, pin: bool):
         self.slab = torch.empty(max(rows, 0), row_bytes, dtype=torch.uint8, pin_memory=pin)  # (rows, row_bytes)
@@ -167,6 +169,7 @@ class RowPool:
         # the engine thread takes and gives back, an I/O thread gives back (spill); re-entrant: a state's
         # `Parked.__del__` may give its row back from a garbage collection that runs inside `take`
         self._lock = threading.RLock()
+        self._after: dict[int, object] = {}  # row -> the CUDA event it was given back with (`host_row` waits)
         self.misses = 0  # rows asked for while none was free
 
     @property
@@ -188,9 +191,21 @@ class RowPool:
             self.misses += n - len(got)
         return got + [None] * (n - len(got))
 
-    def give(self, row: int) -> None:
+    def give(self, row: int, after=None) -> None:
+        """Row ``row`` back; ``after``: a CUDA event recorded after the last device copy out of or into it."""
         with self._lock:
             heapq.heappush(self._free, row)
+            self._after[row] = after
+
+    def host_row(self, row: int) -> torch.Tensor:
+        """Row ``row`` (taken) for the host to write into: once the device copy queued before it was given back is
+        done. Example: a restore queues slab row 3 -> device and gives row 3 back; a load from disk takes row 3
+        and waits for that copy before its read overwrites the row."""
+        with self._lock:
+            after = self._after.pop(row, None)
+        if after is not None:
+            after.synchronize()
+        return self._views[row]
 
     @staticmethod
     def runs(rows: list[int | None]) -> list[tuple[int, int, int]]:
@@ -273,18 +288,19 @@ class Parked:
         self.pool, self.pool_row = (pool, row) if row is not None else (None, None)
         self._count()
 
-    def release(self) -> None:
+    def release(self, after=None) -> None:
         """Drop the packed row (restored, spilled, moved or discarded); a pool row goes back to its pool (free
-        at once: `RowPool`). Twice is once."""
+        at once for the device: `RowPool`), with ``after`` (a restore's CUDA event after its copy out of the
+        row; default: the park's copy into it) for a host writer to wait for. Twice is once."""
         if self.pool_row is not None:
-            self.pool.give(self.pool_row)
+            self.pool.give(self.pool_row, after if after is not None else self.copied)
         self.flat, self.pool, self.pool_row = None, None, None
 
     def __del__(self):
         """A state dropped without `release` (an error path: a detach given up, an engine fault) still gives its
         pool row back; safe at any time for the device (`RowPool`: one CUDA stream), and nothing reads it."""
         if getattr(self, "pool_row", None) is not None:
-            self.pool.give(self.pool_row)
+            self.pool.give(self.pool_row, getattr(self, "copied", None))
 
     def _count(self) -> None:
         self.nbytes = sum(t.nbytes for t in self.loose.values()) + (0 if self.flat is None else self.flat.nbytes)
@@ -493,18 +509,23 @@ class ParkingStore:
         self.times["spill_cpu"].append((time.thread_time() - cpu) * 1000)
 
     def _load(self, parked: Parked) -> None:
-        """Read ``parked``'s file back into memory (its packed row in a fresh row, pinned if it was) and wake
-        the engine; a file that cannot be read leaves the state lost (`lost`)."""
+        """Read ``parked``'s file back into memory (its packed row into a free pool row, else a fresh row, pinned
+        if it was) and wake the engine; a file that cannot be read leaves the state lost (`lost`)."""
         started, cpu = time.perf_counter(), time.thread_time()
+        row = self.pool.take(1)[0] if self.pool is not None and parked.file.flat_bytes else None
         try:
-            flat, loose = read_state(parked.path, parked.file, pin=parked.pinned)
+            into = None if row is None else self.pool.host_row(row)
+            flat, loose = read_state(parked.path, parked.file, pin=parked.pinned, into=into)
+            if into is None or flat is not into:  # not read into the pool row (another size): give it back
+                row = self._give_back(row)
         except Exception as err:  # truncated or damaged (CorruptParkedFile), or unreadable
-            flat, loose = None, err
+            flat, loose, row = None, err, self._give_back(row)
         ended, cpu = time.perf_counter(), time.thread_time() - cpu
         with self._cond:
             parked.loading = False
             remove_file(parked.path)
             if parked not in self._entries:
+                self._give_back(row)
                 return  # discarded meanwhile
             self.disk_bytes -= parked.nbytes
             if isinstance(loose, Exception):
@@ -513,6 +534,7 @@ class ParkingStore:
                 self._lost.append(parked)
             else:
                 parked.flat, parked.loose, parked.path = flat, loose, None  # the file's byte count: `nbytes`
+                parked.pool, parked.pool_row = (self.pool, row) if row is not None else (None, None)
                 parked.file = None
                 self.host_bytes += parked.nbytes
                 self._entries[parked] = parked.nbytes
@@ -522,6 +544,11 @@ class ParkingStore:
         if parked.error is not None:
             print(f"parking: a parked state could not be read back, its stream ends: {parked.error}")
         self.on_loaded()
+
+    def _give_back(self, row: int | None) -> None:
+        """A pool row `_load` took but did not keep, back to the pool; None, for the caller's row."""
+        if row is not None:
+            self.pool.give(row)
 
     def _directory(self) -> str:
         with self._cond:

@@ -131,7 +131,7 @@ class SlotMover:
     def restore(self, rows: list[int], parked: list[Parked]) -> None:
         """Put parked states into slots ``rows``, every row (the voice prefix too) in packed form: on a GPU one
         copy per run of consecutive pool rows into the staging buffer, then one batched scatter. Their rows go
-        back to the pool (free at once: `RowPool`)."""
+        back to the pool (free at once for the device, after the copy for the host: `RowPool`)."""
         started, cpu, cuda = time.perf_counter(), time.thread_time(), self.device.type == "cuda"
         layout, tensors = self.prepare()  # the voice prefix (sinks) included: no `Engine._start_caches`
         pool_rows = [p.pool_row if p.pool is self.pool else None for p in parked]
@@ -152,7 +152,7 @@ class SlotMover:
         if cuda:
             timer.mark()
         for p in parked:
-            p.release()
+            p.release(timer.marks[-1] if cuda else None)  # a load from disk may write the row once this is done
         self._note("restore", started, cpu, timer, len(parked))
 
     def copy_row(self, slot: int, done: Callable[[dict[str, torch.Tensor]], None]) -> None:

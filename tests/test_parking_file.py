@@ -12,7 +12,7 @@ import streaming.parked_file as parked_file
 import streaming.parking as parking
 from streaming.engine import ParkedStateLost, SamplingConfig
 from streaming.parked_file import ALIGN, CorruptParkedFile, read_state, write_state
-from streaming.parking import Parked, ParkingConfig, ParkingStore, RowLayout
+from streaming.parking import Parked, ParkingConfig, ParkingStore, RowLayout, RowPool
 
 GREEDY = SamplingConfig(temperature=0.0)
 
@@ -43,6 +43,49 @@ def test_a_state_read_back_equals_the_one_written(tmp_path):
         assert got_loose[name].dtype == tensor.dtype and torch.equal(got_loose[name], tensor), name
     for name, view in layout.views(got_flat).items():  # the packed row's named views read the same
         assert torch.equal(view, layout.views(flat)[name]), name
+
+
+def test_a_state_read_into_a_given_row_equals_the_one_written(tmp_path):
+    """``into`` (a pool row): the packed row lands in it, bit for bit; a row of another size is not used; a
+    damaged payload read into a row is still a typed error."""
+    layout, flat, loose = a_state()
+    path = str(tmp_path / "1.park")
+    info = write_state(path, flat, loose, layout.fingerprint)
+    row = torch.full((layout.row_bytes,), 0xAB, dtype=torch.uint8)
+    got_flat, got_loose = read_state(path, info, into=row)
+    assert got_flat is row and torch.equal(row, flat)
+    assert all(torch.equal(got_loose[name], tensor) for name, tensor in loose.items())
+    other = torch.zeros(layout.row_bytes + 16, dtype=torch.uint8)
+    got_flat, _ = read_state(path, info, into=other)
+    assert got_flat is not other and torch.equal(got_flat, flat) and not other.any()
+    data = bytearray(open(path, "rb").read())
+    data[len(info.head) + 3] ^= 0x01  # inside the packed row: only the checksum tells
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(CorruptParkedFile):
+        read_state(path, info, into=row)
+
+
+def test_states_loaded_from_disk_take_pool_rows_and_give_them_back(tmp_path):
+    """A load reads its packed row into a free pool row (no fresh block), a take and release give it back; a
+    damaged file's row goes back at once."""
+    store = ParkingStore(ParkingConfig(disk_after_s=0.01, directory=str(tmp_path)), lambda: None)
+    states = stored(store, 3)
+    store.pool = RowPool(3, states[0].layout.row_bytes, pin=False)
+    expected = [dict(p.rows) for p in states]
+    assert wait_until(lambda: store.stats()["parked"] == {"host": 0, "disk": 3})
+    with open(states[2].path, "r+b") as file:
+        file.truncate(os.path.getsize(states[2].path) - 1)
+    for parked in states:
+        store.want(parked)
+    assert wait_until(lambda: store.want(states[0]) and store.want(states[1]) and store.has_lost)
+    assert all(p.pool_row is not None for p in states[:2]) and store.pool.in_use == 2
+    for i in (0, 1):
+        rows = store.take(states[i])
+        assert all(torch.equal(rows[name], t) for name, t in expected[i].items())
+        states[i].release()  # as a restore does once its copy is queued
+    assert store.pool.in_use == 0 and store.pool.misses == 0
+    store.discard(store.lost()[0])
+    store.close()
 
 
 def test_a_state_without_a_packed_row_round_trips(tmp_path):
