@@ -322,6 +322,7 @@ def report(results: list[list], held: list[int], used: list[int], engine, args, 
     parking = stats["parking"]
     return {
         "engine": "tiny_random" if args.tiny else "shipped", "step_kind": stats["step_kind"],
+        "frame_codec": bool(getattr(args, "frame_codec", False)),
         "device": args.device, "cpu_cores": os.cpu_count(), "load_avg_1m_before": load_before,
         "load_avg_1m_after": load_average(), "clients": args.clients, "slots": args.slots,
         "minutes": args.minutes, "park_after_s": engine.parking.park_after_s,
@@ -388,7 +389,8 @@ def build_engine(args, parking):
     cuda = args.device.startswith("cuda")
     engine = Engine(model.to(args.device), codec.to(args.device), voices, max_streams=args.slots,
                     device=args.device, step_factory=kernels.default_step_factory(args.device) if cuda else None,
-                    max_open=HEADROOM * args.clients, parking=parking)
+                    max_open=HEADROOM * args.clients, parking=parking,
+                    frame_codec=True if getattr(args, "frame_codec", False) else None)
     if cuda:
         engine.warm_up()
     return engine
@@ -406,6 +408,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-host-gb", type=float, default=None,
                         help="parked states kept in host memory before the oldest spill to disk (default its own)")
     parser.add_argument("--tiny", action="store_true", help="the tiny random-weight engine")
+    parser.add_argument("--frame-codec", action="store_true",
+                        help="--tiny on the CPU: decode every frame in the tick and hand chunks out as a GPU does "
+                             "(`FrameCodec`, `AudioOutbox`), so that the host side a GPU server runs shows")
     parser.add_argument("--device", default="cpu", help="where the engine runs: cpu (default) or cuda")
     parser.add_argument("--client-processes", type=int, default=1, help="processes the clients run in")
     parser.add_argument("--grace-s", type=float, default=None,
