@@ -242,6 +242,7 @@ class Engine:
         self.counters = {"parks": 0, "restores": 0, "slot_waits": 0, "revised_units": 0}  # revised: encoded again
         self.slot_wait_ms = Recent(FIGURES_KEPT)
         self._todo = _DeviceUpdates()  # event updates for the device, applied at the next tick
+        self._flags = _HostFlags(self.slots, ("closed", "ended", "paused"))  # what the device's flags hold
         self._codec_resets: list[int] = []  # slots whose frame decoder state restarts at the next tick
         self._schedules: list = []  # prefills of the coming tick, for the streams' timings
         self._any_ready = False  # whether the last collected tick had a slot ready to step
@@ -873,6 +874,7 @@ class Engine:
             self._park_rows(todo.parks)
         if todo.frees:
             self.slots.reset(self._row_mask(todo.frees))
+            self._flags.cleared(todo.frees)
         touched = []
         starts = [u for u in todo.starts if holds(u)]  # a slot freed and taken again: the last holder
         if starts:
@@ -881,6 +883,7 @@ class Engine:
             temperatures = [max(u.voice["temperature"], 1e-4) for u in starts]  # positive: never divides by 0
             self._start_caches(rows_d, starts)
             self.slots.start(rows_d, upload([u.stream.seed for u in starts]), upload(temperatures, torch.float32))
+            self._flags.cleared(rows)
             if self.frame_codec:
                 self._codec_resets += rows
             else:
@@ -888,7 +891,9 @@ class Engine:
             touched += rows
         restores = [(u, state) for u, state in todo.restores if holds(u)]
         if restores:
-            touched += self._restore_rows(restores)
+            rows = self._restore_rows(restores)
+            self._flags.unknown(rows)  # each row holds its parked flags now
+            touched += rows
         if prefill:
             self._prefill(prefill)
             touched += [u.slot for u, _ in prefill]
@@ -897,13 +902,12 @@ class Engine:
             rows = list(flagged)
             closed = [self._confirmed[s] == flagged[s].closed_upto == flagged[s].received for s in rows]
             ended = [flagged[s].text_ended and self._confirmed[s] == flagged[s].received for s in rows]
-            rows_d = upload(rows)
-            self.slots.closed[rows_d] = upload(closed, torch.bool)
-            self.slots.ended[rows_d] = upload(ended, torch.bool)
+            self._flags.write("closed", rows, closed, upload)
+            self._flags.write("ended", rows, ended, upload)
             touched += rows
         paused = {u.slot: value for u, value in todo.paused if holds(u)}  # the last word counts
         if paused:
-            self.slots.paused[upload(list(paused))] = upload(list(paused.values()), torch.bool)
+            self._flags.write("paused", list(paused), list(paused.values()), upload)
             touched += list(paused)
         if touched:  # these slots' device state changed: they may step again
             self._event_at[touched] = time.perf_counter()
@@ -1232,6 +1236,7 @@ class Engine:
         self._any_ready = False
         everything = torch.ones(self.max_streams, dtype=torch.bool, device=self.device)
         self.slots.reset(everything)
+        self._flags.cleared(slice(None))
         self.caches.text[0].reset(everything)
         self.caches.audio[0].reset(everything)
         if self.frame_codec:
@@ -1317,6 +1322,41 @@ class _DeviceUpdates:
 
     def any(self) -> bool:
         return bool(self.frees or self.starts or self.flags or self.paused or self.parks or self.restores)
+
+
+class _HostFlags:
+    """What the host last wrote into some of `Slots`' per-slot flags, so that an event that leaves a flag as it
+    was costs no device write (each write is two uploads and an indexed store, and every torch call lets go of
+    the interpreter lock, which a busy server's other threads then hold a while). Most text events are words
+    inside a sentence: they change neither ``closed`` nor ``ended``. Per flag and slot: 0 or 1, or -1 not known
+    (a restored row holds its parked value). Example: slot 3 gets a word (closed False, as written before: no
+    write), then a flush that the prefill confirms (closed True: one write of row 3), then parks and is freed
+    (reset on the device: 0 here too), then a stream is restored into it (-1: the next event's value is written,
+    whatever it is)."""
+
+    def __init__(self, slots: Slots, names: tuple[str, ...]):
+        self.flags = {name: getattr(slots, name) for name in names}  # (B,) bool device tensors
+        self.known = {name: np.zeros(slots.batch, dtype=np.int8) for name in names}  # fresh slots: all False
+
+    def cleared(self, rows) -> None:
+        """``rows`` were reset on the device (`Slots.reset`, `Slots.start`): every flag False."""
+        for known in self.known.values():
+            known[rows] = 0
+
+    def unknown(self, rows) -> None:
+        """``rows`` hold values the host did not write (restored parked state)."""
+        for known in self.known.values():
+            known[rows] = -1
+
+    def write(self, name: str, rows: list[int], values: list[bool], upload) -> None:
+        """Set flag ``name`` of ``rows`` (distinct) to ``values`` on the device, writing only those that differ."""
+        rows, values = np.asarray(rows, dtype=np.int64), np.asarray(values, dtype=bool)
+        known = self.known[name]
+        changed = known[rows] != values
+        if changed.any():
+            rows, values = rows[changed], values[changed]
+            self.flags[name][upload(rows)] = upload(values, torch.bool)
+            known[rows] = values
 
 
 @dataclass
