@@ -26,6 +26,7 @@ class StepCaches:
     text: list[RingKVCache]
     audio: list[RingKVCache]
     text_stack: tuple[torch.Tensor, torch.Tensor] | None = None
+    sink_stack: tuple[torch.Tensor, torch.Tensor] | None = None  # the same for the prefix: (L, B, H, S, D) each
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, device=None, dtype=torch.float32,
@@ -39,9 +40,11 @@ class StepCaches:
         if text_capacity <= cfg.behind + cfg.ahead:
             raise ValueError(f"a text ring of {text_capacity} cannot hold the {cfg.behind + cfg.ahead + 1} units "
                              "a step attends to")
-        sink = torch.zeros(batch, cfg.heads, cfg.sinks, cfg.head_dim, device=device, dtype=dtype)
+        sink_keys = torch.zeros(cfg.layers, batch, cfg.heads, cfg.sinks, cfg.head_dim, device=device, dtype=dtype)
+        sink_values = torch.zeros_like(sink_keys)
         text, stack = rings(text_capacity)
-        return cls([(sink.clone(), sink.clone()) for _ in range(cfg.layers)], text, rings(cfg.window)[0], stack)
+        return cls([(sink_keys[layer], sink_values[layer]) for layer in range(cfg.layers)], text, rings(cfg.window)[0],
+                   stack, (sink_keys, sink_values))
 
     @property
     def batch(self) -> int:
@@ -54,7 +57,8 @@ class StepCaches:
             positions = full[0].positions[:n]
             return [RingKVCache(r.keys[:n], r.values[:n], positions) for r in full]
         stack = None if self.text_stack is None else tuple(t[:, :n] for t in self.text_stack)
-        return StepCaches([(k[:n], v[:n]) for k, v in self.sinks], rings(self.text), rings(self.audio), stack)
+        sinks = None if self.sink_stack is None else tuple(t[:, :n] for t in self.sink_stack)
+        return StepCaches([(k[:n], v[:n]) for k, v in self.sinks], rings(self.text), rings(self.audio), stack, sinks)
 
     def start(self, slots: int | torch.Tensor, prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Give ``slots`` (one index, or a (M,) tensor of them) fresh streams with the voice prefix ``prefix``
@@ -62,6 +66,17 @@ class StepCaches:
         mask = slot_mask(self.batch, slots, self.text[0].positions.device)
         for (keys, values), (pk, pv) in zip(self.sinks, prefix):
             keys[slots], values[slots] = (pk[0], pv[0]) if isinstance(slots, int) else (pk, pv)
+        self.text[0].reset(mask)  # one positions tensor per ring kind
+        self.audio[0].reset(mask)
+
+    def start_stacked(self, slots: torch.Tensor, prefix: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """`start` of ``slots`` (M,) with the prefix of all layers stacked, (L, M, H, S, D) keys and values: one
+        store each with ``sink_stack`` (caches put together otherwise: layer by layer, the same values)."""
+        if self.sink_stack is None:
+            return self.start(slots, [(keys, values) for keys, values in zip(*prefix)])
+        for sinks, new in zip(self.sink_stack, prefix):
+            sinks[:, slots] = new
+        mask = slot_mask(self.batch, slots, self.text[0].positions.device)
         self.text[0].reset(mask)  # one positions tensor per ring kind
         self.audio[0].reset(mask)
 

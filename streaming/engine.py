@@ -206,8 +206,10 @@ class Engine:
         self.caches = StepCaches.empty(self.cfg, batch, self.device)
         self.slots = Slots(self.cfg, batch, TEXT_RING, self.device, stagger=self.frame_codec)
         with torch.no_grad():  # prefix caching: every voice's prefix keys/values (V, H, S, D), computed once
-            self.prefixes = self.model.voice_prefix(torch.arange(self.cfg.voices, device=self.device))
-        self._blend_prefixes: OrderedDict[tuple, list] = OrderedDict()  # blends' prefixes (`_voice_prefix`)
+            prefixes = self.model.voice_prefix(torch.arange(self.cfg.voices, device=self.device))
+        # (L, V, H, S, D) keys and values: a start copies its streams' rows of all layers in one store each
+        self.prefixes = tuple(torch.stack([layer[i] for layer in prefixes]) for i in (0, 1))
+        self._blend_prefixes: OrderedDict[tuple, tuple] = OrderedDict()  # blends' prefixes (`_voice_prefix`)
         if self.frame_codec:
             self.frame_decoder = FrameCodec(self.codec, batch, self.device)
             self.outbox = AudioOutbox(batch, max(CHUNK_SCHEDULE), self.codec.cfg.hop)
@@ -917,25 +919,27 @@ class Engine:
         return u.slot >= 0 and self.utterances[u.slot] is u
 
     def _start_caches(self, rows: torch.Tensor, utterances: list[Utterance]) -> None:
-        """Fresh caches in ``rows`` with each stream's voice prefix (per layer (M, H, S, D) keys/values)."""
-        prefixes = [self._voice_prefix(u.voice) for u in utterances]  # per stream, per layer (1, H, S, D)
-        self.caches.start(rows, [tuple(torch.cat([p[layer][i] for p in prefixes]) for i in (0, 1))
-                                 for layer in range(self.cfg.layers)])
+        """Fresh caches in ``rows`` with each stream's voice prefix ((L, M, H, S, D) keys/values: all layers
+        in one store, `StepCaches.start_stacked`)."""
+        prefixes = [self._voice_prefix(u.voice) for u in utterances]  # per stream (L, 1, H, S, D) keys, values
+        stacked = prefixes[0] if len(prefixes) == 1 else tuple(torch.cat([p[i] for p in prefixes], 1) for i in (0, 1))
+        self.caches.start_stacked(rows, stacked)
 
-    def _voice_prefix(self, preset: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (1, H, S, D) prefix keys/values of a voice: a shipped voice's row of ``prefixes``; a
+    def _voice_prefix(self, preset: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(L, 1, H, S, D) prefix keys/values of a voice: a shipped voice's row of ``prefixes``; a
         blend's computed once and kept, keyed by its mix (the normalised spec), the least recently used of
         more than BLEND_PREFIXES dropped (a stream holds its own copy in the caches)."""
         if len(preset["mix"]) == 1:
             row = next(iter(preset["mix"]))
-            return [(k[row:row + 1], v[row:row + 1]) for k, v in self.prefixes]
+            return tuple(t[:, row:row + 1] for t in self.prefixes)
         key = tuple(preset["mix"].items())
         if key in self._blend_prefixes:
             self._blend_prefixes.move_to_end(key)
         else:
             with torch.no_grad():
                 weights = self._upload([preset["weights"]], torch.float32)  # (1, V)
-                self._blend_prefixes[key] = self.model.voice_prefix(weights)
+                layers = self.model.voice_prefix(weights)  # per layer (1, H, S, D) keys, values
+                self._blend_prefixes[key] = tuple(torch.stack([layer[i] for layer in layers]) for i in (0, 1))
             if len(self._blend_prefixes) > BLEND_PREFIXES:
                 self._blend_prefixes.popitem(last=False)
         return self._blend_prefixes[key]
@@ -952,21 +956,25 @@ class Engine:
         units 33..40 are encoded from units 27..40 (padded after 40), offset 6, count 8, of which 33 and 34 (final:
         35 = 41 - 6) are confirmed and reported to the stream's timings; 35..40 stay speculative."""
         w = self._prefill_windows(chosen)
-        upload = self._upload
-        rows_d, counts_d, first_d = upload(w.rows), upload(w.counts), upload(w.firsts)
-        paced = self.slots.pace(rows_d, upload(w.leads), upload(w.opens, torch.bool), upload(w.pieces, torch.bool))
-        rates_d = upload(w.rates, torch.float32) / paced  # (M,) elastic pacing: slower while the text's lead is thin
+        m, upload = len(w.rows), self._upload
+        # (M,) columns, a few uploads in all (each is a torch call, three on a GPU)
+        rows_d, counts_d, first_d, leads_d, offsets_d, settles_d = self._upload_columns(
+            w.rows, w.counts, w.firsts, w.leads, w.offsets, w.settles)
+        opens_d, pieces_d, flushes_d = self._upload_columns(w.opens, w.pieces, w.flushes, dtype=torch.bool)
+        floats = upload(np.concatenate([np.ravel(w.voices), w.rates]), torch.float32)  # (M * V + M,)
+        voices_d, rates_d = floats[:-m].view(m, -1), floats[-m:]  # (M, V): one-hot for a shipped voice; (M,)
+        paced = self.slots.pace(rows_d, leads_d, opens_d, pieces_d)
+        rates_d = rates_d / paced  # (M,) elastic pacing: slower while the text's lead is thin
         with exact_convolutions(benchmark=False):  # (M, L, C), (M, L)
-            states, log_dur = self.model.text(upload(w.units), upload(w.voices, torch.float32))
+            states, log_dur = self.model.text(upload(w.units), voices_d)
         at = torch.arange(max(w.counts), device=self.device)  # (E,)
         keep = at < counts_d[:, None]  # (M, E)
-        columns = (upload(w.offsets)[:, None] + at).clamp(max=w.units.shape[1] - 1)
+        columns = (offsets_d[:, None] + at).clamp(max=w.units.shape[1] - 1)
         durations = predicted_frames(log_dur.gather(1, columns), rates_d[:, None]) * keep
         durations[:, 0] += (first_d == 0) & (durations.sum(1) == 0)  # an utterance has at least one frame
         positions = first_d[:, None] + at
         # frames chained from the confirmed units' end; started units kept; never stuck behind silent units
-        begin, durations, write = self.slots.place(rows_d, positions, keep, durations, upload(w.settles),
-                                                   upload(w.flushes, torch.bool))
+        begin, durations, write = self.slots.place(rows_d, positions, keep, durations, settles_d, flushes_d)
         states = states.gather(1, columns[:, :, None].expand(-1, -1, self.cfg.dim))
         self.caches.write_text(self.model.text_keys_values(states, begin), positions, write, rows_d)
         self.slots.add_units(rows_d, positions, keep, begin, begin + durations, write)
@@ -1219,6 +1227,11 @@ class Engine:
         if self.device.type == "cuda":
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
+
+    def _upload_columns(self, *columns, dtype=torch.long) -> tuple[torch.Tensor, ...]:
+        """Several host columns of one length M on the device in one upload (`_upload`): a (k, M) table, then
+        its rows (views). Example: ([3, 5], [10, 12]) -> tensor([3, 5]), tensor([10, 12])."""
+        return self._upload(np.array(columns), dtype).unbind(0)
 
     def _row_mask(self, rows: list[int]) -> torch.Tensor:
         mask = torch.zeros(self.max_streams, dtype=torch.bool, device=self.device)
