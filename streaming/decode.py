@@ -99,8 +99,14 @@ class StepCaches:
             for ring, (k, v) in zip(self.text, text_kv):
                 ring.update(k, v, positions, keep, rows)
             return
-        stacked = [torch.stack([kv[i] for kv in text_kv]) for i in (0, 1)]  # keys, values (L, M, H, T, D)
-        RingKVCache.update_layers(self.text_stack, stacked, self.text[0].positions, positions, keep, rows)
+        self.write_text_stacked(tuple(torch.stack([kv[i] for kv in text_kv]) for i in (0, 1)), positions, keep, rows)
+
+    def write_text_stacked(self, text_kv: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
+                           keep: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
+        """`write_text` of keys, values stacked (L, M, H, T, D) (`TTSModel.text_keys_values_stacked`)."""
+        if self.text_stack is None:
+            return self.write_text(list(zip(*text_kv)), positions, keep, rows)
+        RingKVCache.update_layers(self.text_stack, text_kv, self.text[0].positions, positions, keep, rows)
 
     @property
     def nbytes(self) -> int:

@@ -976,7 +976,7 @@ class Engine:
         # frames chained from the confirmed units' end; started units kept; never stuck behind silent units
         begin, durations, write = self.slots.place(rows_d, positions, keep, durations, settles_d, flushes_d)
         states = states.gather(1, columns[:, :, None].expand(-1, -1, self.cfg.dim))
-        self.caches.write_text(self.model.text_keys_values(states, begin), positions, write, rows_d)
+        self.caches.write_text_stacked(self.model.text_keys_values_stacked(states, begin), positions, write, rows_d)
         self.slots.add_units(rows_d, positions, keep, begin, begin + durations, write)
         if any(w.settles):  # the confirmed units' final frames, for the streams' timings (read at collect)
             schedule = torch.stack([begin, durations])  # (2, M, E)

@@ -580,3 +580,19 @@ def test_text_ring_writes_all_layers_at_once_as_layer_by_layer():
     view = stacked.view(3)
     assert view.text_stack[0].data_ptr() == stacked.text_stack[0].data_ptr()
     assert view.text[1].keys.data_ptr() == stacked.text_stack[0][1].data_ptr()
+
+
+def test_text_keys_of_all_layers_at_once_equal_each_layers_own():
+    """`TTSModel.text_keys_values_stacked` (one head split and rotation for all layers) gives exactly what each
+    layer's `Attention.keys_values` gives."""
+    from tts.model import MODEL_PRESETS, TTSModel, rope_angles
+    torch.manual_seed(0)
+    model = TTSModel(MODEL_PRESETS["shipped"]).eval()
+    states, starts = torch.randn(3, 17, model.cfg.dim), torch.randint(0, 500, (3, 17))
+    with torch.no_grad():
+        angles = rope_angles(starts, model.cfg.head_dim, model.cfg.rope_base)
+        apart = [block.attn.keys_values(block.attn_norm(states), angles) for block in model.blocks]
+        keys, values = model.text_keys_values_stacked(states, starts)
+    assert keys.shape == (model.cfg.layers, 3, model.cfg.heads, 17, model.cfg.head_dim)
+    for layer, (k, v) in enumerate(apart):
+        assert torch.equal(keys[layer], k) and torch.equal(values[layer], v)
