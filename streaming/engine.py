@@ -1234,9 +1234,10 @@ class Engine:
         return self._upload(np.array(columns), dtype).unbind(0)
 
     def _row_mask(self, rows: list[int]) -> torch.Tensor:
-        mask = torch.zeros(self.max_streams, dtype=torch.bool, device=self.device)
-        mask[self._upload(rows)] = True
-        return mask
+        """(max_streams,) bool on the device, true at ``rows``: built on the host, one upload."""
+        mask = np.zeros(self.max_streams, dtype=bool)
+        mask[rows] = True
+        return self._upload(mask, torch.bool)
 
     def _recover(self, err: Exception) -> None:
         """After a fault of the batched tick: every live stream fails with EngineError, every slot and the
