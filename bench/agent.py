@@ -323,6 +323,7 @@ def report(results: list[list], held: list[int], used: list[int], engine, args, 
     return {
         "engine": "tiny_random" if args.tiny else "shipped", "step_kind": stats["step_kind"],
         "frame_codec": bool(getattr(args, "frame_codec", False)),
+        "text_process": os.environ.get("TTS_TEXT_PROCESS", "") not in ("", "0"),
         "device": args.device, "cpu_cores": os.cpu_count(), "load_avg_1m_before": load_before,
         "load_avg_1m_after": load_average(), "clients": args.clients, "slots": args.slots,
         "minutes": args.minutes, "park_after_s": engine.parking.park_after_s,
@@ -411,6 +412,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--frame-codec", action="store_true",
                         help="--tiny on the CPU: decode every frame in the tick and hand chunks out as a GPU does "
                              "(`FrameCodec`, `AudioOutbox`), so that the host side a GPU server runs shows")
+    parser.add_argument("--text-process", action="store_true",
+                        help="read sentences in a process of their own per engine (TTS_TEXT_PROCESS=1, "
+                             "`streaming.sentence_reader.ProcessReader`)")
     parser.add_argument("--device", default="cpu", help="where the engine runs: cpu (default) or cuda")
     parser.add_argument("--client-processes", type=int, default=1, help="processes the clients run in")
     parser.add_argument("--grace-s", type=float, default=None,
@@ -428,6 +432,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(offered_only(args)))
         return
     raise_open_files_limit()
+    if args.text_process:  # every engine of the run, in this process and in the workers (they inherit it)
+        os.environ["TTS_TEXT_PROCESS"] = "1"
     from streaming.parking import ParkingConfig
     parking = ParkingConfig()
     if args.park_after_s is not None:

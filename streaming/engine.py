@@ -33,6 +33,7 @@ import atexit
 import contextlib
 import gc
 import heapq
+import os
 import sys
 import threading
 import time
@@ -51,6 +52,7 @@ from streaming.decode import TEXT_RING, StepCaches, TickGraph, decode_step
 from streaming.figures import Recent, Timer
 from streaming.parking import Parked, ParkingConfig, ParkingStore, pack, unpack, weights_fingerprint
 from streaming.sampling import sample
+from streaming.sentence_reader import ProcessReader
 from streaming.slot_state import DetachRequest, SlotMover, Snapshot, host_state
 from streaming.slots import CHUNK_SCHEDULE, META, PACE_STRETCH, Slots
 from streaming.stream import MOVING, Stream
@@ -152,7 +154,7 @@ class Engine:
                  device: str = "cpu", sampling: SamplingConfig | None = None, max_chars: int = MAX_TEXT_CHARS,
                  max_queued_seconds: float = 4.0, seed: int = 0, step_factory: StepFactory | None = None,
                  max_waiting: int | None = None, frame_codec: bool | None = None, max_open: int | None = None,
-                 parking: ParkingConfig | None = None, speculative: bool = True):
+                 parking: ParkingConfig | None = None, speculative: bool = True, text_process: bool | None = None):
         self.model, self.codec, self.device = model.eval(), codec.eval(), torch.device(device)
         self.cfg, self.voices = model.cfg, voices
         self.default_voice = next((n for n, v in voices.items() if v.get("default")), next(iter(voices)))
@@ -196,6 +198,11 @@ class Engine:
         self._inbox: deque = deque()  # (kind, stream, payload) from other threads
         self.admission = Admission(self.max_open, self.max_open if max_waiting is None else max_waiting)
         self.text_worker = TextWorker(self._text_taken)
+        # Sentences read in a process of its own (`ProcessReader`: the reading holds the interpreter lock the
+        # engine thread needs between torch calls); default: TTS_TEXT_PROCESS=1 in the environment
+        if text_process is None:
+            text_process = os.environ.get("TTS_TEXT_PROCESS", "") not in ("", "0")
+        self.text_reader = ProcessReader() if text_process else None
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="tts-engine", daemon=True)
         self._thread.start()
@@ -274,6 +281,8 @@ class Engine:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (), generator=self.seeds))
         stream = Stream(self, preset["name"], float(speed), self.max_chars, seed % 2**63, lookahead_words)
+        if self.text_reader is not None:
+            stream.text.reader = self.text_reader
         stream.decode_alone = seeded  # bit-identical audio whatever else runs (see CodecWorker.decode)
         if not self.speculative or self.slots.stretch_max != PACE_STRETCH:  # the start hold counts as the engine
             stream.text.set_engine_lookahead(*engine_lookahead(self.cfg, self.speculative), self.slots.stretch_max)
@@ -362,6 +371,8 @@ class Engine:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
         self.text_worker.close()
+        if self.text_reader is not None:
+            self.text_reader.close()
         if not self.frame_codec:
             self.codec_worker.close()
         self.store.close()
@@ -401,6 +412,8 @@ class Engine:
         if rows and not set(self.mover.row_tensors()) <= set(rows):
             raise BadState("the stream's state lacks rows this engine needs (an engine of another version?)")
         stream = Stream.from_state(self, host["stream"], unread)
+        if self.text_reader is not None:
+            stream.text.reader = self.text_reader
         preset = self.voice_preset(stream.voice)
         try:
             self.admission.admit(stream, wait_s, lambda s: self._inbox.append(("attach", s, (preset, host, rows))))
