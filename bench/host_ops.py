@@ -55,6 +55,14 @@ def instrument(engine, counter: Counter) -> None:
             with _Count(counter, _key):
                 return _inner(*args, **kwargs)
         setattr(engine, name, counted)
+    prefill = engine._prefill
+
+    def prefilled(chosen):
+        counter["prefills"] += 1
+        counter["prefill_rows"] += len(chosen)
+        return prefill(chosen)
+    engine._prefill = prefilled
+
     class Inbox(type(engine._inbox)):
         def popleft(self):
             counter["inbox_events"] += 1
@@ -137,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({
         "streams": args.streams, "slots": args.slots, "seconds": args.seconds, "ticks": ticks,
         "audio_s": round(audio_s, 1), "inbox_events": counter["inbox_events"],
+        "prefills": counter["prefills"], "prefill_rows": counter["prefill_rows"],
         "torch_calls": {key: counter[key] for key in ("events", "launch", "collect")},
         "torch_calls_per_tick": {key: round(counter[key] / max(ticks, 1), 1) for key in ("events", "launch", "collect")},
         "torch_calls_per_audio_s": round(sum(counter[k] for k in ("events", "launch", "collect")) / max(audio_s, 1e-9), 1),
