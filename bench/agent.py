@@ -344,10 +344,21 @@ def report(results: list[list], held: list[int], used: list[int], engine, args, 
         **{name: stats[name] - before[name] for name in ("parks", "restores", "slot_waits")},
         "slot_wait_ms": stats["slot_wait_ms"],
         "tiers_ms": {kind: parking[f"{kind}_ms"] for kind in ("park", "restore", "spill", "load")},
-        "tick_ms": stats["tick_ms"], "step_ms": stats["step_ms"],
+        "tick_ms": stats["tick_ms"], "step_ms": stats["step_ms"], "tick_parts_ms": tick_parts(engine),
         "server_cpu_ms_per_audio_s": cpu_per_audio_s(host, audio_s),
         "host": host, "limited_by": limited_by(offered, capacity, tick_full and tick_full["p50"], frame_ms, host),
     }
+
+
+def tick_parts(engine) -> dict | None:
+    """The engine's last 2,000 ticks by part (`Engine.tick_phases`), p50/p99 ms: ``events`` (events, slot grants,
+    parking and the batched device updates with the text encoder: the host work per event), ``launch``,
+    ``wait`` (for the device) and ``hand_out``. None for a run of several workers."""
+    phases = getattr(engine, "tick_phases", None)
+    if phases is None or not len(phases):
+        return None
+    values = phases.values(last=2000) * 1000
+    return {name: percentiles(values[:, i]) for i, name in enumerate(("events", "launch", "wait", "hand_out"))}
 
 
 def offered_only(args) -> dict:
