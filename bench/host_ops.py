@@ -106,11 +106,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--park-after-s", type=float, default=None)
+    parser.add_argument("--shipped", action="store_true", help="the shipped model's weights and shapes (8 layers)")
     args = parser.parse_args(argv)
     from streaming.engine import Engine
     from streaming.parking import ParkingConfig
     from tests.helpers import tiny_model_and_codec
-    model, codec, voices = tiny_model_and_codec()
+    if args.shipped:
+        from tts.voices import load_shipped
+        model, codec, voices = load_shipped(device="cpu")
+    else:
+        model, codec, voices = tiny_model_and_codec()
     parking = ParkingConfig()
     if args.park_after_s is not None:
         parking.park_after_s = args.park_after_s
@@ -143,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     engine.close()
     audio_s = sum(got) / engine.sample_rate
     print(json.dumps({
-        "streams": args.streams, "slots": args.slots, "seconds": args.seconds, "ticks": ticks,
+        "model": "shipped" if args.shipped else "tiny", "streams": args.streams, "slots": args.slots, "seconds": args.seconds, "ticks": ticks,
         "audio_s": round(audio_s, 1), "inbox_events": counter["inbox_events"],
         "prefills": counter["prefills"], "prefill_rows": counter["prefill_rows"],
         "torch_calls": {key: counter[key] for key in ("events", "launch", "collect")},
