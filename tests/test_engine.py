@@ -226,15 +226,15 @@ def test_cancel_stops_at_once(engine):
 
 
 def test_a_stream_whose_text_breaks_the_front_end_fails_alone(engine, monkeypatch):
-    import streaming.textstream as textstream
-    real = textstream.sentence_units
+    import streaming.sentence_reader as reader  # where `read_sentence` (the text thread's reading) finds it
+    real = reader.sentence_units
 
     def sentence_units(tokens, spoken, closed):
         if any("poison" in word for word in spoken):
             raise OverflowError("the phonemiser choked")
         return real(tokens, spoken, closed)
 
-    monkeypatch.setattr(textstream, "sentence_units", sentence_units)
+    monkeypatch.setattr(reader, "sentence_units", sentence_units)
     results = {}
     good = threading.Thread(target=speak, args=(engine, TEXT * 2), kwargs=dict(results=results, key="good"))
     good.start()
