@@ -322,6 +322,8 @@ def report(results: list[list], held: list[int], used: list[int], engine, args, 
     parking = stats["parking"]
     return {
         "engine": "tiny_random" if args.tiny else "shipped", "step_kind": stats["step_kind"],
+        "frame_codec": bool(getattr(args, "frame_codec", False)),
+        "text_process": os.environ.get("TTS_TEXT_PROCESS", "") not in ("", "0"),
         "device": args.device, "cpu_cores": os.cpu_count(), "load_avg_1m_before": load_before,
         "load_avg_1m_after": load_average(), "clients": args.clients, "slots": args.slots,
         "minutes": args.minutes, "park_after_s": engine.parking.park_after_s,
@@ -342,10 +344,21 @@ def report(results: list[list], held: list[int], used: list[int], engine, args, 
         **{name: stats[name] - before[name] for name in ("parks", "restores", "slot_waits")},
         "slot_wait_ms": stats["slot_wait_ms"],
         "tiers_ms": {kind: parking[f"{kind}_ms"] for kind in ("park", "restore", "spill", "load")},
-        "tick_ms": stats["tick_ms"], "step_ms": stats["step_ms"],
+        "tick_ms": stats["tick_ms"], "step_ms": stats["step_ms"], "tick_parts_ms": tick_parts(engine),
         "server_cpu_ms_per_audio_s": cpu_per_audio_s(host, audio_s),
         "host": host, "limited_by": limited_by(offered, capacity, tick_full and tick_full["p50"], frame_ms, host),
     }
+
+
+def tick_parts(engine) -> dict | None:
+    """The engine's last 2,000 ticks by part (`Engine.tick_phases`), p50/p99 ms: ``events`` (events, slot grants,
+    parking and the batched device updates with the text encoder: the host work per event), ``launch``,
+    ``wait`` (for the device) and ``hand_out``. None for a run of several workers."""
+    phases = getattr(engine, "tick_phases", None)
+    if phases is None or not len(phases):
+        return None
+    values = phases.values(last=2000) * 1000
+    return {name: percentiles(values[:, i]) for i, name in enumerate(("events", "launch", "wait", "hand_out"))}
 
 
 def offered_only(args) -> dict:
@@ -388,7 +401,8 @@ def build_engine(args, parking):
     cuda = args.device.startswith("cuda")
     engine = Engine(model.to(args.device), codec.to(args.device), voices, max_streams=args.slots,
                     device=args.device, step_factory=kernels.default_step_factory(args.device) if cuda else None,
-                    max_open=HEADROOM * args.clients, parking=parking)
+                    max_open=HEADROOM * args.clients, parking=parking,
+                    frame_codec=True if getattr(args, "frame_codec", False) else None)
     if cuda:
         engine.warm_up()
     return engine
@@ -406,6 +420,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-host-gb", type=float, default=None,
                         help="parked states kept in host memory before the oldest spill to disk (default its own)")
     parser.add_argument("--tiny", action="store_true", help="the tiny random-weight engine")
+    parser.add_argument("--frame-codec", action="store_true",
+                        help="--tiny on the CPU: decode every frame in the tick and hand chunks out as a GPU does "
+                             "(`FrameCodec`, `AudioOutbox`), so that the host side a GPU server runs shows")
+    parser.add_argument("--text-process", action="store_true",
+                        help="read sentences in a process of their own per engine (TTS_TEXT_PROCESS=1, "
+                             "`streaming.sentence_reader.ProcessReader`)")
     parser.add_argument("--device", default="cpu", help="where the engine runs: cpu (default) or cuda")
     parser.add_argument("--client-processes", type=int, default=1, help="processes the clients run in")
     parser.add_argument("--grace-s", type=float, default=None,
@@ -423,6 +443,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(offered_only(args)))
         return
     raise_open_files_limit()
+    if args.text_process:  # every engine of the run, in this process and in the workers (they inherit it)
+        os.environ["TTS_TEXT_PROCESS"] = "1"
     from streaming.parking import ParkingConfig
     parking = ParkingConfig()
     if args.park_after_s is not None:

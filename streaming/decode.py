@@ -18,25 +18,33 @@ TEXT_RING = 32
 @dataclass
 class StepCaches:
     """Everything a batch of B streams attends to: per layer the voice prefix (B, H, S, D) keys/values,
-    a text ring and an audio ring. Memory is fixed at construction, whatever the speech length."""
+    a text ring and an audio ring. Memory is fixed at construction, whatever the speech length.
+    ``text_stack``: every layer's text-ring keys and values as one (L, B, H, C, D) tensor each, whose layer l
+    is ``text[l].keys``/``.values`` (`empty` allocates them so), so that `write_text` writes all layers in one
+    indexed store; None (caches put together otherwise) writes layer by layer."""
     sinks: list[tuple[torch.Tensor, torch.Tensor]]
     text: list[RingKVCache]
     audio: list[RingKVCache]
+    text_stack: tuple[torch.Tensor, torch.Tensor] | None = None
+    sink_stack: tuple[torch.Tensor, torch.Tensor] | None = None  # the same for the prefix: (L, B, H, S, D) each
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, device=None, dtype=torch.float32,
               text_capacity: int = TEXT_RING) -> "StepCaches":
-        def rings(capacity):  # every layer's ring holds the same positions: share one tensor
-            first = RingKVCache.empty(batch, cfg.heads, capacity, cfg.head_dim, device, dtype)
-            rest = [RingKVCache(torch.zeros_like(first.keys), torch.zeros_like(first.values), first.positions)
-                    for _ in range(cfg.layers - 1)]
-            return [first, *rest]
+        def rings(capacity) -> tuple[list[RingKVCache], tuple[torch.Tensor, torch.Tensor]]:
+            # every layer's ring holds the same positions: one tensor; its keys/values: layer l of one stack each
+            keys = torch.zeros(cfg.layers, batch, cfg.heads, capacity, cfg.head_dim, device=device, dtype=dtype)
+            values = torch.zeros_like(keys)
+            positions = torch.full((batch, capacity), -1, dtype=torch.long, device=device)
+            return [RingKVCache(keys[layer], values[layer], positions) for layer in range(cfg.layers)], (keys, values)
         if text_capacity <= cfg.behind + cfg.ahead:
             raise ValueError(f"a text ring of {text_capacity} cannot hold the {cfg.behind + cfg.ahead + 1} units "
                              "a step attends to")
-        sink = torch.zeros(batch, cfg.heads, cfg.sinks, cfg.head_dim, device=device, dtype=dtype)
-        return cls([(sink.clone(), sink.clone()) for _ in range(cfg.layers)], rings(text_capacity),
-                   rings(cfg.window))
+        sink_keys = torch.zeros(cfg.layers, batch, cfg.heads, cfg.sinks, cfg.head_dim, device=device, dtype=dtype)
+        sink_values = torch.zeros_like(sink_keys)
+        text, stack = rings(text_capacity)
+        return cls([(sink_keys[layer], sink_values[layer]) for layer in range(cfg.layers)], text, rings(cfg.window)[0],
+                   stack, (sink_keys, sink_values))
 
     @property
     def batch(self) -> int:
@@ -48,7 +56,9 @@ class StepCaches:
         def rings(full):
             positions = full[0].positions[:n]
             return [RingKVCache(r.keys[:n], r.values[:n], positions) for r in full]
-        return StepCaches([(k[:n], v[:n]) for k, v in self.sinks], rings(self.text), rings(self.audio))
+        stack = None if self.text_stack is None else tuple(t[:, :n] for t in self.text_stack)
+        sinks = None if self.sink_stack is None else tuple(t[:, :n] for t in self.sink_stack)
+        return StepCaches([(k[:n], v[:n]) for k, v in self.sinks], rings(self.text), rings(self.audio), stack, sinks)
 
     def start(self, slots: int | torch.Tensor, prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Give ``slots`` (one index, or a (M,) tensor of them) fresh streams with the voice prefix ``prefix``
@@ -56,6 +66,17 @@ class StepCaches:
         mask = slot_mask(self.batch, slots, self.text[0].positions.device)
         for (keys, values), (pk, pv) in zip(self.sinks, prefix):
             keys[slots], values[slots] = (pk[0], pv[0]) if isinstance(slots, int) else (pk, pv)
+        self.text[0].reset(mask)  # one positions tensor per ring kind
+        self.audio[0].reset(mask)
+
+    def start_stacked(self, slots: torch.Tensor, prefix: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """`start` of ``slots`` (M,) with the prefix of all layers stacked, (L, M, H, S, D) keys and values: one
+        store each with ``sink_stack`` (caches put together otherwise: layer by layer, the same values)."""
+        if self.sink_stack is None:
+            return self.start(slots, [(keys, values) for keys, values in zip(*prefix)])
+        for sinks, new in zip(self.sink_stack, prefix):
+            sinks[:, slots] = new
+        mask = slot_mask(self.batch, slots, self.text[0].positions.device)
         self.text[0].reset(mask)  # one positions tensor per ring kind
         self.audio[0].reset(mask)
 
@@ -72,9 +93,20 @@ class StepCaches:
     def write_text(self, text_kv: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor,
                    keep: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
         """text_kv: per layer (M, H, T, D) keys/values of units at ``positions`` (M, T); ``keep`` and ``rows``
-        as in `RingKVCache.update` (without ``keep``, -1 = nothing)."""
-        for ring, (k, v) in zip(self.text, text_kv):
-            ring.update(k, v, positions, keep, rows)
+        as in `RingKVCache.update` (without ``keep``, -1 = nothing). With ``text_stack``, all layers in one
+        store (the same values land in the same places: a fixed number of torch calls whatever the layers)."""
+        if self.text_stack is None:
+            for ring, (k, v) in zip(self.text, text_kv):
+                ring.update(k, v, positions, keep, rows)
+            return
+        self.write_text_stacked(tuple(torch.stack([kv[i] for kv in text_kv]) for i in (0, 1)), positions, keep, rows)
+
+    def write_text_stacked(self, text_kv: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
+                           keep: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
+        """`write_text` of keys, values stacked (L, M, H, T, D) (`TTSModel.text_keys_values_stacked`)."""
+        if self.text_stack is None:
+            return self.write_text(list(zip(*text_kv)), positions, keep, rows)
+        RingKVCache.update_layers(self.text_stack, text_kv, self.text[0].positions, positions, keep, rows)
 
     @property
     def nbytes(self) -> int:

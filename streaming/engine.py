@@ -33,6 +33,7 @@ import atexit
 import contextlib
 import gc
 import heapq
+import os
 import sys
 import threading
 import time
@@ -51,6 +52,7 @@ from streaming.decode import TEXT_RING, StepCaches, TickGraph, decode_step
 from streaming.figures import Recent, Timer
 from streaming.parking import Parked, ParkingConfig, ParkingStore, pack, unpack, weights_fingerprint
 from streaming.sampling import sample
+from streaming.sentence_reader import ProcessReader
 from streaming.slot_state import DetachRequest, SlotMover, Snapshot, host_state
 from streaming.slots import CHUNK_SCHEDULE, META, PACE_STRETCH, Slots
 from streaming.stream import MOVING, Stream
@@ -152,7 +154,7 @@ class Engine:
                  device: str = "cpu", sampling: SamplingConfig | None = None, max_chars: int = MAX_TEXT_CHARS,
                  max_queued_seconds: float = 4.0, seed: int = 0, step_factory: StepFactory | None = None,
                  max_waiting: int | None = None, frame_codec: bool | None = None, max_open: int | None = None,
-                 parking: ParkingConfig | None = None, speculative: bool = True):
+                 parking: ParkingConfig | None = None, speculative: bool = True, text_process: bool | None = None):
         self.model, self.codec, self.device = model.eval(), codec.eval(), torch.device(device)
         self.cfg, self.voices = model.cfg, voices
         self.default_voice = next((n for n, v in voices.items() if v.get("default")), next(iter(voices)))
@@ -199,6 +201,11 @@ class Engine:
         self._inbox: deque = deque()  # (kind, stream, payload) from other threads
         self.admission = Admission(self.max_open, self.max_open if max_waiting is None else max_waiting)
         self.text_worker = TextWorker(self._text_taken)
+        # Sentences read in a process of its own (`ProcessReader`: the reading holds the interpreter lock the
+        # engine thread needs between torch calls); default: TTS_TEXT_PROCESS=1 in the environment
+        if text_process is None:
+            text_process = os.environ.get("TTS_TEXT_PROCESS", "") not in ("", "0")
+        self.text_reader = ProcessReader() if text_process else None
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="tts-engine", daemon=True)
         self._thread.start()
@@ -209,8 +216,10 @@ class Engine:
         self.caches = StepCaches.empty(self.cfg, batch, self.device)
         self.slots = Slots(self.cfg, batch, TEXT_RING, self.device, stagger=self.frame_codec)
         with torch.no_grad():  # prefix caching: every voice's prefix keys/values (V, H, S, D), computed once
-            self.prefixes = self.model.voice_prefix(torch.arange(self.cfg.voices, device=self.device))
-        self._blend_prefixes: OrderedDict[tuple, list] = OrderedDict()  # blends' prefixes (`_voice_prefix`)
+            prefixes = self.model.voice_prefix(torch.arange(self.cfg.voices, device=self.device))
+        # (L, V, H, S, D) keys and values: a start copies its streams' rows of all layers in one store each
+        self.prefixes = tuple(torch.stack([layer[i] for layer in prefixes]) for i in (0, 1))
+        self._blend_prefixes: OrderedDict[tuple, tuple] = OrderedDict()  # blends' prefixes (`_voice_prefix`)
         if self.frame_codec:
             self.frame_decoder = FrameCodec(self.codec, batch, self.device)
             self.outbox = AudioOutbox(batch, max(CHUNK_SCHEDULE), self.codec.cfg.hop)
@@ -245,6 +254,7 @@ class Engine:
         self.counters = {"parks": 0, "restores": 0, "slot_waits": 0, "revised_units": 0}  # revised: encoded again
         self.slot_wait_ms = Recent(FIGURES_KEPT)
         self._todo = _DeviceUpdates()  # event updates for the device, applied at the next tick
+        self._flags = _HostFlags(self.slots, ("closed", "ended", "paused"))  # what the device's flags hold
         self._codec_resets: list[int] = []  # slots whose frame decoder state restarts at the next tick
         self._schedules: list = []  # prefills of the coming tick, for the streams' timings
         self._any_ready = False  # whether the last collected tick had a slot ready to step
@@ -274,6 +284,8 @@ class Engine:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (), generator=self.seeds))
         stream = Stream(self, preset["name"], float(speed), self.max_chars, seed % 2**63, lookahead_words)
+        if self.text_reader is not None:
+            stream.text.reader = self.text_reader
         stream.decode_alone = seeded  # bit-identical audio whatever else runs (see CodecWorker.decode)
         if not self.speculative or self.slots.stretch_max != PACE_STRETCH:  # the start hold counts as the engine
             stream.text.set_engine_lookahead(*engine_lookahead(self.cfg, self.speculative), self.slots.stretch_max)
@@ -362,6 +374,8 @@ class Engine:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
         self.text_worker.close()
+        if self.text_reader is not None:
+            self.text_reader.close()
         if not self.frame_codec:
             self.codec_worker.close()
         self.store.close()
@@ -405,6 +419,8 @@ class Engine:
         if rows and not set(self.mover.row_tensors()) <= set(rows):
             raise BadState("the stream's state lacks rows this engine needs (an engine of another version?)")
         stream = Stream.from_state(self, host["stream"], unread)
+        if self.text_reader is not None:
+            stream.text.reader = self.text_reader
         preset = self.voice_preset(stream.voice)
         try:
             self.admission.admit(stream, wait_s, lambda s: self._inbox.append(("attach", s, (preset, host, rows))))
@@ -881,6 +897,7 @@ class Engine:
             self._park_rows(todo.parks)
         if todo.frees:
             self.slots.reset(self._row_mask(todo.frees))
+            self._flags.cleared(todo.frees)
         touched = []
         starts = [u for u in todo.starts if holds(u)]  # a slot freed and taken again: the last holder
         if starts:
@@ -889,6 +906,7 @@ class Engine:
             temperatures = [max(u.voice["temperature"], 1e-4) for u in starts]  # positive: never divides by 0
             self._start_caches(rows_d, starts)
             self.slots.start(rows_d, upload([u.stream.seed for u in starts]), upload(temperatures, torch.float32))
+            self._flags.cleared(rows)
             if self.frame_codec:
                 self._codec_resets += rows
             else:
@@ -898,7 +916,9 @@ class Engine:
         for state in [state for u, state in todo.restores if not holds(u)]:  # ended since: rows back to the pool
             state.release()
         if restores:
-            touched += self._restore_rows(restores)
+            rows = self._restore_rows(restores)
+            self._flags.unknown(rows)  # each row holds its parked flags now
+            touched += rows
         if prefill:
             self._prefill(prefill)
             touched += [u.slot for u, _ in prefill]
@@ -907,13 +927,12 @@ class Engine:
             rows = list(flagged)
             closed = [self._confirmed[s] == flagged[s].closed_upto == flagged[s].received for s in rows]
             ended = [flagged[s].text_ended and self._confirmed[s] == flagged[s].received for s in rows]
-            rows_d = upload(rows)
-            self.slots.closed[rows_d] = upload(closed, torch.bool)
-            self.slots.ended[rows_d] = upload(ended, torch.bool)
+            self._flags.write("closed", rows, closed, upload)
+            self._flags.write("ended", rows, ended, upload)
             touched += rows
         paused = {u.slot: value for u, value in todo.paused if holds(u)}  # the last word counts
         if paused:
-            self.slots.paused[upload(list(paused))] = upload(list(paused.values()), torch.bool)
+            self._flags.write("paused", list(paused), list(paused.values()), upload)
             touched += list(paused)
         if touched:  # these slots' device state changed: they may step again
             self._event_at[touched] = time.perf_counter()
@@ -923,25 +942,27 @@ class Engine:
         return u.slot >= 0 and self.utterances[u.slot] is u
 
     def _start_caches(self, rows: torch.Tensor, utterances: list[Utterance]) -> None:
-        """Fresh caches in ``rows`` with each stream's voice prefix (per layer (M, H, S, D) keys/values)."""
-        prefixes = [self._voice_prefix(u.voice) for u in utterances]  # per stream, per layer (1, H, S, D)
-        self.caches.start(rows, [tuple(torch.cat([p[layer][i] for p in prefixes]) for i in (0, 1))
-                                 for layer in range(self.cfg.layers)])
+        """Fresh caches in ``rows`` with each stream's voice prefix ((L, M, H, S, D) keys/values: all layers
+        in one store, `StepCaches.start_stacked`)."""
+        prefixes = [self._voice_prefix(u.voice) for u in utterances]  # per stream (L, 1, H, S, D) keys, values
+        stacked = prefixes[0] if len(prefixes) == 1 else tuple(torch.cat([p[i] for p in prefixes], 1) for i in (0, 1))
+        self.caches.start_stacked(rows, stacked)
 
-    def _voice_prefix(self, preset: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (1, H, S, D) prefix keys/values of a voice: a shipped voice's row of ``prefixes``; a
+    def _voice_prefix(self, preset: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(L, 1, H, S, D) prefix keys/values of a voice: a shipped voice's row of ``prefixes``; a
         blend's computed once and kept, keyed by its mix (the normalised spec), the least recently used of
         more than BLEND_PREFIXES dropped (a stream holds its own copy in the caches)."""
         if len(preset["mix"]) == 1:
             row = next(iter(preset["mix"]))
-            return [(k[row:row + 1], v[row:row + 1]) for k, v in self.prefixes]
+            return tuple(t[:, row:row + 1] for t in self.prefixes)
         key = tuple(preset["mix"].items())
         if key in self._blend_prefixes:
             self._blend_prefixes.move_to_end(key)
         else:
             with torch.no_grad():
                 weights = self._upload([preset["weights"]], torch.float32)  # (1, V)
-                self._blend_prefixes[key] = self.model.voice_prefix(weights)
+                layers = self.model.voice_prefix(weights)  # per layer (1, H, S, D) keys, values
+                self._blend_prefixes[key] = tuple(torch.stack([layer[i] for layer in layers]) for i in (0, 1))
             if len(self._blend_prefixes) > BLEND_PREFIXES:
                 self._blend_prefixes.popitem(last=False)
         return self._blend_prefixes[key]
@@ -958,23 +979,27 @@ class Engine:
         units 33..40 are encoded from units 27..40 (padded after 40), offset 6, count 8, of which 33 and 34 (final:
         35 = 41 - 6) are confirmed and reported to the stream's timings; 35..40 stay speculative."""
         w = self._prefill_windows(chosen)
-        upload = self._upload
-        rows_d, counts_d, first_d = upload(w.rows), upload(w.counts), upload(w.firsts)
-        paced = self.slots.pace(rows_d, upload(w.leads), upload(w.opens, torch.bool), upload(w.pieces, torch.bool))
-        rates_d = upload(w.rates, torch.float32) / paced  # (M,) elastic pacing: slower while the text's lead is thin
+        m, upload = len(w.rows), self._upload
+        # (M,) columns, a few uploads in all (each is a torch call, three on a GPU)
+        rows_d, counts_d, first_d, leads_d, offsets_d, settles_d = self._upload_columns(
+            w.rows, w.counts, w.firsts, w.leads, w.offsets, w.settles)
+        opens_d, pieces_d, flushes_d = self._upload_columns(w.opens, w.pieces, w.flushes, dtype=torch.bool)
+        floats = upload(np.concatenate([np.ravel(w.voices), w.rates]), torch.float32)  # (M * V + M,)
+        voices_d, rates_d = floats[:-m].view(m, -1), floats[-m:]  # (M, V): one-hot for a shipped voice; (M,)
+        paced = self.slots.pace(rows_d, leads_d, opens_d, pieces_d)
+        rates_d = rates_d / paced  # (M,) elastic pacing: slower while the text's lead is thin
         with exact_convolutions(benchmark=False):  # (M, L, C), (M, L)
-            states, log_dur = self.model.text(upload(w.units), upload(w.voices, torch.float32))
+            states, log_dur = self.model.text(upload(w.units), voices_d)
         at = torch.arange(max(w.counts), device=self.device)  # (E,)
         keep = at < counts_d[:, None]  # (M, E)
-        columns = (upload(w.offsets)[:, None] + at).clamp(max=w.units.shape[1] - 1)
+        columns = (offsets_d[:, None] + at).clamp(max=w.units.shape[1] - 1)
         durations = predicted_frames(log_dur.gather(1, columns), rates_d[:, None]) * keep
         durations[:, 0] += (first_d == 0) & (durations.sum(1) == 0)  # an utterance has at least one frame
         positions = first_d[:, None] + at
         # frames chained from the confirmed units' end; started units kept; never stuck behind silent units
-        begin, durations, write = self.slots.place(rows_d, positions, keep, durations, upload(w.settles),
-                                                   upload(w.flushes, torch.bool))
+        begin, durations, write = self.slots.place(rows_d, positions, keep, durations, settles_d, flushes_d)
         states = states.gather(1, columns[:, :, None].expand(-1, -1, self.cfg.dim))
-        self.caches.write_text(self.model.text_keys_values(states, begin), positions, write, rows_d)
+        self.caches.write_text_stacked(self.model.text_keys_values_stacked(states, begin), positions, write, rows_d)
         self.slots.add_units(rows_d, positions, keep, begin, begin + durations, write)
         if any(w.settles):  # the confirmed units' final frames, for the streams' timings (read at collect)
             schedule = torch.stack([begin, durations])  # (2, M, E)
@@ -1226,10 +1251,16 @@ class Engine:
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
 
+    def _upload_columns(self, *columns, dtype=torch.long) -> tuple[torch.Tensor, ...]:
+        """Several host columns of one length M on the device in one upload (`_upload`): a (k, M) table, then
+        its rows (views). Example: ([3, 5], [10, 12]) -> tensor([3, 5]), tensor([10, 12])."""
+        return self._upload(np.array(columns), dtype).unbind(0)
+
     def _row_mask(self, rows: list[int]) -> torch.Tensor:
-        mask = torch.zeros(self.max_streams, dtype=torch.bool, device=self.device)
-        mask[self._upload(rows)] = True
-        return mask
+        """(max_streams,) bool on the device, true at ``rows``: built on the host, one upload."""
+        mask = np.zeros(self.max_streams, dtype=bool)
+        mask[rows] = True
+        return self._upload(mask, torch.bool)
 
     def _recover(self, err: Exception) -> None:
         """After a fault of the batched tick: every live stream fails with EngineError, every slot and the
@@ -1244,6 +1275,7 @@ class Engine:
         self._any_ready = False
         everything = torch.ones(self.max_streams, dtype=torch.bool, device=self.device)
         self.slots.reset(everything)
+        self._flags.cleared(slice(None))
         self.caches.text[0].reset(everything)
         self.caches.audio[0].reset(everything)
         if self.frame_codec:
@@ -1329,6 +1361,41 @@ class _DeviceUpdates:
 
     def any(self) -> bool:
         return bool(self.frees or self.starts or self.flags or self.paused or self.parks or self.restores)
+
+
+class _HostFlags:
+    """What the host last wrote into some of `Slots`' per-slot flags, so that an event that leaves a flag as it
+    was costs no device write (each write is two uploads and an indexed store, and every torch call lets go of
+    the interpreter lock, which a busy server's other threads then hold a while). Most text events are words
+    inside a sentence: they change neither ``closed`` nor ``ended``. Per flag and slot: 0 or 1, or -1 not known
+    (a restored row holds its parked value). Example: slot 3 gets a word (closed False, as written before: no
+    write), then a flush that the prefill confirms (closed True: one write of row 3), then parks and is freed
+    (reset on the device: 0 here too), then a stream is restored into it (-1: the next event's value is written,
+    whatever it is)."""
+
+    def __init__(self, slots: Slots, names: tuple[str, ...]):
+        self.flags = {name: getattr(slots, name) for name in names}  # (B,) bool device tensors
+        self.known = {name: np.zeros(slots.batch, dtype=np.int8) for name in names}  # fresh slots: all False
+
+    def cleared(self, rows) -> None:
+        """``rows`` were reset on the device (`Slots.reset`, `Slots.start`): every flag False."""
+        for known in self.known.values():
+            known[rows] = 0
+
+    def unknown(self, rows) -> None:
+        """``rows`` hold values the host did not write (restored parked state)."""
+        for known in self.known.values():
+            known[rows] = -1
+
+    def write(self, name: str, rows: list[int], values: list[bool], upload) -> None:
+        """Set flag ``name`` of ``rows`` (distinct) to ``values`` on the device, writing only those that differ."""
+        rows, values = np.asarray(rows, dtype=np.int64), np.asarray(values, dtype=bool)
+        known = self.known[name]
+        changed = known[rows] != values
+        if changed.any():
+            rows, values = rows[changed], values[changed]
+            self.flags[name][upload(rows)] = upload(values, torch.bool)
+            known[rows] = values
 
 
 @dataclass

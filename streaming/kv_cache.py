@@ -49,6 +49,22 @@ class RingKVCache:
         self.positions[batch, slots] = torch.where(keep, positions, self.positions[batch, slots])
         return self.keys, self.values, self.positions
 
+    @staticmethod
+    def update_layers(stack: tuple[torch.Tensor, torch.Tensor], kv: list[torch.Tensor], ring_positions: torch.Tensor,
+                      positions: torch.Tensor, keep: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
+        """`update` of L rings at once that hold the same positions (``ring_positions`` (B, C), written once):
+        ``stack`` their keys and values, (L, B, H, C, D) each, and ``kv`` the new keys and values (L, M, H, T, D).
+        Example, L = 8: one indexed store for keys, one for values and one for positions, not 8 of each."""
+        if keep is None:
+            keep, positions = positions >= 0, positions.clamp(min=0)
+        slots = positions % ring_positions.shape[1]  # (M, T)
+        batch = torch.arange(slots.shape[0], device=slots.device) if rows is None else rows
+        batch = batch[:, None].expand_as(slots)
+        written = keep[:, :, None, None, None]  # (M, T, 1, 1, 1)
+        for ring, new in zip(stack, kv):  # ring[:, batch, :, slots] is (M, T, L, H, D): index dims first
+            ring[:, batch, :, slots] = torch.where(written, new.permute(1, 3, 0, 2, 4), ring[:, batch, :, slots])
+        ring_positions[batch, slots] = torch.where(keep, positions, ring_positions[batch, slots])
+
     def view(self, n: int) -> "RingKVCache":
         """The first ``n`` batch rows, sharing storage (writes through the view land in this ring)."""
         return RingKVCache(self.keys[:n], self.values[:n], self.positions[:n])

@@ -121,6 +121,10 @@ def pace_factor(lead, most: float = PACE_STRETCH):
     return most - (most - 1) * ease
 
 
+# Rows of the per-slot tables `Slots.flags` and `Slots.counts`, in order.
+FLAG_ROWS = ("live", "paused", "closed", "ended")
+COUNT_ROWS = ("step", "frames", "encoded", "pending", "chunks", "silent", "settled", "flushed")
+
 # Columns of the per-tick table the host reads (`Slots.advance`).
 META = ("unit", "ready", "completed", "pending", "due", "done")
 
@@ -137,27 +141,31 @@ class Slots:
         if stagger:
             schedule[:, len(CHUNK_SCHEDULE) - 1] -= torch.arange(batch, device=device) % 8
         self.schedule = schedule
-        self.live, self.paused, self.closed, self.ended = (zeros(batch, dtype=torch.bool) for _ in range(4))
-        self.step, self.frames, self.encoded, self.pending, self.chunks = (zeros(batch) for _ in range(5))
-        self.silent = zeros(batch)  # zero-frame units in a row at the end of those confirmed (`cap_silence`)
-        self.settled = zeros(batch)  # end frame of the confirmed units: a re-encode chains its frames from here
-        self.flushed = zeros(batch)  # end frame of the text the last flush closed (0: none): a chunk ends there
+        # The per-slot flags and counts are the rows of two tables (each name a view of its row), so that a reset
+        # is one store per table and `place` reads a slot's counts in one gather: every torch call lets go of
+        # the interpreter lock, which a busy server's other threads then hold a while (`streaming.engine`).
+        self.flags = zeros(len(FLAG_ROWS), batch, dtype=torch.bool)  # (4, B)
+        self.live, self.paused, self.closed, self.ended = self.flags.unbind(0)
+        self.counts = zeros(len(COUNT_ROWS), batch)  # (8, B); step first: the step reads step[:n] at offset 0
+        self.step, self.frames, self.encoded, self.pending, self.chunks, self.silent, self.settled, self.flushed = (
+            self.counts.unbind(0))
+        # silent: zero-frame units in a row at the end of those confirmed (`cap_silence`); settled: end frame of the
+        # confirmed units (a re-encode chains its frames from here); flushed: end frame of the text the last flush
+        # closed (0: none; a chunk ends there)
         self.stretch = torch.ones(batch, device=device)  # (B,) elastic pacing's factor now (`pace`)
         self.stretch_max = PACE_STRETCH  # a fresh stream's factor (1: no elastic pacing)
         self.key = zeros(batch)  # each stream's sampling-noise key (`streaming.sampling.stream_key` of its seed)
         self.temperature = torch.ones(batch, 1, 1, device=device)  # (B, 1, 1)
         self.tokens = torch.full((batch, books), self.empty, dtype=torch.long, device=device)  # (B, K) last step's
         self.history = zeros(batch, books, books)  # (B, K, K): codebook k of the last K steps, column step % K
-        self.unit_start, self.unit_end = zeros(batch, ring), zeros(batch, ring)  # (B, R) frames of each entry
+        self.unit_frames = zeros(2, batch, ring)  # (2, B, R): first frame and end frame of each entry
+        self.unit_start, self.unit_end = self.unit_frames.unbind(0)
         self.codes = zeros(batch, books, max(CHUNK_SCHEDULE))  # (B, K, C) completed frames awaiting the codec
 
     def reset(self, mask: torch.Tensor) -> None:
         """Rows where ``mask`` (B,) is true return to an empty, idle slot (not live)."""
-        for flag in (self.live, self.paused, self.closed, self.ended):
-            flag.masked_fill_(mask, False)
-        for count in (self.step, self.frames, self.encoded, self.pending, self.chunks, self.silent, self.settled,
-                      self.flushed):
-            count.masked_fill_(mask, 0)
+        self.flags.masked_fill_(mask, False)  # (B,) broadcast over the table's rows
+        self.counts.masked_fill_(mask, 0)
         self.tokens.masked_fill_(mask[:, None], self.empty)
         self.history.masked_fill_(mask[:, None, None], 0)
 
@@ -207,17 +215,23 @@ class Slots:
         run): those confirmed, where the next re-encode starts (Speculative units).
         Example, at most 2 in a row, a run of 1 before: durations [0, 0, 3, 0, 0, 0] -> [0, 1, 3, 0, 0, 1]
         (runs 2, 3 -> forced, 0, 1, 2, 3 -> forced), leaving a run of 0 (with ``settle`` 5, a run of 2)."""
-        most = self.ring - self.behind - self.ahead - 2
-        at = torch.arange(durations.shape[1], device=durations.device)  # (E,)
-        silent = (durations == 0) & keep  # (M, E)
-        last_sound = torch.where(silent, -1, at).cummax(1).values  # (M, E) the last unit with frames so far
-        run = at - last_sound + torch.where(last_sound < 0, self.silent[rows][:, None], 0)  # 0 where it has frames
-        forced = silent & (run % (most + 1) == 0)
         settle = keep.sum(1) if settle is None else settle  # (M,)
+        durations, self.silent[rows] = self._cap(durations, keep, settle, self.silent[rows])
+        return durations
+
+    def _cap(self, durations: torch.Tensor, keep: torch.Tensor, settle: torch.Tensor,
+             silent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cap_silence` on given runs ``silent`` (M,) before the units: (capped durations (M, E), the runs
+        after the first ``settle`` units (M,)), nothing stored."""
+        cycle = self.ring - self.behind - self.ahead - 1  # the most in a row, plus one
+        at = torch.arange(durations.shape[1], device=durations.device)  # (E,)
+        quiet = (durations == 0) & keep  # (M, E)
+        last_sound = torch.where(quiet, -1, at).cummax(1).values  # (M, E) the last unit with frames so far
+        run = (at - last_sound + torch.where(last_sound < 0, silent[:, None], 0)) % cycle  # 0 where it has frames
+        forced = quiet & (run == 0)
         last = (settle - 1).clamp(min=0)[:, None]  # (M, 1) each row's last unit counted
-        after = torch.where(forced | ~silent, 0, run % (most + 1)).gather(1, last)[:, 0]
-        self.silent[rows] = torch.where(settle > 0, after, self.silent[rows])
-        return durations + forced
+        after = torch.where(forced | ~quiet, 0, run).gather(1, last)[:, 0]
+        return durations + forced, torch.where(settle > 0, after, silent)
 
     def place(self, rows: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, durations: torch.Tensor,
               settle: torch.Tensor, flush: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -232,18 +246,21 @@ class Slots:
         docstring, Flush)."""
         at = positions % self.ring
         batch = rows[:, None].expand_as(at)
-        old = self.unit_end[batch, at] - self.unit_start[batch, at]  # (M, E)
-        in_ring = keep & (positions < self.encoded[rows][:, None])
-        frozen = in_ring & (self.unit_start[batch, at] < self.step[rows][:, None])  # started: never revised
-        durations = torch.where(frozen, old, durations)
-        durations = torch.where(frozen, old, self.cap_silence(rows, durations, keep, settle))
+        begun, ends = self.unit_frames[:, batch, at].unbind(0)  # (M, E) each: the entries' frames so far
+        step, _, encoded, _, _, silent, settled, flushed = self.counts[:, rows].unbind(0)  # (M,) each
+        frozen = keep & (positions < encoded[:, None]) & (begun < step[:, None])  # in the ring, started: kept
+        old = ends - begun  # (M, E)
+        capped, self.silent[rows] = self._cap(torch.where(frozen, old, durations), keep, settle, silent)
+        durations = torch.where(frozen, old, capped)
         last = (settle - 1).clamp(min=0)[:, None]  # (M, 1)
-        flush = torch.zeros_like(settle, dtype=torch.bool) if flush is None else flush
-        pause = torch.where(flush & (settle > 0), self.books - 1, 0)  # (M,) frames after the closed text
+        settling = settle > 0
+        pause = (torch.zeros_like(settle) if flush is None  # (M,) frames after the closed text
+                 else torch.where(flush & settling, self.books - 1, 0))
         durations = durations.scatter_add(1, last, pause[:, None])
-        begin = self.settled[rows][:, None] + start_frames(durations)  # (M, E)
-        self.settled[rows] = torch.where(settle > 0, (begin + durations).gather(1, last)[:, 0], self.settled[rows])
-        self.flushed[rows] = torch.where(pause > 0, self.settled[rows] - pause, self.flushed[rows])
+        begin = settled[:, None] + start_frames(durations)  # (M, E)
+        settled = torch.where(settling, (begin + durations).gather(1, last)[:, 0], settled)
+        self.settled[rows] = settled
+        self.flushed[rows] = torch.where(pause > 0, settled - pause, flushed)
         return begin, durations, keep & ~frozen
 
     def add_units(self, rows: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, start: torch.Tensor,
@@ -255,8 +272,7 @@ class Slots:
         at = positions % self.ring
         batch = rows[:, None].expand_as(at)
         write = keep if write is None else write
-        self.unit_start[batch, at] = torch.where(write, start, self.unit_start[batch, at])
-        self.unit_end[batch, at] = torch.where(write, end, self.unit_end[batch, at])
+        self.unit_frames[:, batch, at] = torch.where(write, torch.stack([start, end]), self.unit_frames[:, batch, at])
         self.encoded[rows] = torch.where(keep, positions + 1, 0).amax(1)
         self.frames[rows] = torch.where(keep, end, 0).amax(1)
 

@@ -360,10 +360,12 @@ _LOCKS = (type(threading.Lock()), type(threading.RLock()))
 def object_state(obj) -> dict:
     """An object's attributes as plain data: nested objects (not plain values) by their own attributes,
     locks left out. Example: a TextStream -> {"_text": "How are", "_done": 2, ..., "_timings": {"__object__":
-    {"unit_word": [...], ...}}}. Restored into a fresh object of the same class by `set_object_state`."""
+    {"unit_word": [...], ...}}}. Attributes named in the class's TRANSIENT are left out (a TextStream's ``reader``).
+    Restored into a fresh object of the same class by `set_object_state`."""
     state = {}
+    transient = getattr(obj, "TRANSIENT", ())  # what the engine that holds the object sets (not its state)
     for name, value in vars(obj).items():
-        if isinstance(value, _LOCKS):
+        if isinstance(value, _LOCKS) or name in transient:
             continue
         if hasattr(value, "__dict__") and not isinstance(value, type):
             value = {"__object__": object_state(value)}

@@ -31,16 +31,16 @@ import threading
 import time
 from typing import Callable
 
+from streaming.sentence_reader import _TO_COME, read_sentence
 from streaming.slots import CHUNK_SCHEDULE, PACE_STRETCH, pace_factor
-from tts.normalize import Token, complete_length, reads_by_next, sentence_end, speak, split_sentences, tokenize
+from tts.normalize import Token, complete_length, reads_by_next, sentence_end, split_sentences, tokenize
 from tts.codec import CodecConfig
 from tts.model import ModelConfig
-from tts.text import MAX_TEXT_CHARS, SYMBOL_ID, TextError, sentence_units
+from tts.text import MAX_TEXT_CHARS, SYMBOL_ID, TextError
 
 TAKE_CHARS = 600  # text phonemised in one take at most: a long text reaches the engine a few sentences a tick
 PARTIAL_WORDS = 12  # "auto": a sentence without an end is spoken once this many words wait
 CONTEXT_WORDS = 8  # words before the first unspoken one that are phonemised with it (espeak's left context)
-_TO_COME = Token("people", 0, 0)  # never taken: its index is past every ready token
 _GAP = " ,;:"  # units between two words of a sentence
 # FLUENT (lookahead 0): words wait only for a next word that changes the words ("$5" million), not for one that
 # changes only their sounds ("the" apple: ðɪ; "on the": ɔnðə): such a word is read as before any word, and the gap
@@ -120,21 +120,10 @@ def engine_lookahead(cfg: ModelConfig, speculative: bool = True) -> tuple[int, i
     return cfg.text_lookahead * (not speculative) + cfg.ahead + 1, cfg.codebooks - 1
 
 
-def read_sentence(tokens: list[Token], first: int, closed: bool) -> tuple[list[str], list[int]]:
-    """A sentence's units from token ``first`` on (the tokens before it are context for the spoken forms) and,
-    per unit, the index of its token in ``tokens`` (-1: none); the sentence ends after the last token if
-    ``closed``. A pure function of its arguments: a `TextWorker`'s processes can run it."""
-    spoken = speak(tokens, closed)
-    window, said = tokens[first:], spoken[first:]
-    if not closed:  # a word for those still to come: the last word read is not read as the clause's end
-        window, said = window + [_TO_COME], said + [_TO_COME.text]
-    units, owners = sentence_units(window, said, closed)
-    return units, [o + first if o >= 0 else -1 for o in owners]
-
-
 class TextStream:
-    # How a sentence is read: `read_sentence` here, or a text worker's processes running it (set per stream)
+    # How a sentence is read: `read_sentence` here, or in a process of its own (`ProcessReader`, set per stream)
     reader: Callable[[list[Token], int, bool], tuple[list[str], list[int]]] = staticmethod(read_sentence)
+    TRANSIENT = ("reader",)  # not part of a stream's state (`streaming.stream.object_state`)
     clock: Callable[[], float] = staticmethod(time.perf_counter)  # when text arrives (`_may_start`)
 
     def __init__(self, max_chars: int = MAX_TEXT_CHARS, lookahead_words: int | str | None = None,

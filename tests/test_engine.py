@@ -226,15 +226,15 @@ def test_cancel_stops_at_once(engine):
 
 
 def test_a_stream_whose_text_breaks_the_front_end_fails_alone(engine, monkeypatch):
-    import streaming.textstream as textstream
-    real = textstream.sentence_units
+    import streaming.sentence_reader as reader  # where `read_sentence` (the text thread's reading) finds it
+    real = reader.sentence_units
 
     def sentence_units(tokens, spoken, closed):
         if any("poison" in word for word in spoken):
             raise OverflowError("the phonemiser choked")
         return real(tokens, spoken, closed)
 
-    monkeypatch.setattr(textstream, "sentence_units", sentence_units)
+    monkeypatch.setattr(reader, "sentence_units", sentence_units)
     results = {}
     good = threading.Thread(target=speak, args=(engine, TEXT * 2), kwargs=dict(results=results, key="good"))
     good.start()
@@ -552,3 +552,47 @@ def test_a_flush_hands_out_all_of_the_closed_texts_audio_without_more_text():
         after.append(chunk)
     assert sum(map(len, after)) > (books - 1) * hop  # the pause, then the rest
     engine.close()
+
+
+def test_text_ring_writes_all_layers_at_once_as_layer_by_layer():
+    """`StepCaches.write_text` on the stacked text rings (`empty`) stores exactly what a layer-by-layer write
+    stores, with holes (``keep``), a subset of rows, and ring wrap-around."""
+    from streaming.decode import StepCaches
+    cfg = tiny_model_and_codec()[0].cfg
+    g = torch.Generator().manual_seed(0)
+    stacked = StepCaches.empty(cfg, 5)
+    apart = StepCaches(stacked.sinks, [type(r)(r.keys.clone(), r.values.clone(), r.positions.clone())
+                                       for r in stacked.text], stacked.audio)
+    for ring in apart.text[1:]:
+        ring.positions = apart.text[0].positions  # layers share one positions tensor, as in `empty`
+    assert stacked.text_stack is not None and apart.text_stack is None
+    for start in (0, 7, 30):
+        rows = torch.tensor([4, 1, 2])
+        positions = start + torch.arange(12)[None, :].repeat(3, 1) + torch.tensor([[0], [3], [5]])
+        keep = torch.rand(3, 12, generator=g) < 0.7
+        kv = [(torch.randn(3, cfg.heads, 12, cfg.head_dim, generator=g),
+               torch.randn(3, cfg.heads, 12, cfg.head_dim, generator=g)) for _ in range(cfg.layers)]
+        stacked.write_text(kv, positions, keep, rows)
+        apart.write_text(kv, positions, keep, rows)
+        for a, b in zip(stacked.text, apart.text):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            assert torch.equal(a.positions, b.positions)
+    view = stacked.view(3)
+    assert view.text_stack[0].data_ptr() == stacked.text_stack[0].data_ptr()
+    assert view.text[1].keys.data_ptr() == stacked.text_stack[0][1].data_ptr()
+
+
+def test_text_keys_of_all_layers_at_once_equal_each_layers_own():
+    """`TTSModel.text_keys_values_stacked` (one head split and rotation for all layers) gives exactly what each
+    layer's `Attention.keys_values` gives."""
+    from tts.model import MODEL_PRESETS, TTSModel, rope_angles
+    torch.manual_seed(0)
+    model = TTSModel(MODEL_PRESETS["shipped"]).eval()
+    states, starts = torch.randn(3, 17, model.cfg.dim), torch.randint(0, 500, (3, 17))
+    with torch.no_grad():
+        angles = rope_angles(starts, model.cfg.head_dim, model.cfg.rope_base)
+        apart = [block.attn.keys_values(block.attn_norm(states), angles) for block in model.blocks]
+        keys, values = model.text_keys_values_stacked(states, starts)
+    assert keys.shape == (model.cfg.layers, 3, model.cfg.heads, 17, model.cfg.head_dim)
+    for layer, (k, v) in enumerate(apart):
+        assert torch.equal(keys[layer], k) and torch.equal(values[layer], v)

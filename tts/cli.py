@@ -200,6 +200,8 @@ def cmd_serve(args) -> int:
     faster one is built in the background and swapped in), then listens."""
     if args.workers < 1 or (args.ray and args.workers > 1):
         raise InputError("--workers must be at least 1, and is not used with --ray (use --replicas)")
+    if args.text_process:  # every engine of this server, the workers' too (they inherit the environment)
+        os.environ["TTS_TEXT_PROCESS"] = "1"
     if args.ray:
         return serve_on_ray(args)
     import logging
@@ -279,6 +281,9 @@ def serve_parser(sub) -> None:
                        help="server processes behind the one port, each with its own engine of --max-streams / "
                             "INT slots and its share of --max-connections and --max-queue (default 1; "
                             "docs/scale-out.md)")
+    serve.add_argument("--text-process", action="store_true",
+                       help="each engine reads its sentences (espeak) in a process of its own, so that phonemising "
+                            "does not hold the interpreter lock its ticks need (TTS_TEXT_PROCESS=1 does the same)")
     serve.add_argument("--no-compile", action="store_true",
                        help="run the plain eager decode step, no faster one (TTS_NO_COMPILE=1 does the same)")
     serve.add_argument("--wyoming-uri", help="also serve Home Assistant's Wyoming protocol, e.g. tcp://0.0.0.0:10200")

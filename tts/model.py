@@ -180,8 +180,18 @@ class TTSModel(nn.Module):
 
     def text_keys_values(self, states: torch.Tensor, start_frames: torch.Tensor):
         """Per-layer keys/values of text states (B, N, C), rotated at each unit's first frame (B, N)."""
-        angles = rope_angles(start_frames, self.cfg.head_dim, self.cfg.rope_base)
-        return [block.attn.keys_values(block.attn_norm(states), angles) for block in self.blocks]
+        return list(zip(*self.text_keys_values_stacked(states, start_frames)))
+
+    def text_keys_values_stacked(self, states: torch.Tensor,
+                                 start_frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`text_keys_values` with the layers stacked: keys, values (L, B, H, N, D). Each layer's norm and
+        projection as in `Attention.keys_values`; the head split and the rotation (elementwise, so the same
+        numbers) once for all layers: a fixed number of calls whatever the depth, which is what an engine
+        thread pays for on a busy interpreter (`streaming.engine`)."""
+        angles = rope_angles(start_frames, self.cfg.head_dim, self.cfg.rope_base)  # (B, 1, N, D/2) each
+        kv = torch.stack([block.attn.wkv(block.attn_norm(states)) for block in self.blocks])  # (L, B, N, 2C)
+        k, v = (x.unflatten(-1, (self.cfg.heads, self.cfg.head_dim)).transpose(2, 3) for x in kv.chunk(2, dim=-1))
+        return rotate(k, angles), v
 
     def forward(self, tokens, frame_pos, phoneme, prefix, text_kv, text_phoneme, audio_kv_fn=None, window=None):
         """Run the transformer over audio steps. tokens (B, K, T) are the step inputs, frame_pos (B, T) their
