@@ -99,7 +99,10 @@ def read_state(path: str, info: FileInfo, pin: bool = False,
     if into is not None and into.numel() != info.flat_bytes:
         into = None  # another layout's row size: a buffer of its own
     start = len(info.head)
-    buffer = torch.empty(info.size - (0 if into is None else info.flat_bytes), dtype=torch.uint8, pin_memory=pin)
+    # with ``into`` the rest is the header and the loose rows, which the host reads (the frame codec's outbox, the
+    # CPU codec worker's rows): pageable, as a fresh pinned block of any size is a cudaHostAlloc
+    buffer = torch.empty(info.size - (0 if into is None else info.flat_bytes), dtype=torch.uint8,
+                         pin_memory=pin and into is None)
     parts = [buffer] if into is None else [buffer[:start], into, buffer[start:]]
     with open(path, "rb", buffering=0) as file:
         size = os.fstat(file.fileno()).st_size
