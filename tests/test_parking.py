@@ -436,22 +436,28 @@ def test_codec_restore_reads_the_rows_its_capture_queued_before_it_made():
     engine.close()
 
 
-@pytest.mark.parametrize("frame_codec", [False, True])
-def test_slot_mover_moves_every_row_of_a_slot_bit_for_bit(tmp_path, frame_codec):
-    """`SlotMover` alone: slot 1's state parked, spilled to disk and loaded, then restored into slot 3 equals
-    what slot 1 held, in every row tensor; no other slot changes. With the frame codec its decoder rows and
-    audio outbox travel in the parked state; without it, the CPU codec worker's (its own thread, in order)."""
+def a_slot_mover(store: ParkingStore, batch: int, frame_codec: bool):
+    """A `SlotMover` over ``batch`` CPU slots of the tiny model, with the frame codec or the CPU codec worker:
+    (mover, its codec parts)."""
     model, codec, _ = tiny_model_and_codec()
-    batch, cpu = 4, torch.device("cpu")
+    cpu = torch.device("cpu")
     caches = StepCaches.empty(model.cfg, batch, cpu)
     slots = Slots(model.cfg, batch, TEXT_RING, cpu, stagger=frame_codec)
-    store = ParkingStore(ParkingConfig(disk_after_s=0.05, directory=str(tmp_path)), on_loaded=lambda: None)
     if frame_codec:
         codec_parts = {"frame_decoder": FrameCodec(codec, batch, cpu),
                        "outbox": AudioOutbox(batch, max(CHUNK_SCHEDULE), codec.cfg.hop)}
     else:
         codec_parts = {"codec_worker": CodecWorker(codec, batch, cpu)}
-    mover = SlotMover(store, caches, slots, cpu, batch, **codec_parts)
+    return SlotMover(store, caches, slots, cpu, batch, **codec_parts), codec_parts
+
+
+@pytest.mark.parametrize("frame_codec", [False, True])
+def test_slot_mover_moves_every_row_of_a_slot_bit_for_bit(tmp_path, frame_codec):
+    """`SlotMover` alone: slot 1's state parked, spilled to disk and loaded, then restored into slot 3 equals
+    what slot 1 held, in every row tensor; no other slot changes. With the frame codec its decoder rows and
+    audio outbox travel in the parked state; without it, the CPU codec worker's (its own thread, in order)."""
+    store = ParkingStore(ParkingConfig(disk_after_s=0.05, directory=str(tmp_path)), on_loaded=lambda: None)
+    mover, codec_parts = a_slot_mover(store, 4, frame_codec)
     generator = torch.Generator().manual_seed(0)
     for tensor in mover.row_tensors().values():  # every slot's state made distinct
         if tensor.dtype == torch.bool:
@@ -511,17 +517,8 @@ def test_parks_beyond_the_row_pool_still_round_trip_bit_for_bit(frame_codec):
     """A pool of 2 rows (``max_host_bytes`` of 2.5 rows): 3 slots parked in one batch take both rows and one
     row of their own (a miss); restored into other slots, every row tensor equals what its slot held, and every
     pool row is back. A state discarded while parked gives its row back too."""
-    model, codec, _ = tiny_model_and_codec()
-    batch, cpu = 6, torch.device("cpu")
-    caches = StepCaches.empty(model.cfg, batch, cpu)
-    slots = Slots(model.cfg, batch, TEXT_RING, cpu, stagger=frame_codec)
     store = ParkingStore(ParkingConfig(disk_after_s=None), on_loaded=lambda: None)
-    if frame_codec:
-        codec_parts = {"frame_decoder": FrameCodec(codec, batch, cpu),
-                       "outbox": AudioOutbox(batch, max(CHUNK_SCHEDULE), codec.cfg.hop)}
-    else:
-        codec_parts = {"codec_worker": CodecWorker(codec, batch, cpu)}
-    mover = SlotMover(store, caches, slots, cpu, batch, **codec_parts)
+    mover, codec_parts = a_slot_mover(store, 6, frame_codec)
     store.config.max_host_bytes = mover.layout()[0].row_bytes * 5 // 2
     generator = torch.Generator().manual_seed(1)
     for tensor in mover.row_tensors().values():

@@ -72,12 +72,7 @@ def test_states_loaded_from_disk_take_pool_rows_and_give_them_back(tmp_path):
     states = stored(store, 3)
     store.pool = RowPool(3, states[0].layout.row_bytes, pin=False)
     expected = [dict(p.rows) for p in states]
-    assert wait_until(lambda: store.stats()["parked"] == {"host": 0, "disk": 3})
-    with open(states[2].path, "r+b") as file:
-        file.truncate(os.path.getsize(states[2].path) - 1)
-    for parked in states:
-        store.want(parked)
-    assert wait_until(lambda: store.want(states[0]) and store.want(states[1]) and store.has_lost)
+    load_all_but_one_truncated(store, states, 2)
     assert all(p.pool_row is not None for p in states[:2]) and store.pool.in_use == 2
     for i in (0, 1):
         rows = store.take(states[i])
@@ -142,6 +137,17 @@ def stored(store: ParkingStore, count: int) -> list[Parked]:
     return states
 
 
+def load_all_but_one_truncated(store: ParkingStore, states: list[Parked], bad: int) -> None:
+    """Once every state is on disk, truncate state ``bad``'s file, ask for all, and wait until the others are in
+    memory and the bad one is reported lost."""
+    assert wait_until(lambda: store.stats()["parked"] == {"host": 0, "disk": len(states)})
+    with open(states[bad].path, "r+b") as file:
+        file.truncate(os.path.getsize(states[bad].path) - 1)
+    for parked in states:
+        store.want(parked)
+    assert wait_until(lambda: all(store.want(p) for i, p in enumerate(states) if i != bad) and store.has_lost)
+
+
 def test_a_full_disk_keeps_the_state_in_memory(tmp_path, monkeypatch):
     def full(*args):
         raise OSError(28, "No space left on device")
@@ -162,12 +168,7 @@ def test_a_state_whose_file_was_damaged_is_reported_lost_and_the_others_load(tmp
     store = ParkingStore(ParkingConfig(disk_after_s=0.01, directory=str(tmp_path)), lambda: None)
     states = stored(store, 3)
     expected = [dict(p.rows) for p in states]
-    assert wait_until(lambda: store.stats()["parked"] == {"host": 0, "disk": 3})
-    with open(states[1].path, "r+b") as file:
-        file.truncate(os.path.getsize(states[1].path) - 1)
-    for parked in states:
-        store.want(parked)
-    assert wait_until(lambda: store.want(states[0]) and store.want(states[2]) and store.has_lost)
+    load_all_but_one_truncated(store, states, 1)
     (lost,) = store.lost()
     assert lost is states[1] and isinstance(lost.error, CorruptParkedFile) and lost.tier == "lost"
     assert not store.want(lost)  # not asked for again
