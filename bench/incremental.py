@@ -268,7 +268,8 @@ def serve_report(sentences: list[str], rates: list, with_dnsmos: bool) -> dict:
                               [None], Scorer(with_dnsmos)))
         engine = server.health()["engine"]  # parks, restores and tick times over the run
         report["server_engine"] = {k: engine[k] for k in ("parks", "restores", "tick_ms", "step_ms", "codec_ms",
-                                                          "slowest_ticks_ms", "step_kind")}
+                                                          "slowest_ticks_ms", "step_kind",
+                                                          "start_latency_ms")}
         report["server_tracebacks"] = server.tracebacks()
     return report
 
@@ -415,6 +416,7 @@ def simulate_report(sentences: list[str], rates: list, hold: bool = True, specul
     def chunks(sentence, rate):
         text, units, arrived = Virtual(hold_start=cfg if hold else False), [], []  # (seconds, units so far, ended)
         text.set_engine_lookahead(*engine_lookahead(cfg, speculative), stretch)
+        text.start_latency_s = sim_start_latency(cfg)  # what the engine measures (`StartLatency`)
         for i, piece in enumerate(words_of(sentence)):
             clock[0] = i / rate
             text.push(piece)
@@ -449,6 +451,15 @@ def simulate_report(sentences: list[str], rates: list, hold: bool = True, specul
 
 
 SIM_COSTS_S = (0.02, 0.006, 0.008)  # a first prefill, an AR step, a codec call
+
+
+def sim_start_latency(cfg) -> float:
+    """The simulated engine's start latency (what `StartLatency` measures on a real one): the first prefill's
+    tick, the steps to the first chunk's last frame completed, a codec call. Example, the shipped shapes (8
+    codebooks) and chunks (4, ...): 0.02 + (4 + 7) * 0.006 + 0.008 = 0.094 s."""
+    from streaming.slots import CHUNK_SCHEDULE
+    first_cost, step_cost, codec_cost = SIM_COSTS_S
+    return first_cost + (CHUNK_SCHEDULE[0] + cfg.codebooks - 1) * step_cost + codec_cost
 
 
 def _durations(model, presets):
@@ -619,11 +630,11 @@ class Timeline:
             self.marks[stream].setdefault("handed", time.perf_counter())
         self._handed(stream, news)
 
-    def _decoding(self, rows, streams, codes, lengths) -> None:
+    def _decoding(self, rows, streams, codes, lengths, *args, **kwargs) -> None:
         for stream in streams:
             if stream in self.marks:
                 self.marks[stream].setdefault("chunk_due", time.perf_counter())
-        self._decode(rows, streams, codes, lengths)
+        self._decode(rows, streams, codes, lengths, *args, **kwargs)
 
     def row(self, started: float, heard: float) -> dict:
         """The last stream's stages in ms after ``started`` (the first word sent), and ``heard`` (the reader)."""

@@ -57,7 +57,7 @@ from streaming.slot_state import DetachRequest, SlotMover, Snapshot, host_state
 from streaming.slots import CHUNK_SCHEDULE, META, PACE_STRETCH, Slots
 from streaming.stream import MOVING, Stream
 from streaming.text_worker import TextWorker
-from streaming.textstream import engine_lookahead
+from streaming.textstream import StartLatency, engine_lookahead
 from tts.alignment import predicted_frames
 from tts.codec import Codec
 from tts.model import TTSModel
@@ -169,6 +169,7 @@ class Engine:
         self.speculative = speculative  # encode units before their right context is there (`_on_text`)
         self.sampling = sampling or SamplingConfig()
         self.seeds = torch.Generator().manual_seed(seed)  # draws the seed of every unseeded stream
+        self.start_latency = StartLatency()  # release -> first audio of word-by-word starts (the start hold's)
         if self.device.type == "cpu" and not Engine._cores_split:  # the AR step and the codec worker run side
             torch.set_num_threads(max(1, torch.get_num_threads() // 2))  # by side: split the cores, once a process
             Engine._cores_split = True
@@ -287,6 +288,7 @@ class Engine:
         if self.text_reader is not None:
             stream.text.reader = self.text_reader
         stream.decode_alone = seeded  # bit-identical audio whatever else runs (see CodecWorker.decode)
+        stream.text.start_latency_s = self.start_latency.estimate()
         if not self.speculative or self.slots.stretch_max != PACE_STRETCH:  # the start hold counts as the engine
             stream.text.set_engine_lookahead(*engine_lookahead(self.cfg, self.speculative), self.slots.stretch_max)
         try:
@@ -346,6 +348,7 @@ class Engine:
                 "parking": self.store.stats(), "step_kind": self.step_kind, "tick_ms": recent(self.tick_ms),
                 "step_ms": recent(self.step_ms), "codec_ms": recent(self.codec_ms, 0),
                 "slowest_ticks_ms": self._slowest_ticks(),
+                "start_latency_ms": round(self.start_latency.estimate() * 1000, 1),
                 "codec_queued": 0 if self.frame_codec else self.codec_worker.queued}
 
     def _slowest_ticks(self, last: int = 2000) -> dict:

@@ -234,6 +234,8 @@ class Stream:
         if self.first_audio_at is None:
             self.first_audio_at = now
             self.mark("delivered", now)
+            if self.text.paced_release is not None:  # what the next streams' start holds plan with
+                self.engine.start_latency.record(now - self.text.paced_release)
         self.last_audio_at = now
         self.samples += len(chunk)
         with self._audio:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Callable
 
 from streaming.sentence_reader import _TO_COME, read_sentence
@@ -85,7 +86,7 @@ FRAME_S = 1 / CodecConfig().frame_rate  # 20 ms; ENGINE_UNITS and DELAY_FRAMES c
 PIECE_SPREAD = 0.6  # k pieces to come are counted as k - PIECE_SPREAD * sqrt(k) of the mean size
 SLOW_PACE, SLOW_SPREAD = 1.5, 0.9  # text under SLOW_PACE times speech counts with SLOW_SPREAD
 PIECE_DELAY_S = 0.05  # and each as read this long after it is due
-START_LATENCY_S = 0.07  # from the start to the first chunk on 2 cores (`bench.incremental`'s engine_ms, whole text)
+START_LATENCY_S = 0.07  # from the start to the first chunk, until the engine has measured its own (`StartLatency`)
 # Text in one piece so far (no pace known) starts once the units of its first 14 frames (3 planned chunks) are
 # there: with the first chunk's alone (7.8 units) a first piece of 2 words started at once and stalled (100-199,
 # 5 w/s: 8 stalls/min at (2, 1.2), 1.0 with 14 frames; 30 frames changed nothing more)
@@ -110,6 +111,30 @@ HOLD_HORIZON_FRAMES = 200
 # the 2 steps more before the first audio.
 PLANNED_CHUNKS = (2, 4, 8, 16)
 CUSHION_FRAMES = CHUNK_SCHEDULE[0] - PLANNED_CHUNKS[0]
+
+
+class StartLatency:
+    """An engine's start latency as its streams' start holds plan with it (`TextStream._may_start`): from a held
+    start's release (the first units handed on, once the text came in pieces) to the stream's first audio, over
+    its last KEEP such starts. Why measured: the player starts when the first chunk comes, so a hold that plans
+    with a shorter latency than the engine's waits longer than it needs to (on the 2-core box the first chunk
+    comes ~90 ms after the release, the fixed guess was 70 ms) and one that plans with a longer one leaves the
+    player less in hand than planned (a GPU's first chunk comes sooner). The hold takes a low one (the
+    QUANTILE-th of the kept): a player that starts sooner than planned is the risky side. Until MIN_STARTS
+    starts were measured: START_LATENCY_S. Example, KEEP 32, QUANTILE 0.25: 32 starts of 80, 81, ..., 111 ms
+    -> sorted, index int(0.25 * 31) = 7 -> 87 ms; 3 starts -> 70 ms (START_LATENCY_S)."""
+
+    KEEP, QUANTILE, MIN_STARTS = 32, 0.25, 4
+
+    def __init__(self):
+        self._kept: deque[float] = deque(maxlen=self.KEEP)  # appended by the codec thread, read by callers
+
+    def record(self, seconds: float) -> None:
+        self._kept.append(seconds)
+
+    def estimate(self) -> float:
+        kept = sorted(self._kept)
+        return kept[int(self.QUANTILE * (len(kept) - 1))] if len(kept) >= self.MIN_STARTS else START_LATENCY_S
 
 
 def engine_lookahead(cfg: ModelConfig, speculative: bool = True) -> tuple[int, int]:
@@ -149,6 +174,8 @@ class TextStream:
         self._engine_units, self._delay_frames = engine_lookahead(
             hold_start if isinstance(hold_start, ModelConfig) else ModelConfig())
         self._stretch = PACE_STRETCH  # the engine's elastic pacing at the start (`set_engine_lookahead`)
+        self.start_latency_s = START_LATENCY_S  # release -> first chunk, as the engine measured it (`StartLatency`)
+        self.paced_release: float | None = None  # when held units went on with the text's pace known (`StartLatency`)
         self._pushes: list[float] = []  # when the first text came, and the latest (perf_counter seconds)
         self._first_chars = 0  # characters of the first piece
         self._unread = 0  # characters come but not yet read into units (a word waiting for the next one)
@@ -283,6 +310,8 @@ class TextStream:
         ids, self._held = self._held, None
         if ids:
             self.marks["released"] = self.clock()
+            if self._pieces > 1:
+                self.paced_release = self.marks["released"]
         return ids, closes
 
     def set_engine_lookahead(self, units: int, delay_frames: int, stretch: float = PACE_STRETCH) -> None:
@@ -298,7 +327,8 @@ class TextStream:
 
     def _may_start(self, units: int, at: float | None = None) -> bool:
         """Whether the engine, given ``units`` now and the rest at the text's pace so far, would hand out every chunk
-        before a player that starts at the first one (START_LATENCY_S after ``at``, default now) reaches it. The
+        before a player that starts at the first one (``start_latency_s`` after ``at``, default now: `StartLatency`)
+        reaches it. The
         text to come: what came but waits unread (a word waiting for the next one) with the next piece, and k pieces
         of the mean size less PIECE_SPREAD * sqrt(k) of one (sizes vary; their sum varies less; SLOW_SPREAD for text
         under SLOW_PACE times speech), each counted PIECE_DELAY_S late. A chunk ending at frame E goes out once step
@@ -322,7 +352,7 @@ class TextStream:
         last, every = self._pushes[1], self._every()
         piece = UNITS_PER_CHAR * (self._chars - self._first_chars) / (self._pieces - 1)  # units a piece
         waiting = UNITS_PER_CHAR * self._unread  # come but not read: read when the next piece comes
-        since = (self.clock() if at is None else at) - last + START_LATENCY_S  # last piece -> first chunk plays
+        since = (self.clock() if at is None else at) - last + self.start_latency_s  # last piece -> first chunk plays
         stretch, per_frame = self._stretch, SPEECH_UNITS_PER_S * FAST_START * FRAME_S
         spread = PIECE_SPREAD if piece / every >= SLOW_PACE * SPEECH_UNITS_PER_S else SLOW_SPREAD
         spoken = (self._delay_frames - 1) * per_frame / stretch  # units the delay steps cover

@@ -6,7 +6,7 @@ import pytest
 
 from streaming import textstream
 from streaming.slots import CHUNK_SCHEDULE
-from streaming.textstream import CUSHION_FRAMES, FRAME_S, PARTIAL_WORDS, TextStream
+from streaming.textstream import CUSHION_FRAMES, FRAME_S, PARTIAL_WORDS, START_LATENCY_S, StartLatency, TextStream
 from tts.text import SYMBOLS, TextError, text_to_sentences
 
 SENTENCES = [
@@ -346,6 +346,58 @@ def test_the_hold_plans_with_a_first_chunk_smaller_than_the_engines(monkeypatch)
     cushion_s = CUSHION_FRAMES * FRAME_S
     assert 0.5 * cushion_s < cushioned - uncushioned <= cushion_s + 0.005  # release_at bisects to 5 ms
     assert own <= uncushioned
+
+
+def test_start_latency_is_the_guess_until_measured_then_a_low_one_of_the_last_starts():
+    latency = StartLatency()
+    for ms in (200, 210, 220):
+        latency.record(ms / 1000)
+    assert latency.estimate() == START_LATENCY_S  # 3 starts: not enough to go by
+    for ms in range(80, 112):  # 32 more: the 3 slow ones fall out of the window
+        latency.record(ms / 1000)
+    assert latency.estimate() == pytest.approx(0.087)  # sorted 80..111, index int(0.25 * 31) = 7
+
+
+def test_a_longer_start_latency_releases_a_held_start_that_much_sooner():
+    """The player starts when the first chunk comes: planning with a start latency 40 ms longer moves every
+    chunk's deadline 40 ms later, so the hold ends 40 ms sooner (`TextStream.start_latency_s`)."""
+    def release_at(latency_s):
+        stream = _Clocked(hold_start=True)
+        stream.start_latency_s = latency_s
+        for i, piece in enumerate(WORDS[:2]):
+            _Clocked.now = i / 5
+            stream.push(piece)
+            assert stream.take()[0] == []
+        return stream.release_at()
+
+    assert release_at(START_LATENCY_S) - release_at(START_LATENCY_S + 0.04) == pytest.approx(0.04, abs=0.006)
+
+
+def test_the_engine_measures_word_by_word_starts_and_plans_the_next_with_them(tiny_engine):
+    """A stream whose text came in pieces adds its release -> first audio to the engine's start latency; one sent
+    whole adds nothing; the next stream's hold plans with the estimate."""
+    kept = tiny_engine.start_latency._kept
+
+    def speak(pieces):
+        stream = tiny_engine.open(seed=1)
+        for piece in pieces:
+            stream.push_text(piece)
+            time.sleep(0.05)
+        stream.end()
+        while stream.read(timeout=30) is not None:
+            pass
+        return stream
+
+    before = list(kept)
+    speak(["The birch canoe slid on the smooth planks."])
+    assert list(kept) == before
+    stream = speak(WORDS)
+    assert kept[-1] == stream.first_audio_at - stream.text.paced_release > 0
+    after = tiny_engine.open(seed=2)
+    try:
+        assert after.text.start_latency_s == tiny_engine.start_latency.estimate()
+    finally:
+        after.cancel()
 
 
 def test_a_held_word_by_word_stream_hands_out_the_engines_chunk_schedule_from_the_first(tiny_engine):
