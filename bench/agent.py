@@ -62,8 +62,8 @@ import numpy as np
 from bench.agent_load import (MEASURED_TICK_MS, FULL, HostLoad, capacity_streams, client_load, cpu_per_audio_s,
                               limited_by, loop_lag)
 from bench.common import harvard, percentiles
+from tts import SAMPLE_RATE
 
-SAMPLE_RATE = 24_000
 JITTER_S = 0.1  # what a player buffers before it starts a sentence
 TOKENS_PER_WORD = 1.3
 # The server's connection caps and the engine's open streams, per client: room for a session a client dropped

@@ -6,6 +6,7 @@ sent whole. One JSON object.
     python -m bench.incremental --server            # through the real server on loopback, a WebSocket client
     python -m bench.incremental --serve             # the same through `tts serve` in its own process, as a user
                                                     # runs it (the --server one shares this process's lock)
+    python -m bench.incremental --seeds 3           # each sentence 3 times each way: WER per seed and pooled
     python -m bench.incremental --units             # no model: units word by word against whole sentences
     python -m bench.incremental --simulate          # no timing noise: the engine's rules on a virtual clock
     python -m bench.incremental --stretch 1         # without elastic pacing (`Slots.pace`; also --simulate)
@@ -210,30 +211,42 @@ class Scorer:
         return scores
 
 
-def measure(speak, sentences: list[str], rates: list, lookaheads: list, score: Scorer) -> dict:
+SEED_STRIDE = 1000  # --seeds: sentence k's j-th take is seeded k + j * SEED_STRIDE (j = 0: the one-seed run's)
+
+
+def measure(speak, sentences: list[str], rates: list, lookaheads: list, score: Scorer, seeds: int = 1) -> dict:
     """Whole sentences once (the lookahead does not matter when all the text is there), then each lookahead
-    at each rate."""
-    whole = [speak(s, None, None, k) for k, s in enumerate(sentences)]
-    whole_scores = [score(s, audio) for s, (audio, *_) in zip(sentences, whole)]
-    speech_rate = sum(len(s.split()) for s in sentences) / sum(len(a) / SAMPLE_RATE for a, *_ in whole)
-    report = {"sentences": len(sentences), "speaking_rate_wps": round(speech_rate, 2),
-              "whole": summary([a for a, *_ in whole], whole_scores, whole)}
+    at each rate; each sentence ``seeds`` times, with the same seeds both ways (`SEED_STRIDE`). Why more than
+    one: a sentence's WER depends on its sampled audio, so a run's WER carries its seeds' luck;
+    ``wer_by_seed`` shows how much, the pooled ``wer`` averages it out.
+    Example, 2 sentences, seeds 2: takes (s0, 0), (s1, 1), (s0, 1000), (s1, 1001)."""
+    takes = [(s, k + j * SEED_STRIDE) for j in range(seeds) for k, s in enumerate(sentences)]
+    texts = [s for s, _ in takes]
+    whole = [speak(s, None, None, seed) for s, seed in takes]
+    whole_scores = [score(s, audio) for s, (audio, *_) in zip(texts, whole)]
+    speech_rate = sum(len(s.split()) for s in texts) / sum(len(a) / SAMPLE_RATE for a, *_ in whole)
+    report = {"sentences": len(sentences), "seeds": seeds, "speaking_rate_wps": round(speech_rate, 2),
+              "whole": summary([a for a, *_ in whole], whole_scores, whole, seeds)}
     for lookahead in lookaheads:
         block = report.setdefault(f"lookahead_{'default' if lookahead is None else lookahead}", {})
         for rate in rates:
             wps = 1.2 * speech_rate if rate == "1.2x" else float(rate)
-            runs = [speak(s, wps, lookahead, k) for k, s in enumerate(sentences)]
-            scores = [score(s, audio) for s, (audio, *_) in zip(sentences, runs)]
-            block[str(rate)] = {"words_per_s": round(wps, 2), **summary([a for a, *_ in runs], scores, runs)}
+            runs = [speak(s, wps, lookahead, seed) for s, seed in takes]
+            scores = [score(s, audio) for s, (audio, *_) in zip(texts, runs)]
+            block[str(rate)] = {"words_per_s": round(wps, 2), **summary([a for a, *_ in runs], scores, runs, seeds)}
             print(f"lookahead {lookahead}, {rate}: {block[str(rate)]}", file=sys.stderr, flush=True)
     return report
 
 
-def summary(audios: list, scores: list, runs: list | None) -> dict:
-    """WER, DNSMOS, and of the runs: first audio after the first word, split (with a text clock) into
-    ``text_ready_ms`` (the engine has its first step's units: `TextClock`) and ``engine_ms`` (from then to the
-    first chunk: prefill, the steps of the first frames through the delay pattern, codec); stalls."""
+def summary(audios: list, scores: list, runs: list | None, seeds: int = 1) -> dict:
+    """WER (and per seed, ``seeds`` > 1: the scores are seed after seed, `measure`), DNSMOS, and of the runs: first
+    audio after the first word, split (with a text clock) into ``text_ready_ms`` (the engine has its first
+    step's units: `TextClock`) and ``engine_ms`` (from then to the first chunk: prefill, the steps of the first
+    frames through the delay pattern, codec); stalls."""
     out = {"wer": round(float(np.mean([w for w, _ in scores])), 4)}
+    if seeds > 1:
+        per_seed = np.array([w for w, _ in scores]).reshape(seeds, -1)  # (seeds, sentences)
+        out["wer_by_seed"] = [round(float(w), 4) for w in per_seed.mean(1)]
     if scores[0][1] is not None:
         out["dnsmos"] = round(float(np.mean([d for _, d in scores])), 3)
     if runs:
@@ -252,7 +265,7 @@ def summary(audios: list, scores: list, runs: list | None) -> dict:
     return out
 
 
-def serve_report(sentences: list[str], rates: list, with_dnsmos: bool) -> dict:
+def serve_report(sentences: list[str], rates: list, with_dnsmos: bool, seeds: int = 1) -> dict:
     """`measure` through `tts serve` in a child process with its default flags, as a user runs it (and as issue 29
     measured it): the server's interpreter lock is not this process's. Counted once its fastest step is swapped in
     and it spoke one sentence. No text clock (the server's marks are in its own process): first audio after the
@@ -265,7 +278,7 @@ def serve_report(sentences: list[str], rates: list, with_dnsmos: bool) -> dict:
         report = {"sentences": "harvard", "path": "tts serve (child process)", "step_swapped_in": swapped,
                   "load_avg_1min_start": round(os.getloadavg()[0], 2)}
         report.update(measure(lambda s, r, _, k: speak_server(server.ws_url, s, r, seed=k), sentences, rates,
-                              [None], Scorer(with_dnsmos)))
+                              [None], Scorer(with_dnsmos), seeds))
         engine = server.health()["engine"]  # parks, restores and tick times over the run
         report["server_engine"] = {k: engine[k] for k in ("parks", "restores", "tick_ms", "step_ms", "codec_ms",
                                                           "slowest_ticks_ms", "step_kind",
@@ -709,6 +722,7 @@ def pauses_report(engine, lengths_ms: list[int]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=50)
+    parser.add_argument("--seeds", type=int, default=1, help="takes of each sentence, each way (`measure`)")
     parser.add_argument("--rates", nargs="+", default=["5", "10", "20", "1.2x"])
     parser.add_argument("--lookahead", nargs="+", default=[None], help="words; 'auto'; default: the engine's")
     parser.add_argument("--server", action="store_true", help="through the real server on loopback")
@@ -747,7 +761,7 @@ def main() -> None:
                                       [0, 1, 2, "auto"], rates), indent=1))
         return
     if args.serve:
-        print(json.dumps(serve_report(sentences, args.rates, not args.no_dnsmos), indent=1))
+        print(json.dumps(serve_report(sentences, args.rates, not args.no_dnsmos, args.seeds), indent=1))
         return
     from tts.api import get_engine
     engine = get_engine(compile=True)  # as `tts serve` runs it
@@ -781,11 +795,11 @@ def main() -> None:
         from server import ServerThread
         with ServerThread(engine) as server:
             report.update(measure(lambda s, r, _, k: speak_server(server.ws_url, s, r, clock, seed=k), sentences,
-                                  args.rates, [None], score))
+                                  args.rates, [None], score, args.seeds))
     else:
         hold = not args.no_hold
         report.update(measure(lambda s, r, lookahead, k: speak_engine(engine, s, r, lookahead, k, clock, hold),
-                              sentences, args.rates, lookaheads, score))
+                              sentences, args.rates, lookaheads, score, args.seeds))
     print(json.dumps(report, indent=1))
 
 

@@ -23,6 +23,7 @@ import time
 
 from bench.common import percentiles
 from server import ServerThread
+from tts import SAMPLE_RATE
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog near the river.",
@@ -30,7 +31,6 @@ SENTENCES = [
     "Our train leaves the station at half past seven tomorrow morning.",
     "She found an old map hidden behind the kitchen cupboard door.",
 ]
-SAMPLE_RATE = 24_000
 
 
 async def speak(ws, text: str) -> tuple[float, float, float]:

@@ -28,9 +28,9 @@ import numpy as np
 import soundfile as sf
 import websockets
 
+from tts import SAMPLE_RATE
 from tts.output import PlaybackError, open_device
 
-SAMPLE_RATE = 24_000
 FILE_FORMATS = {"wav": ("WAV", "PCM_16"), "flac": ("FLAC", "PCM_16"), "ogg": ("OGG", "VORBIS")}
 TextSource = str | Iterable[str] | AsyncIterable[str]
 
