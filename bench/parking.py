@@ -7,6 +7,9 @@ never parked. One JSON object.
     python -m bench.parking --store-only --streams 64          # the disk tier alone
     python -m bench.parking --device cuda --streams 64 --moved-slots 64 --warm-up --trace   # the H200 check
 
+``gc_pauses_ms``: the garbage collections after the warm-up, per round and generation (count, longest, total):
+each holds the GIL, so every thread waits through it.
+
 ``--store-only``: the disk tier alone, without the model's work beside it: N states of the engine's size (its
 packed row and, on the CPU codec path, its decoder's rows) put in a `ParkingStore` at once, spilled, then all
 wanted at once and taken; per stream ``spill``, ``load`` and ``load_wait`` as below (``store_rounds`` rounds),
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -297,6 +301,31 @@ def store_only(engine: Engine, rounds: int) -> dict:
                                           "p99": round(float(np.percentile(ready_ms, 99)), 3)}}
 
 
+class GcPauses:
+    """Every garbage collection's pause from its making on (`gc.callbacks`), per round of the bench (``where``)
+    and generation: a collection holds the GIL throughout, so every other thread (the engine's, the I/O
+    threads') waits through it, and a load whose wall time is well above its CPU time may have waited through
+    one."""
+
+    def __init__(self, where: dict):
+        self.where = where
+        self.pauses: dict[str, dict[int, list[float]]] = {}  # round -> generation -> ms of each collection
+        self._started = 0.0
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase: str, info: dict) -> None:
+        if phase == "start":  # one collection at a time (it holds the GIL): one start time is enough
+            self._started = time.perf_counter()
+        else:
+            ms = (time.perf_counter() - self._started) * 1000
+            self.pauses.setdefault(self.where["round"], {}).setdefault(info["generation"], []).append(ms)
+
+    def figures(self) -> dict:
+        """Per round, per generation: collections, the longest and the total pause (ms)."""
+        return {where: {f"gen{g}": {"count": len(ms), "max": round(max(ms), 3), "total": round(sum(ms), 3)}
+                        for g, ms in sorted(gens.items())} for where, gens in self.pauses.items()}
+
+
 def max_diff(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max()) if len(got) == len(want) else float("inf")
 
@@ -359,6 +388,7 @@ def main() -> None:
         engine.warm_up()
     events = trace_slots(engine) if args.trace else {}
     where = {"round": "reference"}
+    pauses = GcPauses(where)
     batches = trace_batches(engine, where) if args.trace else []
     rounds = []  # each traced round's events: the reference, the host round, the disk round
 
@@ -397,6 +427,7 @@ def main() -> None:
                       "row_pool": stats["parking"].get("pool"),
                       "restore_ms_per_stream_by_round": restores,
                       "disk_tier_ms_per_stream": disk_tier(stats["parking"], restores, engine.store),
+                      "gc_pauses_ms": pauses.figures(),
                       "max_abs_diff": max(diffs), "identical_streams": sum(d == 0 for d in diffs),
                       "streams_within_1e-4": sum(d <= 1e-4 for d in diffs), "step": engine.step_kind,
                       "within_1e-4_by_round": {"host": sum(d <= 1e-4 for d in diffs[:len(host)]),
