@@ -7,9 +7,6 @@ never parked. One JSON object.
     python -m bench.parking --store-only --streams 64          # the disk tier alone
     python -m bench.parking --device cuda --streams 64 --moved-slots 64 --warm-up --trace   # the H200 check
 
-``gc_pauses_ms``: the garbage collections after the warm-up, per round and generation (count, longest, total):
-each holds the GIL, so every thread waits through it.
-
 ``--store-only``: the disk tier alone, without the model's work beside it: N states of the engine's size (its
 packed row and, on the CPU codec path, its decoder's rows) put in a `ParkingStore` at once, spilled, then all
 wanted at once and taken; per stream ``spill``, ``load`` and ``load_wait`` as below (``store_rounds`` rounds),
@@ -42,7 +39,8 @@ without parking (greedy sampling), over both rounds and one stream detached mid-
 second engine (`Engine.detach`/`attach`). ``unparked_again``: the control, the reference round run a second
 time without parking (streams within 1e-4 of the first run): what timing alone changes. ``row_pool``: the
 parked rows' pool at the end (`streaming.parking.RowPool`: rows, rows in use, and misses, parks that found no
-free row and allocated one).
+free row and allocated one). ``gc_pauses_ms``: the garbage collections after the warm-up, per round and
+generation (count, longest, total): each holds the GIL, so every thread waits through it.
 """
 from __future__ import annotations
 
