@@ -29,20 +29,24 @@ the end of the wait for the last tick's decode on the codec stream, which ``park
 ``park_host``/``restore_host``: the engine thread's time for all of it, on any device), host
 <-> disk per stream (one raw file per state in the temp dir, `streaming.parked_file`: the page cache's speed, no
 fsync). ``disk_tier_ms_per_stream``, the disk tier's figures together: ``spill`` (host memory -> file, per
-stream, on an I/O thread), ``load`` (file -> host memory), ``load_wait`` (from the restore's ask until its state
-is in memory: the load and its wait behind the other streams' files, all restored at once), and
+stream, on an I/O thread), ``load`` (file -> host memory) split as ``load_row_wait`` (taking a pool row to read
+into: the wait for a device copy out of it, if any) and ``load_read`` (the file read), ``load_wait`` (from the
+restore's ask until its state is in memory: the load and its wait behind the other streams' files, all
+restored at once), ``slowest_loads`` (the 5 slowest, each split the same way, with its CPU ms), and
 ``restore_disk_round`` (the disk round's copy from host memory into a slot, as `restore`). ``max_abs_diff``:
 the largest difference between a parked-and-restored stream's audio and the same seeded stream speaking
 without parking (greedy sampling), over both rounds and one stream detached mid-utterance and attached to a
 second engine (`Engine.detach`/`attach`). ``unparked_again``: the control, the reference round run a second
 time without parking (streams within 1e-4 of the first run): what timing alone changes. ``row_pool``: the
 parked rows' pool at the end (`streaming.parking.RowPool`: rows, rows in use, and misses, parks that found no
-free row and allocated one).
+free row and allocated one). ``gc_pauses_ms``: the garbage collections after the warm-up, per round and
+generation (count, longest, total): each holds the GIL, so every thread waits through it.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -218,13 +222,26 @@ def traced(rounds: list[dict], got: list[np.ndarray], want: list[np.ndarray]) ->
     return rows
 
 
-def disk_tier(parking: dict, restores: dict) -> dict:
-    """The host <-> disk tier per stream, p50/p99 ms (see the module's docstring), and the store's I/O threads
-    and failures."""
-    return {"spill": parking["spill_ms"], "load": parking["load_ms"], "load_wait": parking.get("load_wait_ms"),
+def disk_tier(parking: dict, restores: dict, store=None) -> dict:
+    """The host <-> disk tier per stream, p50/p99 ms (see the module's docstring), the store's I/O threads and
+    failures, and (given the ``store``) its slowest loads."""
+    return {"spill": parking["spill_ms"], "load": parking["load_ms"],
+            "load_row_wait": parking.get("load_row_wait_ms"), "load_read": parking.get("load_read_ms"),
+            "load_wait": parking.get("load_wait_ms"),
             "spill_cpu": parking.get("spill_cpu_ms"), "load_cpu": parking.get("load_cpu_ms"),
             "restore_disk_round": restores.get("disk_round"), "io_threads": parking.get("io_threads", 1),
-            "failures": parking.get("failures")}
+            "failures": parking.get("failures"), **({"slowest_loads": slowest_loads(store)} if store else {})}
+
+
+def slowest_loads(store, n: int = 5) -> list[dict]:
+    """The store's ``n`` slowest loads, each split as the store times it (ms): ``ms`` (the load) =
+    ``row_wait_ms`` (taking a pool row) + ``read_ms`` (the file read), beside ``cpu_ms`` (the I/O thread's CPU
+    time: wall well above it is waiting, for a core, the disk or the GIL). Example: {"ms": 12.1, "row_wait_ms":
+    9.8, "read_ms": 2.3, "cpu_ms": 1.1}: the load waited for a device copy out of its row."""
+    kinds = ("load", "load_row_wait", "load_read", "load_cpu")  # one value of each per load, at the same index
+    loads = sorted(zip(*(list(store.times[kind]) for kind in kinds)), reverse=True)[:n]
+    return [{"ms": round(ms, 3), "row_wait_ms": round(wait, 3), "read_ms": round(read, 3), "cpu_ms": round(cpu, 3)}
+            for ms, wait, read, cpu in loads]
 
 
 def store_only(engine: Engine, rounds: int) -> dict:
@@ -277,9 +294,34 @@ def store_only(engine: Engine, rounds: int) -> dict:
     stats = store.stats()
     return {"engine": "store_only", "states": engine.max_streams, "rounds": rounds, "state_bytes": states[0].nbytes,
             "cpu_cores": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
-            "disk_tier_ms_per_stream": disk_tier(stats, {}),
+            "disk_tier_ms_per_stream": disk_tier(stats, {}, store),
             "ready_after_asking_all_ms": {"p50": round(float(np.percentile(ready_ms, 50)), 3),
                                           "p99": round(float(np.percentile(ready_ms, 99)), 3)}}
+
+
+class GcPauses:
+    """Every garbage collection's pause from its making on (`gc.callbacks`), per round of the bench (``where``)
+    and generation: a collection holds the GIL throughout, so every other thread (the engine's, the I/O
+    threads') waits through it, and a load whose wall time is well above its CPU time may have waited through
+    one."""
+
+    def __init__(self, where: dict):
+        self.where = where
+        self.pauses: dict[str, dict[int, list[float]]] = {}  # round -> generation -> ms of each collection
+        self._started = 0.0
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase: str, info: dict) -> None:
+        if phase == "start":  # one collection at a time (it holds the GIL): one start time is enough
+            self._started = time.perf_counter()
+        else:
+            ms = (time.perf_counter() - self._started) * 1000
+            self.pauses.setdefault(self.where["round"], {}).setdefault(info["generation"], []).append(ms)
+
+    def figures(self) -> dict:
+        """Per round, per generation: collections, the longest and the total pause (ms)."""
+        return {where: {f"gen{g}": {"count": len(ms), "max": round(max(ms), 3), "total": round(sum(ms), 3)}
+                        for g, ms in sorted(gens.items())} for where, gens in self.pauses.items()}
 
 
 def max_diff(got: np.ndarray, want: np.ndarray) -> float:
@@ -344,6 +386,7 @@ def main() -> None:
         engine.warm_up()
     events = trace_slots(engine) if args.trace else {}
     where = {"round": "reference"}
+    pauses = GcPauses(where)
     batches = trace_batches(engine, where) if args.trace else []
     rounds = []  # each traced round's events: the reference, the host round, the disk round
 
@@ -381,7 +424,8 @@ def main() -> None:
                                                "park_wait", "restore_wait", "park_host_cpu", "restore_host_cpu")},
                       "row_pool": stats["parking"].get("pool"),
                       "restore_ms_per_stream_by_round": restores,
-                      "disk_tier_ms_per_stream": disk_tier(stats["parking"], restores),
+                      "disk_tier_ms_per_stream": disk_tier(stats["parking"], restores, engine.store),
+                      "gc_pauses_ms": pauses.figures(),
                       "max_abs_diff": max(diffs), "identical_streams": sum(d == 0 for d in diffs),
                       "streams_within_1e-4": sum(d <= 1e-4 for d in diffs), "step": engine.step_kind,
                       "within_1e-4_by_round": {"host": sum(d <= 1e-4 for d in diffs[:len(host)]),

@@ -25,7 +25,6 @@ with the same weights (`weights_fingerprint`). Copying states in and out of slot
 from __future__ import annotations
 
 import hashlib
-import heapq
 import io
 import itertools
 import os
@@ -155,21 +154,29 @@ class RowPool:
     per-park row (2.2 MB in a 4 MiB block). A park that finds no free row still works: its row comes from
     PyTorch's allocator as before (counted in ``misses``), and a spill to disk gives a pool row back.
 
-    A row given back is free at once: every device access to the slab (a park's copy into a row, a restore's
-    copy out of it) is queued on the engine's one CUDA stream, in order, so a later park's copy into a row
-    runs after an earlier restore's copy out of it; the host reads a row only once its park's copy is done
-    (`Parked.settled`, the spill's wait), and writes one (a load from disk) only through `host_row`, which first
-    waits for the device's last copy out of or into it (a restore's or a park's: the CUDA event the row was
-    given back with). On the CPU every copy is done when it returns."""
+    A row given back is free at once for the device: every device access to the slab (a park's copy into a row,
+    a restore's copy out of it) is queued on the engine's one CUDA stream, in order, so a later park's copy into
+    a row runs after an earlier restore's copy out of it; the host reads a row only once its park's copy is done
+    (`Parked.settled`, the spill's wait). The host writes one (a load from disk) only once the device's last
+    copy out of or into it is done (a restore's or a park's: the CUDA event the row was given back with), so
+    the two kinds of taker pick differently (`take`, `take_settled`), from one free list kept in the order the
+    rows came back. Worked example, 4 rows, free [0, 1, 2, 3] at start (never used, nothing to wait for):
+    a park of 2 takes 0, 1 (the lowest: consecutive rows, one copy); a restore gives 1 back with its event e1,
+    still queued on the device: free [2, 3, 1]; a load takes 2, the first whose event is done, without waiting
+    (lowest-first, it took 1 and waited for e1, behind the tick in flight, inside the load's timing: the suspect
+    for the H200's load p99 of 10-15 ms, `ParkingStore` times the wait as ``load_row_wait``); a park of 2 then
+    takes 1, 3 (its copy queues after e1). Only if every free row's event is pending does a load wait, for the
+    oldest given back (the device runs its copies in order: the first done). On the CPU every copy is done when
+    it returns (no events)."""
 
     def __init__(self, rows: int, row_bytes: int, pin: bool):
         self.slab = torch.empty(max(rows, 0), row_bytes, dtype=torch.uint8, pin_memory=pin)  # (rows, row_bytes)
         self._views = list(self.slab.unbind(0))  # row r as a (row_bytes,) view, made once
-        self._free = list(range(len(self.slab)))  # a heap: the lowest free rows first, so a batch's rows run
-        # the engine thread takes and gives back, an I/O thread gives back (spill); re-entrant: a state's
-        # `Parked.__del__` may give its row back from a garbage collection that runs inside `take`
+        # free row -> the CUDA event it was given back with (None: nothing to wait for), oldest given back first
+        self._free: dict[int, object] = dict.fromkeys(range(len(self.slab)))
+        # the engine thread takes and gives back, an I/O thread takes (load) and gives back (spill); re-entrant:
+        # a state's `Parked.__del__` may give its row back from a garbage collection that runs inside `take`
         self._lock = threading.RLock()
-        self._after: dict[int, object] = {}  # row -> the CUDA event it was given back with (`host_row` waits)
         self.misses = 0  # rows asked for while none was free
 
     @property
@@ -185,27 +192,37 @@ class RowPool:
         return self._views[row]
 
     def take(self, n: int) -> list[int | None]:
-        """``n`` rows, ascending, the lowest free first; None for each that none is left for (``misses``)."""
+        """``n`` rows for the device to write (a park: its copies queue after any given-back row's), ascending,
+        the lowest free first (a batch's rows run: `runs`); None for each that none is left for (``misses``)."""
         with self._lock:
-            got = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
+            got = sorted(self._free)[:n]  # a copy of the keys first: a give from a collection may come meanwhile
+            for row in got:
+                del self._free[row]
             self.misses += n - len(got)
         return got + [None] * (n - len(got))
 
-    def give(self, row: int, after=None) -> None:
-        """Row ``row`` back; ``after``: a CUDA event recorded after the last device copy out of or into it."""
+    def take_settled(self) -> int | None:
+        """One row for the host to write (a load from disk): the first free row, oldest given back first, whose
+        device copy is done (its event's query, no wait); else the oldest given back, once its copy is done
+        (a wait); None if none is free (``misses``). Example: free [2, 3, 1] with 1's event pending -> 2."""
         with self._lock:
-            heapq.heappush(self._free, row)
-            self._after[row] = after
+            if not self._free:
+                self.misses += 1
+                return None
+            order = list(self._free)  # oldest given back first (a copy: a give may come meanwhile)
+            row = next((r for r in order if self._free[r] is None or self._free[r].query()), None)
+            pending = None if row is not None else self._free[order[0]]  # none is done: wait for the oldest
+            row = order[0] if row is None else row
+            del self._free[row]
+        if pending is not None:  # outside the lock (the engine thread takes and gives meanwhile); a wait lets the
+            pending.synchronize()  # GIL go, and may wait to get it back behind the engine thread: never if done
+        return row
 
-    def host_row(self, row: int) -> torch.Tensor:
-        """Row ``row`` (taken) for the host to write into: once the device copy queued before it was given back is
-        done. Example: a restore queues slab row 3 -> device and gives row 3 back; a load from disk takes row 3
-        and waits for that copy before its read overwrites the row."""
+    def give(self, row: int, after=None) -> None:
+        """Row ``row`` back, last in the order (`take_settled`); ``after``: a CUDA event recorded after the last
+        device copy out of or into it."""
         with self._lock:
-            after = self._after.pop(row, None)
-        if after is not None:
-            after.synchronize()
-        return self._views[row]
+            self._free[row] = after
 
     @staticmethod
     def runs(rows: list[int | None]) -> list[tuple[int, int, int]]:
@@ -309,8 +326,8 @@ class Parked:
 class ParkingStore:
     """The parked states of one engine, bounded (`ParkingConfig`); the engine thread puts, wants and takes,
     ``io_threads`` I/O threads move states between host memory and disk (loads before spills)."""
-    KINDS = ("park", "restore", "spill", "load", "load_wait", "spill_cpu", "load_cpu", "park_host", "restore_host",
-             "park_wait", "restore_wait", "park_host_cpu", "restore_host_cpu")
+    KINDS = ("park", "restore", "spill", "load", "load_wait", "load_row_wait", "load_read", "spill_cpu", "load_cpu",
+             "park_host", "restore_host", "park_wait", "restore_wait", "park_host_cpu", "restore_host_cpu")
 
     def __init__(self, config: ParkingConfig, on_loaded: Callable[[], None]):
         self.config, self.on_loaded = config, on_loaded
@@ -325,8 +342,11 @@ class ParkingStore:
         self.host_bytes = self.disk_bytes = 0
         self.failures = {"spill": 0, "load": 0}
         # ms per stream; "load_wait": from the `want` that asked for a load until the state is in memory (the
-        # load itself and its wait behind other files); "spill_cpu"/"load_cpu": the I/O thread's CPU time for a
-        # spill/load (what it costs on an idle core; the wall time beside it adds the waits for a core and the GIL);
+        # load itself and its wait behind other files); "load" (an I/O thread's wall time for one) is
+        # "load_row_wait" (taking a pool row: the pool's lock, and any wait for a device copy out of the row,
+        # `RowPool.take_settled`) and then "load_read" (`read_state`: open, read, checksum), one of each per load
+        # at the same index; "spill_cpu"/"load_cpu": the I/O thread's CPU time for a spill/load (what it costs
+        # on an idle core; the wall time beside it adds the waits for a core and the GIL);
         # "park_wait"/"restore_wait": on a GPU, the device's wait for the last tick's decode (the codec's CUDA
         # stream) before a park/restore could start, per stream: the dependency, kept apart from the copies
         self.times: dict[str, deque] = {kind: deque(maxlen=100_000) for kind in self.KINDS}
@@ -509,12 +529,14 @@ class ParkingStore:
         self.times["spill_cpu"].append((time.thread_time() - cpu) * 1000)
 
     def _load(self, parked: Parked) -> None:
-        """Read ``parked``'s file back into memory (its packed row into a free pool row, else a fresh row, pinned
-        if it was) and wake the engine; a file that cannot be read leaves the state lost (`lost`)."""
+        """Read ``parked``'s file back into memory (its packed row into a free pool row no device copy is pending
+        on, `RowPool.take_settled`, else a fresh row, pinned if it was) and wake the engine; a file that cannot be
+        read leaves the state lost (`lost`)."""
         started, cpu = time.perf_counter(), time.thread_time()
-        row = self.pool.take(1)[0] if self.pool is not None and parked.file.flat_bytes else None
+        row = self.pool.take_settled() if self.pool is not None and parked.file.flat_bytes else None
+        got_row = time.perf_counter()
         try:
-            into = None if row is None else self.pool.host_row(row)
+            into = None if row is None else self.pool.row(row)
             flat, loose = read_state(parked.path, parked.file, pin=parked.pinned, into=into)
             if into is None or flat is not into:  # not read into the pool row (another size): give it back
                 row = self._give_back(row)
@@ -539,6 +561,8 @@ class ParkingStore:
                 self.host_bytes += parked.nbytes
                 self._entries[parked] = parked.nbytes
                 self.times["load"].append((ended - started) * 1000)
+                self.times["load_row_wait"].append((got_row - started) * 1000)
+                self.times["load_read"].append((ended - got_row) * 1000)
                 self.times["load_wait"].append((ended - parked.wanted_at) * 1000)
                 self.times["load_cpu"].append(cpu * 1000)
         if parked.error is not None:

@@ -83,6 +83,63 @@ def test_states_loaded_from_disk_take_pool_rows_and_give_them_back(tmp_path):
     store.close()
 
 
+class FakeEvent:
+    """A CUDA event's face (`query`, `synchronize`) on the CPU: a device copy still queued until waited for."""
+
+    def __init__(self):
+        self.done, self.waits = False, 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        self.done = True
+
+
+def test_the_row_pool_gives_a_load_a_row_no_device_copy_is_pending_on():
+    """`RowPool`'s worked example: parks take the lowest rows; a row a restore gave back with its copy still
+    queued is the last a load takes (no wait while another is free), and parks take it at once; a load waits
+    only when every free row is pending, for the oldest given back."""
+    pool = RowPool(4, 16, pin=False)
+    assert pool.take(2) == [0, 1]  # a park
+    restored = FakeEvent()
+    pool.give(1, restored)  # a restore's copy out of row 1 still queued: free [2, 3, 1]
+    assert pool.take_settled() == 2 and restored.waits == 0  # a load
+    assert pool.take(2) == [1, 3]  # a park: its copy queues after the restore's
+    first, second = FakeEvent(), FakeEvent()
+    pool.give(3, first)
+    pool.give(1, second)
+    pool.give(0)  # free [3, 1, 0]: 3 and 1 pending
+    assert pool.take_settled() == 0 and first.waits == second.waits == 0
+    assert pool.take_settled() == 3 and (first.waits, second.waits) == (1, 0)  # the oldest pending: waited for
+    second.done = True  # the device got there
+    assert pool.take_settled() == 1 and second.waits == 0
+    assert pool.take_settled() is None and pool.misses == 1 and pool.in_use == 4
+
+
+def test_a_load_from_disk_takes_a_settled_row_and_its_time_is_split(tmp_path):
+    """A pool with a free row a restore's copy is pending on and a settled one: the load reads into the settled
+    one without waiting; its time is the row's wait plus the read (``load_row_wait`` + ``load_read``)."""
+    store = ParkingStore(ParkingConfig(disk_after_s=0.01, directory=str(tmp_path)), lambda: None)
+    [state] = stored(store, 1)
+    store.pool = RowPool(3, state.layout.row_bytes, pin=False)
+    assert store.pool.take(3) == [0, 1, 2]
+    pending = FakeEvent()
+    store.pool.give(0, pending)
+    store.pool.give(2)
+    assert wait_until(lambda: store.stats()["parked"] == {"host": 0, "disk": 1})
+    store.want(state)
+    assert wait_until(lambda: store.want(state))
+    assert state.pool_row == 2 and pending.waits == 0 and store.pool.in_use == 2
+    times = {kind: list(store.times[kind]) for kind in ("load", "load_row_wait", "load_read")}
+    assert all(len(values) == 1 for values in times.values())
+    assert times["load"][0] == pytest.approx(times["load_row_wait"][0] + times["load_read"][0])
+    store.take(state)
+    state.release()
+    store.close()
+
+
 def test_a_state_without_a_packed_row_round_trips(tmp_path):
     _, _, loose = a_state()
     info = write_state(str(tmp_path / "2.park"), None, loose, None)
