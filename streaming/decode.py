@@ -28,7 +28,8 @@ class StepCaches:
     audio_stack: RingKVCache
 
     def __post_init__(self):
-        self.sinks = list(zip(*self.sink_stack))
+        keys, values = self.sink_stack
+        self.sinks = [(keys[layer], values[layer]) for layer in range(keys.shape[0])]
         self.text, self.audio = self.text_stack.layers(), self.audio_stack.layers()
 
     @classmethod

@@ -33,8 +33,10 @@ class RingKVCache:
         return self.positions.shape[1]
 
     def layers(self) -> list["RingKVCache"]:
-        """The rings of a stack, layer l a view of ``keys[l]``/``values[l]``, all sharing ``positions``."""
-        return [RingKVCache(k, v, self.positions) for k, v in zip(self.keys, self.values)]
+        """The rings of a stack, layer l a view of ``keys[l]``/``values[l]``, all sharing ``positions``. Views
+        by indexing, not unbind: unbind's views may not be written in place under autograd."""
+        return [RingKVCache(self.keys[layer], self.values[layer], self.positions)
+                for layer in range(self.keys.shape[0])]
 
     def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor | None = None,
                rows: torch.Tensor | None = None):
