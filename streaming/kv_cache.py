@@ -52,11 +52,11 @@ class RingKVCache:
         if keep is None:
             keep, positions = positions >= 0, positions.clamp(min=0)
         slots = positions % self.capacity  # (M, T)
-        batch = torch.arange(slots.shape[0], device=slots.device) if rows is None else rows
-        batch = batch[:, None].expand_as(slots)
+        batch = (torch.arange(slots.shape[0], device=slots.device) if rows is None else rows)[:, None]  # (M, 1)
         written = keep[(..., *[None] * (k.dim() - 2))]  # (M, T, 1, ..., 1)
         # Indexed writes, not gather/scatter: inductor (torch 2.13) miscompiled the scatter form inside the step.
-        for ring, new in ((self.keys, k), (self.values, v)):  # ring[..., batch, :, slots, :]: (M, T, ..., H, D)
+        # batch and slots broadcast to (M, T): ring[..., batch, :, slots, :] is (M, T, ..., H, D)
+        for ring, new in ((self.keys, k), (self.values, v)):
             ring[..., batch, :, slots, :] = torch.where(written, new.movedim((-4, -2), (0, 1)),
                                                         ring[..., batch, :, slots, :])
         self.positions[batch, slots] = torch.where(keep, positions, self.positions[batch, slots])
