@@ -40,10 +40,9 @@ def run_side_by_side(model, step, batch, steps=None, seed=0, reference_step=deco
     rings = max(reference.audio[0].capacity, reference.text[0].capacity)
     full = steps is None
     steps = steps or 8 * rings * 3  # a unit every 3 frames or so: the text ring wraps 5 times too
-    prefix = model.voice_prefix(torch.tensor([1]))
-    for slot in range(batch):
-        reference.start(torch.tensor([slot]), prefix)
-        fast.start(torch.tensor([slot]), prefix)
+    prefix = model.voice_prefix(torch.tensor([1]))  # (L, 1, H, S, D): every slot's
+    reference.start(torch.arange(batch), prefix)
+    fast.start(torch.arange(batch), prefix)
     frame = torch.zeros(batch, dtype=torch.long)
     written = torch.zeros(batch, dtype=torch.long)
     worst = 0.0
