@@ -17,68 +17,49 @@ TEXT_RING = 32
 
 @dataclass
 class StepCaches:
-    """Everything a batch of B streams attends to: per layer the voice prefix (B, H, S, D) keys/values,
-    a text ring and an audio ring. Memory is fixed at construction, whatever the speech length.
-    ``text_stack``: every layer's text-ring keys and values as one (L, B, H, C, D) tensor each, whose layer l
-    is ``text[l].keys``/``.values`` (`empty` allocates them so), so that `write_text` writes all layers in one
-    indexed store; None (caches put together otherwise) writes layer by layer."""
-    sinks: list[tuple[torch.Tensor, torch.Tensor]]
-    text: list[RingKVCache]
-    audio: list[RingKVCache]
-    text_stack: tuple[torch.Tensor, torch.Tensor] | None = None
-    sink_stack: tuple[torch.Tensor, torch.Tensor] | None = None  # the same for the prefix: (L, B, H, S, D) each
+    """Everything a batch of B streams attends to, all L layers stacked: the voice prefix ``sink_stack``,
+    (L, B, H, S, D) keys and values, a text ring and an audio ring (`RingKVCache`s of (L, B, H, C, D) keys
+    and values, their layers sharing one (B, C) positions tensor). Memory is fixed at construction, whatever
+    the speech length. The stacks are the storage, so that a start or a text write stores all layers at
+    once; ``sinks`` (per layer (keys, values) (B, H, S, D)), ``text`` and ``audio`` (per layer rings) are
+    views of them, layer l of the stack, made once: what the step, the ONNX binding and parking read."""
+    sink_stack: tuple[torch.Tensor, torch.Tensor]
+    text_stack: RingKVCache
+    audio_stack: RingKVCache
+
+    def __post_init__(self):
+        keys, values = self.sink_stack
+        self.sinks = [(keys[layer], values[layer]) for layer in range(keys.shape[0])]
+        self.text, self.audio = self.text_stack.layers(), self.audio_stack.layers()
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, device=None, dtype=torch.float32,
               text_capacity: int = TEXT_RING) -> "StepCaches":
-        def rings(capacity) -> tuple[list[RingKVCache], tuple[torch.Tensor, torch.Tensor]]:
-            # every layer's ring holds the same positions: one tensor; its keys/values: layer l of one stack each
-            keys = torch.zeros(cfg.layers, batch, cfg.heads, capacity, cfg.head_dim, device=device, dtype=dtype)
-            values = torch.zeros_like(keys)
-            positions = torch.full((batch, capacity), -1, dtype=torch.long, device=device)
-            return [RingKVCache(keys[layer], values[layer], positions) for layer in range(cfg.layers)], (keys, values)
         if text_capacity <= cfg.behind + cfg.ahead:
             raise ValueError(f"a text ring of {text_capacity} cannot hold the {cfg.behind + cfg.ahead + 1} units "
                              "a step attends to")
-        sink_keys = torch.zeros(cfg.layers, batch, cfg.heads, cfg.sinks, cfg.head_dim, device=device, dtype=dtype)
-        sink_values = torch.zeros_like(sink_keys)
-        text, stack = rings(text_capacity)
-        return cls([(sink_keys[layer], sink_values[layer]) for layer in range(cfg.layers)], text, rings(cfg.window)[0],
-                   stack, (sink_keys, sink_values))
+        def rings(capacity: int) -> RingKVCache:
+            return RingKVCache.empty(cfg.layers, batch, cfg.heads, capacity, cfg.head_dim, device=device, dtype=dtype)
+        sinks = torch.zeros(cfg.layers, batch, cfg.heads, cfg.sinks, cfg.head_dim, device=device, dtype=dtype)
+        return cls((sinks, sinks.clone()), rings(text_capacity), rings(cfg.window))
 
     @property
     def batch(self) -> int:
-        return self.text[0].positions.shape[0]
+        return self.text_stack.positions.shape[0]
 
     def view(self, n: int) -> "StepCaches":
-        """The first ``n`` slots, sharing storage: a step over the view reads and writes these slots' caches.
-        Layers keep sharing one positions tensor per ring kind, as in the full caches."""
-        def rings(full):
-            positions = full[0].positions[:n]
-            return [RingKVCache(r.keys[:n], r.values[:n], positions) for r in full]
-        stack = None if self.text_stack is None else tuple(t[:, :n] for t in self.text_stack)
-        sinks = None if self.sink_stack is None else tuple(t[:, :n] for t in self.sink_stack)
-        return StepCaches([(k[:n], v[:n]) for k, v in self.sinks], rings(self.text), rings(self.audio), stack, sinks)
+        """The first ``n`` slots, sharing storage: a step over the view reads and writes these slots' caches."""
+        return StepCaches(tuple(t[:, :n] for t in self.sink_stack), self.text_stack.view(n), self.audio_stack.view(n))
 
-    def start(self, slots: int | torch.Tensor, prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Give ``slots`` (one index, or a (M,) tensor of them) fresh streams with the voice prefix ``prefix``
-        (per layer (1 or M, H, S, D) keys/values): empty rings, prefix copied in. No host sync."""
-        mask = slot_mask(self.batch, slots, self.text[0].positions.device)
-        for (keys, values), (pk, pv) in zip(self.sinks, prefix):
-            keys[slots], values[slots] = (pk[0], pv[0]) if isinstance(slots, int) else (pk, pv)
-        self.text[0].reset(mask)  # one positions tensor per ring kind
-        self.audio[0].reset(mask)
-
-    def start_stacked(self, slots: torch.Tensor, prefix: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """`start` of ``slots`` (M,) with the prefix of all layers stacked, (L, M, H, S, D) keys and values: one
-        store each with ``sink_stack`` (caches put together otherwise: layer by layer, the same values)."""
-        if self.sink_stack is None:
-            return self.start(slots, [(keys, values) for keys, values in zip(*prefix)])
+    def start(self, slots: torch.Tensor, prefix: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Give ``slots`` (M,) fresh streams with the voice prefix ``prefix``, (L, M or 1, H, S, D) keys and
+        values of all layers (`TTSModel.voice_prefix`): empty rings, the prefix copied in, one store each.
+        No host sync."""
         for sinks, new in zip(self.sink_stack, prefix):
             sinks[:, slots] = new
-        mask = slot_mask(self.batch, slots, self.text[0].positions.device)
-        self.text[0].reset(mask)  # one positions tensor per ring kind
-        self.audio[0].reset(mask)
+        mask = slot_mask(self.batch, slots, self.text_stack.positions.device)
+        self.text_stack.reset(mask)
+        self.audio_stack.reset(mask)
 
     def rows(self) -> dict[str, torch.Tensor]:
         """The rings' per-slot tensors by name, batch first ("text.3.keys": layer 3's text-ring keys (B, H, R, D),
@@ -90,29 +71,16 @@ class StepCaches:
                 tensors[f"{kind}.{layer}.keys"], tensors[f"{kind}.{layer}.values"] = ring.keys, ring.values
         return tensors
 
-    def write_text(self, text_kv: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor,
+    def write_text(self, text_kv: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
                    keep: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
-        """text_kv: per layer (M, H, T, D) keys/values of units at ``positions`` (M, T); ``keep`` and ``rows``
-        as in `RingKVCache.update` (without ``keep``, -1 = nothing). With ``text_stack``, all layers in one
-        store (the same values land in the same places: a fixed number of torch calls whatever the layers)."""
-        if self.text_stack is None:
-            for ring, (k, v) in zip(self.text, text_kv):
-                ring.update(k, v, positions, keep, rows)
-            return
-        self.write_text_stacked(tuple(torch.stack([kv[i] for kv in text_kv]) for i in (0, 1)), positions, keep, rows)
-
-    def write_text_stacked(self, text_kv: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
-                           keep: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
-        """`write_text` of keys, values stacked (L, M, H, T, D) (`TTSModel.text_keys_values_stacked`)."""
-        if self.text_stack is None:
-            return self.write_text(list(zip(*text_kv)), positions, keep, rows)
-        RingKVCache.update_layers(self.text_stack, text_kv, self.text[0].positions, positions, keep, rows)
+        """text_kv: keys, values (L, M, H, T, D) of units at ``positions`` (M, T) (`TTSModel.text_keys_values`);
+        ``keep`` and ``rows`` as in `RingKVCache.update` (without ``keep``, -1 = nothing): all layers in one
+        store each, a fixed number of torch calls whatever the depth."""
+        self.text_stack.update(*text_kv, positions, keep, rows)
 
     @property
     def nbytes(self) -> int:
-        sinks = sum(k.numel() * k.element_size() * 2 for k, _ in self.sinks)
-        rings = sum(r.keys.nbytes + r.values.nbytes for r in self.text + self.audio)
-        return sinks + rings + self.text[0].positions.nbytes + self.audio[0].positions.nbytes
+        return sum(t.nbytes for t in self.sink_stack) + self.text_stack.nbytes + self.audio_stack.nbytes
 
 
 def decode_step(model: TTSModel, caches: StepCaches, tokens: torch.Tensor, frame: torch.Tensor,
@@ -124,9 +92,9 @@ def decode_step(model: TTSModel, caches: StepCaches, tokens: torch.Tensor, frame
     def audio_kv(layer, k, v, _):
         return caches.audio[layer].update(k, v, write_pos)
 
-    text_kv = [(ring.keys, ring.values) for ring in caches.text]
-    logits = model(tokens[:, :, None], frame[:, None], phoneme[:, None], caches.sinks, text_kv,
-                   caches.text[0].positions, audio_kv)
+    text = caches.text  # the per-layer views: the step indexes no stack
+    logits = model(tokens[:, :, None], frame[:, None], phoneme[:, None], tuple(zip(*caches.sinks)),
+                   ([ring.keys for ring in text], [ring.values for ring in text]), text[0].positions, audio_kv)
     return logits[:, :, 0]
 
 

@@ -216,10 +216,8 @@ class Engine:
         """Caches, slot state, voice prefixes and the codec side, for ``batch`` slots."""
         self.caches = StepCaches.empty(self.cfg, batch, self.device)
         self.slots = Slots(self.cfg, batch, TEXT_RING, self.device, stagger=self.frame_codec)
-        with torch.no_grad():  # prefix caching: every voice's prefix keys/values (V, H, S, D), computed once
-            prefixes = self.model.voice_prefix(torch.arange(self.cfg.voices, device=self.device))
-        # (L, V, H, S, D) keys and values: a start copies its streams' rows of all layers in one store each
-        self.prefixes = tuple(torch.stack([layer[i] for layer in prefixes]) for i in (0, 1))
+        with torch.no_grad():  # prefix caching: every voice's prefix keys/values (L, V, H, S, D), computed once
+            self.prefixes = self.model.voice_prefix(torch.arange(self.cfg.voices, device=self.device))
         self._blend_prefixes: OrderedDict[tuple, tuple] = OrderedDict()  # blends' prefixes (`_voice_prefix`)
         if self.frame_codec:
             self.frame_decoder = FrameCodec(self.codec, batch, self.device)
@@ -946,10 +944,10 @@ class Engine:
 
     def _start_caches(self, rows: torch.Tensor, utterances: list[Utterance]) -> None:
         """Fresh caches in ``rows`` with each stream's voice prefix ((L, M, H, S, D) keys/values: all layers
-        in one store, `StepCaches.start_stacked`)."""
+        in one store, `StepCaches.start`)."""
         prefixes = [self._voice_prefix(u.voice) for u in utterances]  # per stream (L, 1, H, S, D) keys, values
         stacked = prefixes[0] if len(prefixes) == 1 else tuple(torch.cat([p[i] for p in prefixes], 1) for i in (0, 1))
-        self.caches.start_stacked(rows, stacked)
+        self.caches.start(rows, stacked)
 
     def _voice_prefix(self, preset: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(L, 1, H, S, D) prefix keys/values of a voice: a shipped voice's row of ``prefixes``; a
@@ -964,8 +962,7 @@ class Engine:
         else:
             with torch.no_grad():
                 weights = self._upload([preset["weights"]], torch.float32)  # (1, V)
-                layers = self.model.voice_prefix(weights)  # per layer (1, H, S, D) keys, values
-                self._blend_prefixes[key] = tuple(torch.stack([layer[i] for layer in layers]) for i in (0, 1))
+                self._blend_prefixes[key] = self.model.voice_prefix(weights)
             if len(self._blend_prefixes) > BLEND_PREFIXES:
                 self._blend_prefixes.popitem(last=False)
         return self._blend_prefixes[key]
@@ -1002,7 +999,7 @@ class Engine:
         # frames chained from the confirmed units' end; started units kept; never stuck behind silent units
         begin, durations, write = self.slots.place(rows_d, positions, keep, durations, settles_d, flushes_d)
         states = states.gather(1, columns[:, :, None].expand(-1, -1, self.cfg.dim))
-        self.caches.write_text_stacked(self.model.text_keys_values_stacked(states, begin), positions, write, rows_d)
+        self.caches.write_text(self.model.text_keys_values(states, begin), positions, write, rows_d)
         self.slots.add_units(rows_d, positions, keep, begin, begin + durations, write)
         if any(w.settles):  # the confirmed units' final frames, for the streams' timings (read at collect)
             schedule = torch.stack([begin, durations])  # (2, M, E)

@@ -556,34 +556,34 @@ def test_a_flush_hands_out_all_of_the_closed_texts_audio_without_more_text():
 
 def test_text_ring_writes_all_layers_at_once_as_layer_by_layer():
     """`StepCaches.write_text` on the stacked text rings (`empty`) stores exactly what a layer-by-layer write
-    stores, with holes (``keep``), a subset of rows, and ring wrap-around."""
+    (`RingKVCache.update` of each layer's own ring) stores, with holes (``keep``), a subset of rows, and ring
+    wrap-around."""
     from streaming.decode import StepCaches
+    from streaming.kv_cache import RingKVCache
     cfg = tiny_model_and_codec()[0].cfg
     g = torch.Generator().manual_seed(0)
     stacked = StepCaches.empty(cfg, 5)
-    apart = StepCaches(stacked.sinks, [type(r)(r.keys.clone(), r.values.clone(), r.positions.clone())
-                                       for r in stacked.text], stacked.audio)
-    for ring in apart.text[1:]:
-        ring.positions = apart.text[0].positions  # layers share one positions tensor, as in `empty`
-    assert stacked.text_stack is not None and apart.text_stack is None
+    positions_apart = stacked.text[0].positions.clone()  # layers share one positions tensor, as in `empty`
+    apart = [RingKVCache(r.keys.clone(), r.values.clone(), positions_apart) for r in stacked.text]
     for start in (0, 7, 30):
         rows = torch.tensor([4, 1, 2])
         positions = start + torch.arange(12)[None, :].repeat(3, 1) + torch.tensor([[0], [3], [5]])
         keep = torch.rand(3, 12, generator=g) < 0.7
         kv = [(torch.randn(3, cfg.heads, 12, cfg.head_dim, generator=g),
                torch.randn(3, cfg.heads, 12, cfg.head_dim, generator=g)) for _ in range(cfg.layers)]
-        stacked.write_text(kv, positions, keep, rows)
-        apart.write_text(kv, positions, keep, rows)
-        for a, b in zip(stacked.text, apart.text):
+        stacked.write_text(tuple(torch.stack(part) for part in zip(*kv)), positions, keep, rows)
+        for ring, (k, v) in zip(apart, kv):
+            ring.update(k, v, positions, keep, rows)
+        for a, b in zip(stacked.text, apart):
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
             assert torch.equal(a.positions, b.positions)
     view = stacked.view(3)
-    assert view.text_stack[0].data_ptr() == stacked.text_stack[0].data_ptr()
-    assert view.text[1].keys.data_ptr() == stacked.text_stack[0][1].data_ptr()
+    assert view.text_stack.keys.data_ptr() == stacked.text_stack.keys.data_ptr()
+    assert view.text[1].keys.data_ptr() == stacked.text_stack.keys[1].data_ptr()
 
 
 def test_text_keys_of_all_layers_at_once_equal_each_layers_own():
-    """`TTSModel.text_keys_values_stacked` (one head split and rotation for all layers) gives exactly what each
+    """`TTSModel.text_keys_values` (one head split and rotation for all layers) gives exactly what each
     layer's `Attention.keys_values` gives."""
     from tts.model import MODEL_PRESETS, TTSModel, rope_angles
     torch.manual_seed(0)
@@ -592,7 +592,7 @@ def test_text_keys_of_all_layers_at_once_equal_each_layers_own():
     with torch.no_grad():
         angles = rope_angles(starts, model.cfg.head_dim, model.cfg.rope_base)
         apart = [block.attn.keys_values(block.attn_norm(states), angles) for block in model.blocks]
-        keys, values = model.text_keys_values_stacked(states, starts)
+        keys, values = model.text_keys_values(states, starts)
     assert keys.shape == (model.cfg.layers, 3, model.cfg.heads, 17, model.cfg.head_dim)
     for layer, (k, v) in enumerate(apart):
         assert torch.equal(keys[layer], k) and torch.equal(values[layer], v)

@@ -26,7 +26,7 @@ def _incremental_logits(model, units, durations, voice, inputs, step_phoneme, st
     cfg = model.cfg
     caches = StepCaches.empty(cfg, batch)
     step = CompiledStep(model, caches, batch, "cpu") if compiled else decode_step
-    caches.start(slot, model.voice_prefix(voice))
+    caches.start(torch.tensor([slot]), model.voice_prefix(voice))
     states, _ = model.text(units[None], voice)
     text_kv = model.text_keys_values(states, starts)
     ring = caches.text[0].capacity
@@ -41,8 +41,7 @@ def _incremental_logits(model, units, durations, voice, inputs, step_phoneme, st
             positions = torch.arange(written, written + width).expand(batch, -1)
             keep = torch.zeros(batch, width, dtype=torch.bool)
             keep[slot] = True
-            kv = [(k[:, :, written:upto].expand(batch, -1, -1, -1), v[:, :, written:upto].expand(batch, -1, -1, -1))
-                  for k, v in text_kv]
+            kv = tuple(t[:, :, :, written:upto].expand(-1, batch, -1, -1, -1) for t in text_kv)  # (L, M, H, T, D)
             caches.write_text(kv, positions, keep)
             written = upto
         assert written > min(p + cfg.ahead, len(units) - 1)  # every unit the step may see is in the ring

@@ -40,10 +40,9 @@ def run_side_by_side(model, step, batch, steps=None, seed=0, reference_step=deco
     rings = max(reference.audio[0].capacity, reference.text[0].capacity)
     full = steps is None
     steps = steps or 8 * rings * 3  # a unit every 3 frames or so: the text ring wraps 5 times too
-    prefix = model.voice_prefix(torch.tensor([1]))
-    for slot in range(batch):
-        reference.start(slot, prefix)
-        fast.start(slot, prefix)
+    prefix = model.voice_prefix(torch.tensor([1]))  # (L, 1, H, S, D): every slot's
+    reference.start(torch.arange(batch), prefix)
+    fast.start(torch.arange(batch), prefix)
     frame = torch.zeros(batch, dtype=torch.long)
     written = torch.zeros(batch, dtype=torch.long)
     worst = 0.0
@@ -55,6 +54,7 @@ def run_side_by_side(model, step, batch, steps=None, seed=0, reference_step=deco
             arrive = active & (torch.rand(batch, generator=g) < 0.4)
             kv = [(torch.randn(batch, cfg.heads, 1, cfg.head_dim, generator=g),
                    torch.randn(batch, cfg.heads, 1, cfg.head_dim, generator=g)) for _ in range(cfg.layers)]
+            kv = tuple(torch.stack(part) for part in zip(*kv))  # (L, B, H, 1, D) keys, values
             positions = torch.where(arrive, written, -1)[:, None]
             reference.write_text(kv, positions)
             fast.write_text(kv, positions)
@@ -174,14 +174,6 @@ def test_int8_step_stays_close_to_fp32(model, quantized):
     assert max(diffs) < 0.1, max(diffs)
 
 
-def first_slots(caches: StepCaches, n: int) -> StepCaches:
-    """The first ``n`` slots of ``caches``, sharing its storage (what the engine's buckets run on)."""
-    from streaming.kv_cache import RingKVCache
-    def rings(rs):
-        return [RingKVCache(r.keys[:n], r.values[:n], r.positions[:n]) for r in rs]
-    return StepCaches([(k[:n], v[:n]) for k, v in caches.sinks], rings(caches.text), rings(caches.audio))
-
-
 @needs_ort
 def test_onnxruntime_step_over_views_of_larger_caches(model, exported):
     """One export serves every batch size; a step follows the caches it is given (a new view object of
@@ -189,13 +181,13 @@ def test_onnxruntime_step_over_views_of_larger_caches(model, exported):
     step = ort.factory(exported)(model, StepCaches.empty(model.cfg, 2), 2, "cpu")
     assert run_side_by_side(model, step, 2, steps=30, seed=1) < 1e-4
     whole = StepCaches.empty(model.cfg, 4)
-    view = first_slots(whole, 2)
+    view = whole.view(2)  # the first 2 slots, sharing storage (what the engine's buckets run on)
     step = ort.factory(exported)(model, view, 2, "cpu")
     cfg = model.cfg
     tokens = torch.zeros(2, cfg.codebooks, dtype=torch.long)
     ones = torch.ones(2, dtype=torch.long)
-    logits = step(model, first_slots(whole, 2), tokens, ones, ones, torch.ones(2, dtype=torch.bool)).clone()
-    reference = first_slots(StepCaches.empty(cfg, 4), 2)
+    logits = step(model, whole.view(2), tokens, ones, ones, torch.ones(2, dtype=torch.bool)).clone()
+    reference = StepCaches.empty(cfg, 4).view(2)
     want = decode_step(model, reference, tokens, ones, ones, torch.ones(2, dtype=torch.bool))
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
     assert (whole.audio[0].positions[:2, 1] == 1).all() and (whole.audio[0].positions[2:] == -1).all()

@@ -87,12 +87,18 @@ class Attention(nn.Module):
         self.wkv = nn.Linear(cfg.dim, 2 * cfg.dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
-    def split(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, H*D) -> (B, H, T, D)
-        return x.unflatten(-1, (self.cfg.heads, self.cfg.head_dim)).transpose(1, 2)
+    def split(self, x: torch.Tensor) -> torch.Tensor:  # (..., T, H*D) -> (..., H, T, D)
+        return x.unflatten(-1, (self.cfg.heads, self.cfg.head_dim)).transpose(-3, -2)
 
     def keys_values(self, x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor] | None):
-        """Keys (rotated by ``angles`` unless None) and values, each (B, H, T, D)."""
-        k, v = map(self.split, self.wkv(x).chunk(2, dim=-1))
+        """Keys (rotated by ``angles`` unless None) and values, each (B, H, T, D), of x (B, T, C)."""
+        return self.heads_of(self.wkv(x), angles)
+
+    def heads_of(self, kv: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor] | None):
+        """Projected keys|values (..., T, 2C) -> keys (rotated by ``angles`` unless None), values (..., H, T, D).
+        Elementwise past the projection, so several layers' stacked (L, B, T, 2C) go through at once with
+        the same numbers (`TTSModel.text_keys_values`)."""
+        k, v = map(self.split, kv.chunk(2, dim=-1))
         return (k if angles is None else rotate(k, angles)), v
 
     def attend(self, x, angles, sink_kv, context_kv, context_mask):
@@ -161,8 +167,8 @@ class TTSModel(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, K, T, N)
         return self.heads(self.norm(x)).unflatten(-1, (self.cfg.codebooks, self.cfg.codebook_size)).transpose(1, 2)
 
-    def voice_prefix(self, voice: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer keys/values (B, H, S, D) of the voice prefix, which attends only to itself.
+    def voice_prefix(self, voice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys, values (L, B, H, S, D) of the voice prefix, which attends only to itself.
         They depend on the voice alone, so the engine computes them once per voice and caches them.
         ``voice``: row indices (B,) or blend weights (B, V), as in `TextEncoder.forward`."""
         x, prefix = voice_rows(self.sinks, voice), []
@@ -176,27 +182,23 @@ class TTSModel(nn.Module):
             prefix.append(kv)
             x = x + block.drop(block.attn.attend(h, zero_pos, kv, (no_context, no_context), empty_mask))
             x = x + block.drop(block.mlp(block.mlp_norm(x)))
-        return prefix
+        return tuple(torch.stack(part) for part in zip(*prefix))
 
-    def text_keys_values(self, states: torch.Tensor, start_frames: torch.Tensor):
-        """Per-layer keys/values of text states (B, N, C), rotated at each unit's first frame (B, N)."""
-        return list(zip(*self.text_keys_values_stacked(states, start_frames)))
-
-    def text_keys_values_stacked(self, states: torch.Tensor,
-                                 start_frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`text_keys_values` with the layers stacked: keys, values (L, B, H, N, D). Each layer's norm and
-        projection as in `Attention.keys_values`; the head split and the rotation (elementwise, so the same
-        numbers) once for all layers: a fixed number of calls whatever the depth, which is what an engine
-        thread pays for on a busy interpreter (`streaming.engine`)."""
+    def text_keys_values(self, states: torch.Tensor, start_frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys, values (L, B, H, N, D) of text states (B, N, C), rotated at each unit's first frame (B, N).
+        Each layer's norm and projection as in `Attention.keys_values`; the head split and the rotation once
+        for all layers: a fixed number of calls whatever the depth, which is what an engine thread pays for
+        on a busy interpreter (`streaming.engine`)."""
         angles = rope_angles(start_frames, self.cfg.head_dim, self.cfg.rope_base)  # (B, 1, N, D/2) each
         kv = torch.stack([block.attn.wkv(block.attn_norm(states)) for block in self.blocks])  # (L, B, N, 2C)
-        k, v = (x.unflatten(-1, (self.cfg.heads, self.cfg.head_dim)).transpose(2, 3) for x in kv.chunk(2, dim=-1))
-        return rotate(k, angles), v
+        return self.blocks[0].attn.heads_of(kv, angles)  # every layer splits heads alike
 
     def forward(self, tokens, frame_pos, phoneme, prefix, text_kv, text_phoneme, audio_kv_fn=None, window=None):
         """Run the transformer over audio steps. tokens (B, K, T) are the step inputs, frame_pos (B, T) their
-        frame positions, phoneme (B, T) each step's aligned unit. ``prefix``/``text_kv`` are per-layer
-        (keys, values); ``text_phoneme`` (B, N) the unit index of each text slot (-1 empty).
+        frame positions, phoneme (B, T) each step's aligned unit. ``prefix``/``text_kv`` are (keys, values),
+        each indexed by layer: (L, B, H, S or N, D) stacks (`voice_prefix`, `text_keys_values`) or lists of
+        their layers' views (`streaming.decode.decode_step`); ``text_phoneme`` (B, N) the unit index of each
+        text slot (-1 empty).
         ``audio_kv_fn(layer, k, v, frame_pos)`` returns (keys, values, key positions) for the audio part;
         by default the steps attend to themselves (teacher forcing). ``window`` overrides the audio window
         (benchmarks of attend-to-everything baselines). Returns logits (B, K, T, N)."""
@@ -214,8 +216,8 @@ class TTSModel(nn.Module):
             if key_pos is not mask_pos:  # layers share one positions tensor, so usually built once
                 mask = torch.cat([t_mask, audio_mask(frame_pos, key_pos, window or self.cfg.window)], dim=-1)
                 mask_pos = key_pos
-            context = (torch.cat([text_kv[i][0], keys], 2), torch.cat([text_kv[i][1], values], 2))
-            x = x + block.drop(block.attn.attend(h, angles, prefix[i], context, mask))
+            context = (torch.cat([text_kv[0][i], keys], 2), torch.cat([text_kv[1][i], values], 2))
+            x = x + block.drop(block.attn.attend(h, angles, (prefix[0][i], prefix[1][i]), context, mask))
             x = x + block.drop(block.mlp(block.mlp_norm(x)))
         return self.logits(x)
 
