@@ -79,6 +79,10 @@ DEFAULT_LOOKAHEAD = 0
 # / 993, no stall). + the engine's chunks (4, 4, 6, 8, 12, 16), planned as (2, 4, 8, 16) (`PLANNED_CHUNKS`): 397 /
 # 194 / 144 / 824 ms, no stall, least margin 16 -> 56 ms (32 at 12 ms a step); measured, 50 sentences, LOADED
 # (load 1.5-5): 464 / 217 / 152 / 849 ms, 0 / 1.3 / 0 / 0 stalls/min, least margin p5 31 / 7 / 37 / 21 ms.
+# + the engine's measured start latency (`StartLatency`; the simulation's own, 94 ms, not 70): 372 / 194 / 144 /
+# 800 ms, no stall, least margin unchanged (56: the 2nd chunk's steps bind it, not the text); on 100-199 the same
+# stalls as before (0.22 at 5 w/s, 0.87 at 1.2x). Through `tts serve`, 50 sentences, quiet: 5 w/s 418 -> 394 ms p50,
+# no stall, least margin p5 38 -> 43 ms (the engine measured 81 ms).
 SPEECH_UNITS_PER_S = 17.4  # the shipped voices at speed 1: 3.16 words/s, 5.47 units a word (Harvard sentences)
 FAST_START = 1.12  # the start's units counted this much faster than SPEECH_UNITS_PER_S (fast first words)
 UNITS_PER_CHAR = 1.08  # units per character of English text, spaces included (720 Harvard sentences)
