@@ -3,7 +3,8 @@
 # output to $OUT/<step>.txt (so a later failure or the call's limit loses nothing earlier). From the
 # repository root on the device machine:   bash .gpu/extra/run.sh STEP [STEP ...]
 # Steps: smoke | parkN[_label] (bench.parking N streams, traced) | diag* | race | pytest | latency; a step name
-# containing one_bucket or shared adds that experiment's flag (--one-bucket; diag.py --shared-capture)
+# containing one_bucket, shared or switch adds that experiment's flag (--one-bucket; diag.py --shared-capture;
+# bench.parking --switch-interval 0.001)
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/gpu-out}
@@ -57,6 +58,7 @@ variant() {  # experiment flags named in a step's name
     local flags=()
     [[ $1 == *one_bucket* ]] && flags+=(--one-bucket)
     [[ $1 == *shared* ]] && flags+=(--shared-capture)
+    [[ $1 == *switch* ]] && flags+=(--switch-interval 0.001)  # parkN_switch: the interpreter's switch interval 1 ms
     echo "${flags[@]}"
 }
 for s in "$@"; do
