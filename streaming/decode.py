@@ -104,7 +104,7 @@ def tick_step(model: TTSModel, caches: StepCaches, slots, n: int, temperature: f
     sampling and the slots' bookkeeping (`streaming.slots.Slots`). Returns (meta (n, len(META)), codes (n, K)).
     ``temperature`` 0 samples greedily, else each slot samples at its own (``slots.temperature``). ``dry``
     runs plan, step and sampling with every slot inactive and changes nothing (a warm-up before a capture)."""
-    unit, ready = slots.plan(n, caches.text[0].positions[:n])
+    unit, ready = slots.plan(n, caches.text_stack.positions[:n])
     if dry:
         ready = torch.zeros_like(ready)
     logits = step(model, caches, slots.tokens[:n], slots.step[:n], unit.clamp(min=0), ready)

@@ -1075,7 +1075,7 @@ class Engine:
         """`tick_step` op by op, with the step factory's step (the CPU path, and a GPU without graphs)."""
         slots = self.slots
         step = self._step_for(n)
-        unit, ready = slots.plan(n, self.caches.text[0].positions[:n])
+        unit, ready = slots.plan(n, self.caches.text_stack.positions[:n])
         logits = step(self.model, self._view(n), slots.tokens[:n], slots.step[:n], unit.clamp(min=0), ready)
         temperature = slots.temperature[:n] if self.sampling.temperature > 0 else 0.0  # 0: greedy, for tests
         sampled = sample(logits, temperature, self.sampling.top_k, key=slots.key[:n], step=slots.step[:n])
@@ -1276,8 +1276,8 @@ class Engine:
         everything = torch.ones(self.max_streams, dtype=torch.bool, device=self.device)
         self.slots.reset(everything)
         self._flags.cleared(slice(None))
-        self.caches.text[0].reset(everything)
-        self.caches.audio[0].reset(everything)
+        self.caches.text_stack.reset(everything)
+        self.caches.audio_stack.reset(everything)
         if self.frame_codec:
             self.frame_decoder.state.reset(everything)
         else:
