@@ -282,7 +282,8 @@ def serve_report(sentences: list[str], rates: list, with_dnsmos: bool, seeds: in
         engine = server.health()["engine"]  # parks, restores and tick times over the run
         report["server_engine"] = {k: engine[k] for k in ("parks", "restores", "tick_ms", "step_ms", "codec_ms",
                                                           "slowest_ticks_ms", "step_kind",
-                                                          "start_latency_ms")}
+                                                          "start_latency_ms", "units_spoken_speculative",
+                                                          "confirmed_units")}
         report["server_tracebacks"] = server.tracebacks()
     return report
 

@@ -219,6 +219,8 @@ class Engine:
         with torch.no_grad():  # prefix caching: every voice's prefix keys/values (L, V, H, S, D), computed once
             self.prefixes = self.model.voice_prefix(torch.arange(self.cfg.voices, device=self.device))
         self._blend_prefixes: OrderedDict[tuple, tuple] = OrderedDict()  # blends' prefixes (`_voice_prefix`)
+        # units confirmed after their frames had started: spoken as encoded before all their right context came
+        self._spoken_speculative = torch.zeros((), dtype=torch.long, device=self.device)
         if self.frame_codec:
             self.frame_decoder = FrameCodec(self.codec, batch, self.device)
             self.outbox = AudioOutbox(batch, max(CHUNK_SCHEDULE), self.codec.cfg.hop)
@@ -250,7 +252,8 @@ class Engine:
         self._restores: deque[Utterance] = deque()  # parked streams with work to do, waiting for a slot: first
         self._starts: deque[Utterance] = deque()  # new streams waiting for a slot
         self._parking: list[Utterance] = []  # holds and detaches waiting for the tick in flight (frame codec)
-        self.counters = {"parks": 0, "restores": 0, "slot_waits": 0, "revised_units": 0}  # revised: encoded again
+        self.counters = {"parks": 0, "restores": 0, "slot_waits": 0, "revised_units": 0,
+                         "confirmed_units": 0}  # revised: encoded again; confirmed: with all their right context
         self.slot_wait_ms = Recent(FIGURES_KEPT)
         self._todo = _DeviceUpdates()  # event updates for the device, applied at the next tick
         self._flags = _HostFlags(self.slots, ("closed", "ended", "paused"))  # what the device's flags hold
@@ -347,6 +350,7 @@ class Engine:
                 "step_ms": recent(self.step_ms), "codec_ms": recent(self.codec_ms, 0),
                 "slowest_ticks_ms": self._slowest_ticks(),
                 "start_latency_ms": round(self.start_latency.estimate() * 1000, 1),
+                "units_spoken_speculative": int(self._spoken_speculative),
                 "codec_queued": 0 if self.frame_codec else self.codec_worker.queued}
 
     def _slowest_ticks(self, last: int = 2000) -> dict:
@@ -998,6 +1002,8 @@ class Engine:
         positions = first_d[:, None] + at
         # frames chained from the confirmed units' end; started units kept; never stuck behind silent units
         begin, durations, write = self.slots.place(rows_d, positions, keep, durations, settles_d, flushes_d)
+        self._spoken_speculative += (keep & ~write & (at < settles_d[:, None])).sum()  # frozen, now confirmed
+        self.counters["confirmed_units"] += sum(w.settles)
         states = states.gather(1, columns[:, :, None].expand(-1, -1, self.cfg.dim))
         self.caches.write_text(self.model.text_keys_values(states, begin), positions, write, rows_d)
         self.slots.add_units(rows_d, positions, keep, begin, begin + durations, write)

@@ -50,10 +50,18 @@ BLOB_FORMAT = "tts-parked-stream/1"
 SPILL_RETRY_S = 1.0
 
 
+# Threads moving states between host memory and disk. Two, not more: each load lets the interpreter lock go at
+# its read and checksum and must win it back, and more threads contending for it (with the engine's and the
+# readers') stretch a 1 ms load's tail. H200, `python -m bench.parking --device cuda --streams 64 / 256`, load p99
+# with 4 threads 7.8-14.1 ms over 8 runs (5 over 10; the same on tmpfs: not the file system; the store alone,
+# `--store-only`, 2.5-3.2), with 2 threads 4.8-10.6 ms over 8 runs (1 over 10), with 1 thread 6.6-8.0 over 3;
+# the wait from asking to loaded p50 27-30 against 18-24 ms for 64 at once, 105-115 against 90-113 for 256.
+IO_THREADS = 2
+
+
 def _io_threads() -> int:
-    """Threads moving states between host memory and disk: a few, so that many streams parked or restored at
-    once do not queue behind one file each (page-cache copies run in parallel, outside the GIL)."""
-    return max(1, min(4, os.cpu_count() or 1))
+    """IO_THREADS, or fewer on a machine with fewer cores."""
+    return max(1, min(IO_THREADS, os.cpu_count() or 1))
 
 
 @dataclass

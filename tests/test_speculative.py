@@ -12,6 +12,7 @@ from streaming.decode import decode_step
 from streaming.engine import SamplingConfig
 from streaming.parking import ParkingConfig
 from tts.api import synthesize
+from tts.text import text_sentences
 
 GREEDY = SamplingConfig(temperature=0.0)
 TEXT = "Hello there, how are you today? The ring never grows, and the birch canoe slid on the smooth planks."
@@ -54,9 +55,12 @@ def engines():
 
 def test_whole_text_takes_no_speculative_path(engines):
     on, off = engines
-    before = on.counters["revised_units"]
+    before, spoken, confirmed = (on.stats()[k] for k in ("revised_units", "units_spoken_speculative",
+                                                          "confirmed_units"))
     audio, timings = _speak(on, [TEXT])
     assert on.counters["revised_units"] == before  # nothing encoded twice
+    assert on.stats()["units_spoken_speculative"] == spoken
+    assert on.stats()["confirmed_units"] - confirmed == sum(len(units) for _, units, _ in text_sentences(TEXT))
     reference, reference_timings = _speak(off, [TEXT])
     np.testing.assert_array_equal(audio, reference)
     assert timings == reference_timings
@@ -95,6 +99,7 @@ def test_a_speculative_unit_is_revised_and_a_started_one_is_not():
     engine.slots.stretch_max = 1.0  # revisions alone, without elastic pacing's factor
     look, ahead = engine.cfg.text_lookahead, engine.cfg.ahead
     stream = engine.open(seed=1, lookahead_words=0)
+    spoken = engine.stats()["units_spoken_speculative"]
     stream.push_text("The birch ")
     step = _stalled(engine, [0])
     ring = engine.caches.text[0]
@@ -106,6 +111,8 @@ def test_a_speculative_unit_is_revised_and_a_started_one_is_not():
     assert max(started) + ahead < encoded <= max(started) + ahead + look  # the AR read speculative units
     stream.push_text("canoe slid ")
     _stalled(engine, [0])
+    # the started units read before their right context came are confirmed now, and counted
+    assert engine.stats()["units_spoken_speculative"] - spoken == len([u for u in started if u >= encoded - look])
     after_keys = engine.caches.text[0].keys[0]
     assert int(engine.slots.encoded[0]) <= ring.capacity  # no entry reused
     for u in started:  # frames started: never revised (begin, end and keys)

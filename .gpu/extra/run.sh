@@ -4,7 +4,8 @@
 # repository root on the device machine:   bash .gpu/extra/run.sh STEP [STEP ...]
 # Steps: smoke | parkN[_label] (bench.parking N streams, traced) | diag* | race | pytest | latency; a step name
 # containing one_bucket, shared or switch adds that experiment's flag (--one-bucket; diag.py --shared-capture;
-# bench.parking --switch-interval 0.001)
+# bench.parking --switch-interval 0.001); a step name containing shm spills the disk tier to /dev/shm (tmpfs), omp1
+# runs it with one OpenMP/BLAS thread, ioK with K parking I/O threads
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/gpu-out}
@@ -15,6 +16,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=$PWD:/tmp/site:$HERE/site PYTHONUNBUFFERED=1 TTS_HARVARD=$HERE/harvard.txt
 nvidia-smi --query-gpu=name,memory.used,clocks.sm,driver_version --format=csv,noheader
 echo "run.sh: $(date -u +%T) $(git log -1 --format='%h %s' 2>/dev/null | cut -c1-80)"
+echo "run.sh: file systems: $(df -T "${TMPDIR:-/tmp}" /dev/shm "$PWD" 2>/dev/null | awk 'NR > 1 {print $7 "=" $2}' | tr '\n' ' ')"
 step() {  # name, limit in seconds, command...
     local name=$1 limit=$2; shift 2
     local left=$(( 575 - (SECONDS - STARTED) ))
@@ -59,6 +61,7 @@ variant() {  # experiment flags named in a step's name
     [[ $1 == *one_bucket* ]] && flags+=(--one-bucket)
     [[ $1 == *shared* ]] && flags+=(--shared-capture)
     [[ $1 == *switch* ]] && flags+=(--switch-interval 0.001)  # parkN_switch: the interpreter's switch interval 1 ms
+    [[ $1 =~ io([0-9]+) ]] && flags+=(--io-threads "${BASH_REMATCH[1]}")  # parkN_ioK: the store's K I/O threads
     echo "${flags[@]}"
 }
 for s in "$@"; do
@@ -68,10 +71,18 @@ for s in "$@"; do
                dsummary "$OUT/$s.txt" ;;
         smoke) step smoke 150 python3 "$HERE/smoke.py"; cat "$OUT/smoke.txt" ;;
         park[0-9]*) n=${s#park}; n=${n%%_*}  # parkN[_label]: N streams, the detached one into N slots
+                 spill=${TMPDIR:-/tmp}; [[ $s == *shm* ]] && spill=/dev/shm
+                 one=; [[ $s == *omp1* ]] && one=1
                  # shellcheck disable=SC2046
-                 step "$s" 240 python3 -m bench.parking --device cuda --streams "$n" --moved-slots "$n" --warm-up \
+                 TMPDIR=$spill step "$s" 240 env ${one:+OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1} \
+                     python3 -m bench.parking --device cuda --streams "$n" --moved-slots "$n" --warm-up \
                      --trace $(variant "$s")
                  summary "$OUT/$s.txt" ;;
+        store[0-9]*) n=${s#store}; n=${n%%_*}  # storeN[_shm]: the disk tier alone, N states, 5 rounds
+                 spill=${TMPDIR:-/tmp}; [[ $s == *shm* ]] && spill=/dev/shm
+                 TMPDIR=$spill step "$s" 120 python3 -m bench.parking --device cuda --store-only --streams "$n"
+                 python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(' ', d.get('disk_tier_ms_per_stream'))" \
+                     "$OUT/$s.txt" 2>/dev/null || tail -n 5 "$OUT/$s.txt" ;;
         race) step race 60 python3 "$HERE/workspace_race.py"; cat "$OUT/race.txt" ;;
         pytest) step pytest 90 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_graphs.py
                 tail -n 4 "$OUT/pytest.txt" ;;
