@@ -744,6 +744,8 @@ def main() -> None:
     parser.add_argument("--stretch", type=float, help="elastic pacing's most (`Slots.pace`; 1: none; default: "
                         "streaming.slots.PACE_STRETCH)")
     parser.add_argument("--timeline", action="store_true", help="where the first audio's time goes, stage by stage")
+    parser.add_argument("--greedy", action="store_true", help="greedy decoding (no sampling's luck in the WER; the "
+                        "engine path, not --serve)")
     args = parser.parse_args()
     lookaheads = [None if a in (None, "default") else a if a == "auto" else int(a) for a in args.lookahead]
     if args.quick:
@@ -769,6 +771,9 @@ def main() -> None:
     engine.speculative = not args.no_speculative
     if args.stretch is not None:
         engine.slots.stretch_max = args.stretch
+    if args.greedy:
+        from streaming.engine import SamplingConfig
+        engine.sampling = SamplingConfig(temperature=0.0)
     if args.pauses:
         print(json.dumps(pauses_report(engine, [250, 500, 1000, 2000]), indent=1))
         return
@@ -790,7 +795,7 @@ def main() -> None:
     score = Scorer(not args.no_dnsmos)
     clock = TextClock(engine)
     report = {"sentences": "harvard", "path": "server" if args.server else "engine", "hold": not args.no_hold,
-              "speculative": engine.speculative, "stretch": engine.slots.stretch_max,
+              "speculative": engine.speculative, "stretch": engine.slots.stretch_max, "greedy": args.greedy,
               "load_avg_1min_start": round(os.getloadavg()[0], 2)}
     if args.server:
         from server import ServerThread
