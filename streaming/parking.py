@@ -25,6 +25,7 @@ with the same weights (`weights_fingerprint`). Copying states in and out of slot
 from __future__ import annotations
 
 import hashlib
+import heapq
 import io
 import itertools
 import os
@@ -203,7 +204,7 @@ class RowPool:
         """``n`` rows for the device to write (a park: its copies queue after any given-back row's), ascending,
         the lowest free first (a batch's rows run: `runs`); None for each that none is left for (``misses``)."""
         with self._lock:
-            got = sorted(self._free)[:n]  # a copy of the keys first: a give from a collection may come meanwhile
+            got = heapq.nsmallest(n, self._free)  # a copy first: a give from a collection may come meanwhile
             for row in got:
                 del self._free[row]
             self.misses += n - len(got)
