@@ -18,7 +18,7 @@ import soundfile as sf
 import torch
 
 from bench.common import ROOT, heldout_rows, log_mel_l1
-from streaming.engine import CHUNK_SCHEDULE
+from streaming.slots import CHUNK_SCHEDULE
 from tts.asr import transcribe, wer
 from tts.codec import load_codec
 from tts.voices import VOICES_DIR

@@ -54,7 +54,7 @@ from streaming.parking import Parked, ParkingConfig, ParkingStore, pack, unpack,
 from streaming.sampling import sample
 from streaming.sentence_reader import ProcessReader
 from streaming.slot_state import DetachRequest, SlotMover, Snapshot, host_state
-from streaming.slots import CHUNK_SCHEDULE, META, PACE_STRETCH, Slots
+from streaming.slots import MAX_CHUNK, META, PACE_STRETCH, Slots
 from streaming.stream import MOVING, Stream
 from streaming.text_worker import TextWorker
 from streaming.textstream import StartLatency, engine_lookahead
@@ -223,7 +223,7 @@ class Engine:
         self._spoken_speculative = torch.zeros((), dtype=torch.long, device=self.device)
         if self.frame_codec:
             self.frame_decoder = FrameCodec(self.codec, batch, self.device)
-            self.outbox = AudioOutbox(batch, max(CHUNK_SCHEDULE), self.codec.cfg.hop)
+            self.outbox = AudioOutbox(batch, MAX_CHUNK, self.codec.cfg.hop)
             self.codec_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
             if self.device.type == "cuda":  # where each tick's table and audio reach the host, in turn
                 self._pinned = [(torch.zeros(batch, len(META), dtype=torch.long, pin_memory=True),
@@ -987,7 +987,9 @@ class Engine:
         # (M,) columns, a few uploads in all (each is a torch call, three on a GPU)
         rows_d, counts_d, first_d, leads_d, offsets_d, settles_d = self._upload_columns(
             w.rows, w.counts, w.firsts, w.leads, w.offsets, w.settles)
-        opens_d, pieces_d, flushes_d = self._upload_columns(w.opens, w.pieces, w.flushes, dtype=torch.bool)
+        opens_d, pieces_d, flushes_d, fresh_d = self._upload_columns(w.opens, w.pieces, w.flushes, w.fresh,
+                                                                     dtype=torch.bool)
+        self.slots.choose_schedules(rows_d, fresh_d, pieces_d)
         floats = upload(np.concatenate([np.ravel(w.voices), w.rates]), torch.float32)  # (M * V + M,)
         voices_d, rates_d = floats[:-m].view(m, -1), floats[-m:]  # (M, V): one-hot for a shipped voice; (M,)
         paced = self.slots.pace(rows_d, leads_d, opens_d, pieces_d)
@@ -1036,6 +1038,7 @@ class Engine:
             w.leads.append(u.received - max(int(self._unit[slot]), 0))
             w.opens.append(not u.text_ended and u.closed_upto != u.received)
             w.pieces.append(u.stream.text.in_pieces)
+            w.fresh.append(int(self._encoded[slot]) == 0)
             self.counters["revised_units"] += max(0, int(self._encoded[slot]) - start)
             self._encoded[slot], self._confirmed[slot] = stop, max(start, confirmed)
             # this prefill confirms the last unit of text a flush closed (not the end): a pause goes after it
@@ -1353,6 +1356,7 @@ class _PrefillRows:
     opens: list[bool] = field(default_factory=list)  # the text is not closed or ended
     pieces: list[bool] = field(default_factory=list)  # the text came in more than one piece
     flushes: list[bool] = field(default_factory=list)  # it confirms the end of a flushed text
+    fresh: list[bool] = field(default_factory=list)  # the slot's first prefill: its chunk schedule is chosen
 
 
 @dataclass

@@ -63,9 +63,11 @@ with 10 units received (lead 10) -> 1.2: a unit of 3.0 frames is given round(3.6
 (`TextStream.in_pieces`: whole text) is divided by exactly 1.0: the same durations, bit for bit.
 
 **Chunk schedule.** Completed frames wait in ``pending`` until a chunk is due: ``schedule[slot, chunks]``
-frames (the last entry repeats), or whatever is left when the utterance is done. Chunk sizes never depend on
-timing (a chunk handed out early because text ran dry would change the codec's float rounding, and a seeded
-or parked stream would no longer repeat bit for bit). Example, (4, 4, 6, 8, 12, 16, 16):
+frames (the last entry repeats), or whatever is left when the utterance is done. A slot's row is chosen once,
+at its stream's first prefill: CHUNK_SCHEDULE for text sent whole, INCREMENTAL_CHUNKS for text in pieces
+(`choose_schedules`). Chunk sizes never depend on timing after that (a chunk handed out early because text ran
+dry would change the codec's float rounding, and a seeded or parked stream would no longer repeat bit for bit).
+Example, (4, 4, 6, 8, 12, 16, 16):
 a stream's chunks hold frames 0-3, 4-7, 8-13, 14-21, 22-33, 34-49, 50-65, ..., and the tail. With ``stagger``
 the first 16-frame chunk of slot s is ``16 - s % 8`` frames, so streams that started in the same tick hand out
 their 16-frame chunks in 8 different ticks, not all in one: slot 3's chunks hold frames ..., 22-33, 34-46,
@@ -101,6 +103,15 @@ from tts.model import ModelConfig
 # double (at 12 ms a step, loaded 2 cores, (4, 4, 8, 16)'s 4th chunk came 16 ms late; these keep 32 ms in hand).
 # Example, 12 ms a step: ends 4, 8, 14, 22, 34, 50 -> margins 80 - 48 = 32, 160 - 120 = 40, 280 - 216 = 64, ...
 CHUNK_SCHEDULE = (4, 4, 6, 8, 12, 16)
+# Text that comes in pieces (an LLM's words: `TextStream.in_pieces` at the slot's first prefill) starts with a
+# 6-frame chunk: its first chunks are cut while word prefills and the text thread share the 2 cores with the steps
+# and the codec, and the 2nd chunk is the one they make late (issue 29: stalls at 20 words/s through `tts serve`).
+# Simulated with the slower 2-core kind's costs (`bench.incremental --simulate`, SIM_COSTS_S 10 / 6.5 / 11.6 ms),
+# Harvard 0-49, against CHUNK_SCHEDULE: least margin p5 54 -> 81 ms at 10 and 20 words/s, first audio p50 +13 ms
+# there, 5 words/s and 1.2x unchanged (371 / 800 ms), no stall more on 0-49 or 100-199; (6, 4, ...) and (8, ...)
+# kept more margin but stalled at 1.2x on 100-199 or started 21 ms later at 5 words/s. Whole text keeps the
+# smaller first chunk (first audio of `tts say` and the Python API).
+INCREMENTAL_CHUNKS = (6, 6, 8, 12, 16)
 NEVER = 1 << 40
 # Elastic pacing at the start (`Slots.pace`): while a stream's text is open and its lead of text over speech is
 # thin, units not yet started are spoken up to PACE_STRETCH times slower; the factor eases to 1 as the lead grows
@@ -129,6 +140,22 @@ COUNT_ROWS = ("step", "frames", "encoded", "pending", "chunks", "silent", "settl
 META = ("unit", "ready", "completed", "pending", "due", "done")
 
 
+MAX_CHUNK = max(*CHUNK_SCHEDULE, *INCREMENTAL_CHUNKS)
+
+
+def schedule_table(sizes: tuple[int, ...], batch: int, stagger: bool, device=None,
+                   width: int | None = None) -> torch.Tensor:
+    """(B, S) chunk sizes per slot: ``sizes``, then its last size to ``width`` columns (default: once more; the
+    last column repeats). With ``stagger`` the first chunk of the last size is ``size - slot % 8`` frames (module
+    docstring, Chunk schedule). Example, (6, 6, 8, 12, 16), 3 slots, stagger -> [6, 6, 8, 12, 16, 16],
+    [6, 6, 8, 12, 15, 16], [6, 6, 8, 12, 14, 16]."""
+    width = len(sizes) + 1 if width is None else width
+    table = torch.tensor([*sizes] + [sizes[-1]] * (width - len(sizes)), device=device).repeat(batch, 1)
+    if stagger:
+        table[:, sizes.index(sizes[-1])] -= torch.arange(batch, device=device) % 8
+    return table
+
+
 class Slots:
     def __init__(self, cfg: ModelConfig, batch: int, ring: int, device=None, stagger: bool = False):
         def zeros(*shape, dtype=torch.long):
@@ -137,10 +164,12 @@ class Slots:
         self.batch, self.ring, self.books, self.empty = batch, ring, books, cfg.codebook_size
         self.behind, self.ahead = cfg.behind, cfg.ahead
         self.codebook = torch.arange(books, device=device)  # (K,)
-        schedule = torch.tensor([*CHUNK_SCHEDULE, CHUNK_SCHEDULE[-1]], device=device).repeat(batch, 1)  # (B, S)
-        if stagger:
-            schedule[:, len(CHUNK_SCHEDULE) - 1] -= torch.arange(batch, device=device) % 8
-        self.schedule = schedule
+        # (2, B, S): each slot's chunk sizes for whole text (row 0) and text in pieces (row 1); `schedule` is
+        # the row each slot's stream uses (`start`, `choose_schedules`)
+        tables = (CHUNK_SCHEDULE, INCREMENTAL_CHUNKS)
+        width = max(map(len, tables)) + 1
+        self.schedules = torch.stack([schedule_table(sizes, batch, stagger, device, width) for sizes in tables])
+        self.schedule = self.schedules[0].clone()  # (B, S)
         # The per-slot flags and counts are the rows of two tables (each name a view of its row), so that a reset
         # is one store per table and `place` reads a slot's counts in one gather: every torch call lets go of
         # the interpreter lock, which a busy server's other threads then hold a while (`streaming.engine`).
@@ -160,7 +189,7 @@ class Slots:
         self.history = zeros(batch, books, books)  # (B, K, K): codebook k of the last K steps, column step % K
         self.unit_frames = zeros(2, batch, ring)  # (2, B, R): first frame and end frame of each entry
         self.unit_start, self.unit_end = self.unit_frames.unbind(0)
-        self.codes = zeros(batch, books, max(CHUNK_SCHEDULE))  # (B, K, C) completed frames awaiting the codec
+        self.codes = zeros(batch, books, MAX_CHUNK)  # (B, K, C) completed frames awaiting the codec
 
     def reset(self, mask: torch.Tensor) -> None:
         """Rows where ``mask`` (B,) is true return to an empty, idle slot (not live)."""
@@ -187,7 +216,17 @@ class Slots:
         self.key[rows] = stream_key(seeds)
         self.stretch[rows] = self.stretch_max
         self.temperature[rows, 0, 0] = temperatures
+        self.schedule[rows] = self.schedules[0, rows]
         return mask
+
+    def choose_schedules(self, rows: torch.Tensor, fresh: torch.Tensor, in_pieces: torch.Tensor) -> None:
+        """At a slot's first prefill (``fresh`` (M,) bool, of the slots ``rows`` (M,)): its stream's chunk sizes,
+        INCREMENTAL_CHUNKS if its text came in pieces (``in_pieces`` (M,) bool), else CHUNK_SCHEDULE's (set by
+        `start`). Chosen once, before the first frame: the sizes never change under a stream's chunks. Example,
+        rows [2, 5], fresh [True, False], in pieces [True, True] -> slot 2 hands out 6, 6, 8, ... frames; slot 5
+        keeps what it had."""
+        pick = (fresh & in_pieces)[:, None]  # (M, 1)
+        self.schedule[rows] = torch.where(pick, self.schedules[1, rows], self.schedule[rows])
 
     def pace(self, rows: torch.Tensor, lead: torch.Tensor, open_text: torch.Tensor,
              in_pieces: torch.Tensor) -> torch.Tensor:

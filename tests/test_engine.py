@@ -596,3 +596,39 @@ def test_text_keys_of_all_layers_at_once_equal_each_layers_own():
     assert keys.shape == (model.cfg.layers, 3, model.cfg.heads, 17, model.cfg.head_dim)
     for layer, (k, v) in enumerate(apart):
         assert torch.equal(keys[layer], k) and torch.equal(values[layer], v)
+
+
+def test_chunk_schedules_per_slot_staggered_and_chosen_once_at_the_first_prefill():
+    """Each slot's chunk sizes: CHUNK_SCHEDULE from `start`, INCREMENTAL_CHUNKS chosen at a fresh slot's first
+    prefill when its text came in pieces; the stagger cuts each table's first chunk of its last size."""
+    from streaming.slots import CHUNK_SCHEDULE, INCREMENTAL_CHUNKS, Slots, schedule_table
+    from tts.model import MODEL_PRESETS
+    table = schedule_table((6, 6, 8, 12, 16), 3, stagger=True)
+    assert table.tolist() == [[6, 6, 8, 12, 16, 16], [6, 6, 8, 12, 15, 16], [6, 6, 8, 12, 14, 16]]
+    slots = Slots(MODEL_PRESETS["tiny"], 4, TEXT_RING, stagger=True)
+    whole = [*CHUNK_SCHEDULE, CHUNK_SCHEDULE[-1]]
+    pieces = [*INCREMENTAL_CHUNKS, INCREMENTAL_CHUNKS[-1]]
+    pieces = pieces + [pieces[-1]] * (len(whole) - len(pieces))  # one width for both tables
+    rows = torch.tensor([0, 1, 2])
+    slots.start(rows, torch.tensor([1, 2, 3]), torch.ones(3))
+    slots.choose_schedules(rows, torch.tensor([True, True, False]), torch.tensor([True, False, True]))
+    assert slots.schedule[0].tolist() == pieces
+    assert slots.schedule[1].tolist() == [*whole[:5], whole[5] - 1, whole[6]]  # slot 1: staggered by 1
+    assert slots.schedule[2].tolist() == [*whole[:5], whole[5] - 2, whole[6]]  # not fresh: kept
+    slots.start(torch.tensor([0]), torch.tensor([4]), torch.ones(1))  # a new stream in slot 0: whole again
+    assert slots.schedule[0].tolist() == whole
+
+
+def test_text_in_pieces_starts_with_the_incremental_first_chunk_and_whole_text_with_the_small_one(engine):
+    from streaming.slots import CHUNK_SCHEDULE, INCREMENTAL_CHUNKS
+    hop = engine.codec.cfg.hop
+    stream = engine.open(seed=3)
+    for word in TEXT.split(" "):
+        stream.push_text(word + " ")
+        time.sleep(0.01)
+    stream.end()
+    sizes = []
+    while (chunk := stream.read(timeout=30)) is not None:
+        sizes.append(len(chunk) // hop)
+    assert sizes[:2] == list(INCREMENTAL_CHUNKS[:2])
+    assert len(next(iter(synthesize_stream(TEXT, engine=engine)))) == CHUNK_SCHEDULE[0] * hop

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from streaming import textstream
-from streaming.slots import CHUNK_SCHEDULE
+from streaming.slots import INCREMENTAL_CHUNKS
 from streaming.textstream import CUSHION_FRAMES, FRAME_S, PARTIAL_WORDS, START_LATENCY_S, StartLatency, TextStream
 from tts.text import SYMBOLS, TextError, text_to_sentences
 
@@ -327,21 +327,24 @@ def test_a_held_start_ends_between_pieces_at_release_at_without_more_text():
 
 def test_the_hold_plans_with_a_first_chunk_smaller_than_the_engines(monkeypatch):
     """The start hold decides as if the engine's first chunk were CUSHION_FRAMES shorter: two words at 5 a second
-    are released about that much audio (40 ms) later than by the same plan with the engine's first chunk, so the
+    are released about that much audio (80 ms) later than by the same plan with the engine's first chunk, so the
     player starts with that much more in hand than the text's pace needs; and no sooner than by a plan with the
     engine's own chunks, which grow more slowly (`textstream.PLANNED_CHUNKS`)."""
-    def release_at():
+    def release_at():  # when the two words' units are handed on: at the 2nd word if the plan passes then
         stream = _Clocked(hold_start=True)
         for i, piece in enumerate(WORDS[:2]):
             _Clocked.now = i / 5
             stream.push(piece)
-            assert stream.take()[0] == []
+            if stream.take()[0]:
+                assert i == 1
+                return _Clocked.now
         return stream.release_at()
 
     cushioned = release_at()
-    monkeypatch.setattr(textstream, "PLANNED_CHUNKS", (CHUNK_SCHEDULE[0], *textstream.PLANNED_CHUNKS[1:]))
+    assert cushioned > 0.2  # held past the 2nd word
+    monkeypatch.setattr(textstream, "PLANNED_CHUNKS", (INCREMENTAL_CHUNKS[0], *textstream.PLANNED_CHUNKS[1:]))
     uncushioned = release_at()
-    monkeypatch.setattr(textstream, "PLANNED_CHUNKS", CHUNK_SCHEDULE)
+    monkeypatch.setattr(textstream, "PLANNED_CHUNKS", INCREMENTAL_CHUNKS)
     own = release_at()
     cushion_s = CUSHION_FRAMES * FRAME_S
     assert 0.5 * cushion_s < cushioned - uncushioned <= cushion_s + 0.005  # release_at bisects to 5 ms
@@ -402,7 +405,7 @@ def test_the_engine_measures_word_by_word_starts_and_plans_the_next_with_them(ti
 
 def test_a_held_word_by_word_stream_hands_out_the_engines_chunk_schedule_from_the_first(tiny_engine):
     """The hold plans with a smaller first chunk, but the engine hands out its own: word by word (held, then
-    released), the first chunks are CHUNK_SCHEDULE's sizes, the first one included."""
+    released), the first chunks are INCREMENTAL_CHUNKS' sizes (text in pieces), the first one included."""
     stream = tiny_engine.open(seed=1)
     started = time.perf_counter()
     for i, piece in enumerate(WORDS):
@@ -412,7 +415,7 @@ def test_a_held_word_by_word_stream_hands_out_the_engines_chunk_schedule_from_th
     sizes = []
     while (chunk := stream.read(timeout=30)) is not None:
         sizes.append(len(chunk) // tiny_engine.codec.cfg.hop)
-    assert sizes[:3] == list(CHUNK_SCHEDULE[:3])
+    assert sizes[:3] == list(INCREMENTAL_CHUNKS[:3])
 
 
 def test_the_text_thread_ends_a_held_start_between_pieces(tiny_engine):
