@@ -169,6 +169,18 @@ def stalls(arrivals: list) -> tuple[int, float]:
     return play(arrivals)[1:]
 
 
+def stalled_chunks(arrivals: list) -> list[tuple[int, float, float]]:
+    """Where a player that starts at the first chunk ran dry (`stalls`): (chunk index, seconds since the first
+    word when the chunk came, seconds of silence before it) per stall. Example, chunks of 80 / 80 ms coming at
+    0.10 / 0.21 s: the player runs dry at 0.18, the 2nd chunk is 30 ms late -> [(1, 0.21, 0.03)]."""
+    out, play_end = [], None
+    for k, (at, samples) in enumerate(arrivals):
+        if play_end is not None and at > play_end + STALL_S:
+            out.append((k, at, at - play_end))
+        play_end = max(at, play_end or at) + samples / SAMPLE_RATE
+    return out
+
+
 def least_margin(arrivals: list) -> float | None:
     """Seconds of headroom a player that starts at the first chunk had once speaking: the least, over every later
     chunk, of (when it reaches the chunk's first frame - when the chunk came); negative: that late (a stall once
@@ -259,6 +271,8 @@ def summary(audios: list, scores: list, runs: list | None, seeds: int = 1) -> di
         out["stalls_per_min"] = round(sum(c for c, _ in counted) / minutes, 2)
         out["least_margin_ms"] = margin_percentiles([arrivals for _, arrivals, _ in runs])
         out["stall_seconds"] = round(sum(s for _, s in counted), 3)
+        out["stalls"] = [{"take": i, "chunk": k, "at_ms": round(at * 1000, 1), "silent_ms": round(gap * 1000, 1)}
+                         for i, (_, arrivals, _) in enumerate(runs) for k, at, gap in stalled_chunks(arrivals)]
         demo = [play(arrivals, DEMO_PREBUFFER_S) for _, arrivals, _ in runs]
         out["demo_player"] = {"first_sound_ms": percentiles([first * 1000 for first, _, _ in demo]),
                               "stalls_per_min": round(sum(c for _, c, _ in demo) / minutes, 2)}

@@ -22,3 +22,13 @@ def test_measure_speaks_each_sentence_with_the_same_seeds_both_ways_and_reports_
     for block in (report["whole"], report["lookahead_default"]["10"]):
         assert block["wer_by_seed"] == [0.1, 0.3]
         assert block["wer"] == 0.2
+
+
+def test_stalled_chunks_name_the_late_chunk_and_agree_with_the_stall_count():
+    from bench.incremental import stalled_chunks, stalls
+    frame = SAMPLE_RATE // 50  # 20 ms
+    arrivals = [(0.10, 4 * frame), (0.21, 4 * frame), (0.25, 8 * frame)]  # 2nd: 30 ms after the 1st ran out
+    late = stalled_chunks(arrivals)
+    assert [(k, round(at, 3), round(gap, 3)) for k, at, gap in late] == [(1, 0.21, 0.03)]
+    assert stalls(arrivals) == (1, late[0][2])
+    assert stalled_chunks([(0.10, 4 * frame), (0.19, 4 * frame)]) == []  # 10 ms dry: under STALL_S
