@@ -427,8 +427,8 @@ def simulate_report(sentences: list[str], rates: list, hold: bool = True, specul
     ``text_lookahead`` more arrived, all once the text ended), a step at unit p needs units to p + ahead encoded
     (`Slots.plan`), each unit's frames are its final ones (a speculative unit's may differ a little) at elastic pacing's
     factor (`Slots.pace`, up to ``stretch``; 1: none), frame f completes at step f + K - 1, chunks
-    go out by the engine's schedule (`Slots.choose_schedules`: INCREMENTAL_CHUNKS for text in pieces when its
-    first units are handed on). On the idle machine (last session, 20 sentences, this front end then) it gave
+    go out by the engine's schedule (`Slots.choose_schedules`: INCREMENTAL_CHUNKS for text in pieces that the
+    start hold let go at once). On the idle machine (last session, 20 sentences, this front end then) it gave
     5 / 10 / 20 words/s and 1.2x: 460 / 260 / 160 / 587 ms p50 and 34.6 / 8.4 / 0 / 44.2 stalls a minute,
     against 451 / 254 / 145 / 581 ms and 37.0 / 9.6 / 0 / 44.2 measured."""
     from streaming.slots import CHUNK_SCHEDULE, INCREMENTAL_CHUNKS, PACE_STRETCH
@@ -446,12 +446,8 @@ def simulate_report(sentences: list[str], rates: list, hold: bool = True, specul
         text, units, arrived = Virtual(hold_start=cfg if hold else False), [], []  # (seconds, units so far, ended)
         text.set_engine_lookahead(*engine_lookahead(cfg, speculative), stretch)
         text.start_latency_s = sim_start_latency(cfg)  # what the engine measures (`StartLatency`)
-        pieces = None  # whether the text was in pieces when its first units were handed on
-
         def take():
-            nonlocal pieces
             units.extend(text.take()[0])
-            pieces = text.in_pieces if pieces is None and units else pieces
         for i, piece in enumerate(words_of(sentence)):
             clock[0] = i / rate
             text.push(piece)
@@ -464,7 +460,7 @@ def simulate_report(sentences: list[str], rates: list, hold: bool = True, specul
         text.end()
         take()
         arrived.append((clock[0], len(units), True))
-        schedule = INCREMENTAL_CHUNKS if pieces else CHUNK_SCHEDULE
+        schedule = INCREMENTAL_CHUNKS if text.released_at_once else CHUNK_SCHEDULE
         return _simulated_chunks(arrived, frames(units), cfg, schedule, speculative, stretch)
 
     whole = [chunks(s, 1e9) for s in sentences]
@@ -490,13 +486,13 @@ SIM_COSTS_S = (0.02, 0.006, 0.008)  # a first prefill, an AR step, a codec call
 
 
 def sim_start_latency(cfg) -> float:
-    """The simulated engine's start latency (what `StartLatency` measures on a real one, for text in pieces): the
-    first prefill's tick, the steps to the first chunk's last frame completed, a codec call. Example, the
-    shipped shapes (8 codebooks), chunks (6, ...) (INCREMENTAL_CHUNKS) and SIM_COSTS_S (0.02, 0.006, 0.008):
-    0.02 + (6 + 7) * 0.006 + 0.008 = 0.106 s."""
-    from streaming.slots import INCREMENTAL_CHUNKS
+    """The simulated engine's start latency (what `StartLatency` measures on a real one: held starts, whose first
+    chunk is CHUNK_SCHEDULE's): the first prefill's tick, the steps to the first chunk's last frame completed, a
+    codec call. Example, the shipped shapes (8 codebooks) and chunks (4, ...): 0.02 + (4 + 7) * 0.006 + 0.008 =
+    0.094 s."""
+    from streaming.slots import CHUNK_SCHEDULE
     first_cost, step_cost, codec_cost = SIM_COSTS_S
-    return first_cost + (INCREMENTAL_CHUNKS[0] + cfg.codebooks - 1) * step_cost + codec_cost
+    return first_cost + (CHUNK_SCHEDULE[0] + cfg.codebooks - 1) * step_cost + codec_cost
 
 
 def _durations(model, presets):
@@ -523,15 +519,17 @@ def stalls_report(engine, sentences: list[str], rates: list, hold: bool = True) 
     came too late for a player that started at the first chunk: the start hold's or the text's own share); one
     that does not is the engine's (its CPU: load, a slow tick). Per rate: ``stalls_per_min`` as the timed run
     counts them, ``text_stalls_per_min`` (at most the real count, per run), ``engine_stalls_per_min``."""
-    from streaming.slots import INCREMENTAL_CHUNKS
+    from streaming.slots import CHUNK_SCHEDULE, INCREMENTAL_CHUNKS
     frames = _durations(engine.model, engine.voices)
     whole = [speak_engine(engine, s, None, None, k)[0] for k, s in enumerate(sentences)]
     speech_rate = sum(len(s.split()) for s in sentences) / sum(len(a) / SAMPLE_RATE for a in whole)
     handed: list = []  # (seconds, units so far, ended, unit ids) of the run under way
+    at_once = [False]  # the run's stream outran its start hold (`TextStream.released_at_once`)
     deliver = engine.text_worker.deliver
 
     def spy(stream, news):
         if isinstance(news, tuple):
+            at_once[0] = stream.text.released_at_once
             total = (handed[-1][1] if handed else 0) + len(news[0])
             handed.append((time.perf_counter(), total, bool(news[2]), list(news[0])))
         deliver(stream, news)
@@ -548,7 +546,8 @@ def stalls_report(engine, sentences: list[str], rates: list, hold: bool = True) 
                 units = [u for *_, ids in handed for u in ids]
                 replay = [(at - started, n, ended) for at, n, ended, _ in handed]
                 replay[-1] = (*replay[-1][:2], True)
-                simulated = _simulated_chunks(replay, frames(units), engine.model.cfg, INCREMENTAL_CHUNKS,
+                schedule = INCREMENTAL_CHUNKS if at_once[0] else CHUNK_SCHEDULE
+                simulated = _simulated_chunks(replay, frames(units), engine.model.cfg, schedule,
                                               engine.speculative, engine.slots.stretch_max)
                 count = stalls(arrivals)[0]
                 real, text = real + count, text + min(count, stalls(simulated)[0])

@@ -987,9 +987,9 @@ class Engine:
         # (M,) columns, a few uploads in all (each is a torch call, three on a GPU)
         rows_d, counts_d, first_d, leads_d, offsets_d, settles_d = self._upload_columns(
             w.rows, w.counts, w.firsts, w.leads, w.offsets, w.settles)
-        opens_d, pieces_d, flushes_d, fresh_d = self._upload_columns(w.opens, w.pieces, w.flushes, w.fresh,
-                                                                     dtype=torch.bool)
-        self.slots.choose_schedules(rows_d, fresh_d, pieces_d)
+        opens_d, pieces_d, flushes_d = self._upload_columns(w.opens, w.pieces, w.flushes, dtype=torch.bool)
+        if any(w.fresh):  # a slot's first prefill: its chunk sizes, by whether its text outran the start hold
+            self.slots.choose_schedules(rows_d, *self._upload_columns(w.fresh, w.at_once, dtype=torch.bool))
         floats = upload(np.concatenate([np.ravel(w.voices), w.rates]), torch.float32)  # (M * V + M,)
         voices_d, rates_d = floats[:-m].view(m, -1), floats[-m:]  # (M, V): one-hot for a shipped voice; (M,)
         paced = self.slots.pace(rows_d, leads_d, opens_d, pieces_d)
@@ -1039,6 +1039,7 @@ class Engine:
             w.opens.append(not u.text_ended and u.closed_upto != u.received)
             w.pieces.append(u.stream.text.in_pieces)
             w.fresh.append(int(self._encoded[slot]) == 0)
+            w.at_once.append(u.stream.text.released_at_once)
             self.counters["revised_units"] += max(0, int(self._encoded[slot]) - start)
             self._encoded[slot], self._confirmed[slot] = stop, max(start, confirmed)
             # this prefill confirms the last unit of text a flush closed (not the end): a pause goes after it
@@ -1357,6 +1358,7 @@ class _PrefillRows:
     pieces: list[bool] = field(default_factory=list)  # the text came in more than one piece
     flushes: list[bool] = field(default_factory=list)  # it confirms the end of a flushed text
     fresh: list[bool] = field(default_factory=list)  # the slot's first prefill: its chunk schedule is chosen
+    at_once: list[bool] = field(default_factory=list)  # its text in pieces outran the start hold
 
 
 @dataclass

@@ -64,8 +64,8 @@ with 10 units received (lead 10) -> 1.2: a unit of 3.0 frames is given round(3.6
 
 **Chunk schedule.** Completed frames wait in ``pending`` until a chunk is due: ``schedule[slot, chunks]``
 frames (the last entry repeats), or whatever is left when the utterance is done. A slot's row is chosen once,
-at its stream's first prefill: CHUNK_SCHEDULE for text sent whole, INCREMENTAL_CHUNKS for text in pieces
-(`choose_schedules`). Chunk sizes never depend on timing after that (a chunk handed out early because text ran
+at its stream's first prefill: INCREMENTAL_CHUNKS for text in pieces that the start hold let go at once,
+CHUNK_SCHEDULE for the rest (`choose_schedules`). Chunk sizes never depend on timing after that (a chunk handed out early because text ran
 dry would change the codec's float rounding, and a seeded or parked stream would no longer repeat bit for bit).
 Example, (4, 4, 6, 8, 12, 16, 16):
 a stream's chunks hold frames 0-3, 4-7, 8-13, 14-21, 22-33, 34-49, 50-65, ..., and the tail. With ``stagger``
@@ -103,9 +103,12 @@ from tts.model import ModelConfig
 # double (at 12 ms a step, loaded 2 cores, (4, 4, 8, 16)'s 4th chunk came 16 ms late; these keep 32 ms in hand).
 # Example, 12 ms a step: ends 4, 8, 14, 22, 34, 50 -> margins 80 - 48 = 32, 160 - 120 = 40, 280 - 216 = 64, ...
 CHUNK_SCHEDULE = (4, 4, 6, 8, 12, 16)
-# Text that comes in pieces (an LLM's words: `TextStream.in_pieces` at the slot's first prefill) starts with a
-# 6-frame chunk: its first chunks are cut while word prefills and the text thread share the 2 cores with the steps
-# and the codec, and the 2nd chunk is the one they make late (issue 29: stalls at 20 words/s through `tts serve`).
+# Text that comes in pieces faster than the start hold needs (an LLM's words at 10-20 a second: the hold let them
+# go as soon as there were enough, `TextStream.released_at_once`) starts with a 6-frame chunk: its first chunks are
+# cut while word prefills and the text thread share the 2 cores with the steps and the codec, and the 2nd chunk is
+# the one they make late (issue 29: stalls at 20 words/s through `tts serve`). Text the hold waited for (5 words/s,
+# 1.2x speech) keeps CHUNK_SCHEDULE's: a bigger first chunk asks it for more text before the first audio, measured
+# +4 and +15 ms p50 at 5 words/s (400 and 411 ms against 396).
 # Simulated with the slower 2-core kind's costs (`bench.incremental --simulate`, SIM_COSTS_S 10 / 6.5 / 11.6 ms),
 # Harvard 0-49, against CHUNK_SCHEDULE: least margin p5 54 -> 81 ms at 10 and 20 words/s, first audio p50 +13 ms
 # there, 5 words/s and 1.2x unchanged (371 / 800 ms), no stall more on 0-49 or 100-199; (6, 4, ...) and (8, ...)
@@ -219,13 +222,13 @@ class Slots:
         self.schedule[rows] = self.schedules[0, rows]
         return mask
 
-    def choose_schedules(self, rows: torch.Tensor, fresh: torch.Tensor, in_pieces: torch.Tensor) -> None:
+    def choose_schedules(self, rows: torch.Tensor, fresh: torch.Tensor, at_once: torch.Tensor) -> None:
         """At a slot's first prefill (``fresh`` (M,) bool, of the slots ``rows`` (M,)): its stream's chunk sizes,
-        INCREMENTAL_CHUNKS if its text came in pieces (``in_pieces`` (M,) bool), else CHUNK_SCHEDULE's (set by
-        `start`). Chosen once, before the first frame: the sizes never change under a stream's chunks. Example,
-        rows [2, 5], fresh [True, False], in pieces [True, True] -> slot 2 hands out 6, 6, 8, ... frames; slot 5
-        keeps what it had."""
-        pick = (fresh & in_pieces)[:, None]  # (M, 1)
+        INCREMENTAL_CHUNKS if its text came in pieces and the start hold let it go at once (``at_once`` (M,) bool,
+        `TextStream.released_at_once`), else CHUNK_SCHEDULE's (set by `start`). Chosen once, before the first
+        frame: the sizes never change under a stream's chunks. Example, rows [2, 5], fresh [True, False], at once
+        [True, True] -> slot 2 hands out 6, 6, 8, ... frames; slot 5 keeps what it had."""
+        pick = (fresh & at_once)[:, None]  # (M, 1)
         self.schedule[rows] = torch.where(pick, self.schedules[1, rows], self.schedule[rows])
 
     def pace(self, rows: torch.Tensor, lead: torch.Tensor, open_text: torch.Tensor,

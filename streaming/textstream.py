@@ -33,7 +33,7 @@ from collections import deque
 from typing import Callable
 
 from streaming.sentence_reader import _TO_COME, read_sentence
-from streaming.slots import CHUNK_SCHEDULE, INCREMENTAL_CHUNKS, PACE_STRETCH, pace_factor
+from streaming.slots import CHUNK_SCHEDULE, PACE_STRETCH, pace_factor
 from tts.normalize import Token, complete_length, reads_by_next, sentence_end, split_sentences, tokenize
 from tts.codec import CodecConfig
 from tts.model import ModelConfig
@@ -61,8 +61,8 @@ DEFAULT_LOOKAHEAD = 0
 # A stream's first units are handed on only once a player starting at the first chunk is predicted never to run
 # dry at the text's pace so far (`TextStream._may_start`). Why: the engine speaks a frame once ENGINE_UNITS follow
 # its unit (AR step +4, and itself: units are encoded speculatively, `Engine._prefill`) and completes it
-# DELAY_FRAMES steps later (delay pattern), and hands out a text in pieces chunks of 6, 6, 8, 12, then 16 frames
-# (`INCREMENTAL_CHUNKS`), which the hold plans as 2, 4, 8, 16 (`PLANNED_CHUNKS`: a cushion), so the text it needs
+# DELAY_FRAMES steps later (delay pattern), and hands out chunks of 4, 4, 6, 8, 12, then 16 frames
+# (`CHUNK_SCHEDULE`), which the hold plans as 2, 4, 8, 16 (`PLANNED_CHUNKS`: a cushion), so the text it needs
 # runs ahead of the player by 8 frames + 5 units at the first chunk and 22 frames + 5 units from the 4th (as
 # planned). Slow text must be waited for before the start, fast text not. The engine's elastic pacing
 # (`streaming.slots.Slots.pace`: up to PACE_STRETCH slower while the text's lead is thin) lets the start come
@@ -101,21 +101,20 @@ NO_PACE_FRAMES = 14
 # (1,388 -> 1,459 ms): faster text is bound by its first chunks, not by this horizon.
 HOLD_HORIZON_FRAMES = 200
 # The chunks the hold plans with: those it was tuned with, a first chunk CUSHION_FRAMES shorter than the engine's
-# and then chunks that double, where the engine's grow by half (`INCREMENTAL_CHUNKS`, (6, 6, 8, 12, 16), for text
-# in pieces; it was tuned when they were (4, 4, 6, 8, 12, 16): `CHUNK_SCHEDULE`): its start decision is the one it
-# made when the engine's chunks were (2, 4, 8, 16), and the player then starts with the engine's larger first
-# chunk, 80 ms more audio in hand when it reaches the 2nd (40 with CHUNK_SCHEDULE's). Why: with 2-frame first
+# and then chunks that double, where the engine's grow by half (`CHUNK_SCHEDULE`, (4, 4, 6, 8, 12, 16)): its
+# start decision is the one it made when the engine's chunks were (2, 4, 8, 16), and the player then starts with
+# the engine's larger first chunk, 40 ms more audio in hand when it reaches the 2nd. Why: with 2-frame first
 # chunks the 2nd chunk (4 more steps and a codec call after the 1st) came about 16 ms before the player reached
 # it (`bench.incremental --simulate`, least_margin_ms), and a slow tick on 2 cores stalled it (one stall at 5 w/s
 # and at 1.2x in 50 sentences). The engine's first chunk costs 2 more steps (~12 ms on 2 cores) of first audio
 # and no hold. Planning with the engine's own chunks would start sooner (~40 ms at 5 w/s) and spend the cushion
 # (--simulate with (4, 4, 8, 16) planned as is: a stall at 1.2x). The plan asks, at each of its chunks' due
-# times (the player at frame 0, 2, 6, 14, 30), for the text up to 6 frames past the chunk's end (frame 8, 12, 20,
-# 36, 52); INCREMENTAL_CHUNKS ask at theirs (0, 6, 12, 20, 32) up to frame 12, 18, 26, 38, 54: the 1st 4 frames
-# (1.4 units) more, which the 4 steps more before the first audio cover, the later ones within what the plan
-# asked at its due times around them (18 at 6 against 20 at 6; 26 at 12 against 20 at 6 and 36 at 14).
+# times, for the text of 6 frames + the chunk's size ahead of the player (8, 10, 14, 22, 22, ...); the engine's
+# chunks ask for 10, 10, 12, 14, 18, 22, ... at theirs (0, 4, 8, 14, 22, 34 frames against 0, 2, 6, 14, 30):
+# from the 2nd on, no more than the plan's last due time before asked; the 1st's 2 frames (0.7 units) more are
+# the 2 steps more before the first audio.
 PLANNED_CHUNKS = (2, 4, 8, 16)
-CUSHION_FRAMES = INCREMENTAL_CHUNKS[0] - PLANNED_CHUNKS[0]
+CUSHION_FRAMES = CHUNK_SCHEDULE[0] - PLANNED_CHUNKS[0]
 
 
 class StartLatency:
@@ -181,6 +180,9 @@ class TextStream:
         self._stretch = PACE_STRETCH  # the engine's elastic pacing at the start (`set_engine_lookahead`)
         self.start_latency_s = START_LATENCY_S  # release -> first chunk, as the engine measured it (`StartLatency`)
         self.paced_release: float | None = None  # when held units went on with the text's pace known (`StartLatency`)
+        # the first units, in pieces, went on as soon as they were enough for the first chunk: the text outran the
+        # hold's plan, so the engine, not the text, is what the player waits for (`Slots.choose_schedules`)
+        self.released_at_once = False
         self._pushes: list[float] = []  # when the first text came, and the latest (perf_counter seconds)
         self._first_chars = 0  # characters of the first piece
         self._unread = 0  # characters come but not yet read into units (a word waiting for the next one)
@@ -203,7 +205,7 @@ class TextStream:
             if self._chars + len(text) > self.max_chars:
                 raise TextError(f"utterance text would be {self._chars + len(text)} characters; "
                                 f"the limit is {self.max_chars}")
-            if not text:  # no piece: the text's pace and `in_pieces` (the chunk schedule) count text that came
+            if not text:  # no piece: the text's pace, `in_pieces` and `released_at_once` count text that came
                 return
             self._chars += len(text)
             self._text += text
@@ -310,15 +312,19 @@ class TextStream:
                 self.marks.setdefault("released", self.marks["read"])
             return ids, closes
         self._held += ids
-        if len(self._held) >= self._first_chunk_units():
-            self.marks.setdefault("enough", self.clock())
+        enough_now = "enough" not in self.marks and len(self._held) >= self._first_chunk_units()
+        if enough_now:
+            self.marks["enough"] = self.clock()
         if not closes and self._may_hold and not self._may_start(len(self._held)):
             return [], False
         ids, self._held = self._held, None
         if ids:
             self.marks["released"] = self.clock()
             if self._pieces > 1:
-                self.paced_release = self.marks["released"]
+                self.released_at_once = enough_now and self._may_hold
+                # the hold plans with the latency of the starts it held, whose first chunk is CHUNK_SCHEDULE's (the
+                # engine gives those it let go at once INCREMENTAL_CHUNKS' larger one)
+                self.paced_release = None if self.released_at_once else self.marks["released"]
         return ids, closes
 
     def set_engine_lookahead(self, units: int, delay_frames: int, stretch: float = PACE_STRETCH) -> None:
@@ -343,10 +349,11 @@ class TextStream:
         (SPEECH_UNITS_PER_S * FAST_START, 19.5 a second, slowed by the engine's elastic pacing,
         `streaming.slots.Slots.pace`, which eases off as the predicted lead grows: ``stretch``); it is due when the
         player reaches its first frame. The chunks are PLANNED_CHUNKS, whose first is CUSHION_FRAMES shorter than the
-        engine's: a cushion the plan leaves the player. Example, planned (2, 4, 8, 16) for the engine's (6, 6, 8,
-        12, 16) (INCREMENTAL_CHUNKS): the plan has frames 6-13 due when the player reaches frame 6, needing 20
-        frames' units; the engine hands out frames 6-11 due at frame 6, needing 18 frames'. The player has 80 ms
-        more in hand when it reaches the 2nd chunk than planned, which the engine's steps alone make late or not. Example, 10 words/s ("The ", "birch ", "canoe ": 6.5 units a piece every 100
+        engine's: a cushion the plan leaves the player. Example, planned (2, 4, 8, 16) for the engine's (4, 4, 6, 8,
+        12, 16): the plan has frames 6-13 due when the player reaches frame 6, needing 20 frames' units; the engine
+        hands out frames 8-13 due at frame 8 (40 ms of audio later), needing 20 frames' too. The text is as early as
+        planned, and the player has 40 ms more in hand when it reaches each chunk, which the engine's steps alone
+        make late or not. Example, 10 words/s ("The ", "birch ", "canoe ": 6.5 units a piece every 100
         ms), stretch 1.2: after "birch " (0.1 s) 11 units wait; the first chunk needs 8 * 0.325 + 5 = 7.6, the 3rd
         (frames 6-13, due 0.12 s after the first, 0.19 s after "birch ") 20 * 0.325 + 5 = 11.5, and "canoe " counts
         by then as 6.5 * (1 - 0.6) = 2.6: 13.6; each later one needs 5.2 more per 16 frames while 6.5 come every 5:

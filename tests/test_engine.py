@@ -619,16 +619,19 @@ def test_chunk_schedules_per_slot_staggered_and_chosen_once_at_the_first_prefill
     assert slots.schedule[0].tolist() == whole
 
 
-def test_text_in_pieces_starts_with_the_incremental_first_chunk_and_whole_text_with_the_small_one(engine):
+def test_fast_words_start_with_the_incremental_first_chunk_and_whole_text_with_the_small_one(engine):
+    """Words at 20 a second outrun the start hold (`TextStream.released_at_once`): INCREMENTAL_CHUNKS; text sent
+    whole: CHUNK_SCHEDULE."""
     from streaming.slots import CHUNK_SCHEDULE, INCREMENTAL_CHUNKS
     hop = engine.codec.cfg.hop
     stream = engine.open(seed=3)
-    for word in TEXT.split(" "):
+    for word in "The birch canoe slid on the smooth planks and the ducks swam by.".split():
         stream.push_text(word + " ")
-        time.sleep(0.01)
+        time.sleep(0.05)
     stream.end()
     sizes = []
     while (chunk := stream.read(timeout=30)) is not None:
         sizes.append(len(chunk) // hop)
+    assert stream.text.released_at_once
     assert sizes[:2] == list(INCREMENTAL_CHUNKS[:2])
     assert len(next(iter(synthesize_stream(TEXT, engine=engine)))) == CHUNK_SCHEDULE[0] * hop

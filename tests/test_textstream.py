@@ -5,7 +5,7 @@ import time
 import pytest
 
 from streaming import textstream
-from streaming.slots import INCREMENTAL_CHUNKS
+from streaming.slots import CHUNK_SCHEDULE, INCREMENTAL_CHUNKS
 from streaming.textstream import CUSHION_FRAMES, FRAME_S, PARTIAL_WORDS, START_LATENCY_S, StartLatency, TextStream
 from tts.text import SYMBOLS, TextError, text_to_sentences
 
@@ -325,26 +325,48 @@ def test_a_held_start_ends_between_pieces_at_release_at_without_more_text():
     assert stream.release_at() is None  # started
 
 
+def test_text_that_outruns_the_hold_is_released_at_once_and_held_text_is_not():
+    """`released_at_once` (the engine's cue for INCREMENTAL_CHUNKS): words at 20 a second go on with the take that
+    first has enough units; at 3 a second the hold waits for their pace; text sent whole never counts."""
+    def release(rate):
+        stream = _Clocked(hold_start=True)
+        for i, piece in enumerate(WORDS):
+            _Clocked.now = i / rate
+            stream.push(piece)
+            if stream.take()[0]:
+                return stream, i
+            if (at := stream.release_at()) is not None and at < (i + 1) / rate:
+                _Clocked.now = at
+                if stream.take()[0]:
+                    return stream, i
+        return stream, None
+
+    fast, at = release(20)
+    assert at == 1 and fast.released_at_once and fast.paced_release is None  # "The birch ": 11 units
+    held, at = release(3)
+    assert at is not None and at >= 1 and not held.released_at_once and held.paced_release is not None
+    whole = _Clocked(hold_start=True)
+    whole.push(" ".join(WORDS))
+    assert whole.take()[0] and not whole.released_at_once
+
+
 def test_the_hold_plans_with_a_first_chunk_smaller_than_the_engines(monkeypatch):
     """The start hold decides as if the engine's first chunk were CUSHION_FRAMES shorter: two words at 5 a second
-    are released about that much audio (80 ms) later than by the same plan with the engine's first chunk, so the
+    are released about that much audio (40 ms) later than by the same plan with the engine's first chunk, so the
     player starts with that much more in hand than the text's pace needs; and no sooner than by a plan with the
     engine's own chunks, which grow more slowly (`textstream.PLANNED_CHUNKS`)."""
-    def release_at():  # when the two words' units are handed on: at the 2nd word if the plan passes then
+    def release_at():
         stream = _Clocked(hold_start=True)
         for i, piece in enumerate(WORDS[:2]):
             _Clocked.now = i / 5
             stream.push(piece)
-            if stream.take()[0]:
-                assert i == 1
-                return _Clocked.now
+            assert stream.take()[0] == []
         return stream.release_at()
 
     cushioned = release_at()
-    assert cushioned > 0.2  # held past the 2nd word
-    monkeypatch.setattr(textstream, "PLANNED_CHUNKS", (INCREMENTAL_CHUNKS[0], *textstream.PLANNED_CHUNKS[1:]))
+    monkeypatch.setattr(textstream, "PLANNED_CHUNKS", (CHUNK_SCHEDULE[0], *textstream.PLANNED_CHUNKS[1:]))
     uncushioned = release_at()
-    monkeypatch.setattr(textstream, "PLANNED_CHUNKS", INCREMENTAL_CHUNKS)
+    monkeypatch.setattr(textstream, "PLANNED_CHUNKS", CHUNK_SCHEDULE)
     own = release_at()
     cushion_s = CUSHION_FRAMES * FRAME_S
     assert 0.5 * cushion_s < cushioned - uncushioned <= cushion_s + 0.005  # release_at bisects to 5 ms
@@ -377,15 +399,16 @@ def test_a_longer_start_latency_releases_a_held_start_that_much_sooner():
 
 
 def test_the_engine_measures_word_by_word_starts_and_plans_the_next_with_them(tiny_engine):
-    """A stream whose text came in pieces adds its release -> first audio to the engine's start latency; one sent
-    whole adds nothing; the next stream's hold plans with the estimate."""
+    """A stream whose text came in pieces and was held adds its release -> first audio to the engine's start
+    latency; one sent whole, or let go at once (`released_at_once`: another first chunk), adds nothing; the next
+    stream's hold plans with the estimate."""
     kept = tiny_engine.start_latency._kept
 
-    def speak(pieces):
+    def speak(pieces, gap_s=0.05):
         stream = tiny_engine.open(seed=1)
         for piece in pieces:
             stream.push_text(piece)
-            time.sleep(0.05)
+            time.sleep(gap_s)
         stream.end()
         while stream.read(timeout=30) is not None:
             pass
@@ -394,7 +417,9 @@ def test_the_engine_measures_word_by_word_starts_and_plans_the_next_with_them(ti
     before = list(kept)
     speak(["The birch canoe slid on the smooth planks."])
     assert list(kept) == before
-    stream = speak(WORDS)
+    assert speak(WORDS).text.released_at_once and list(kept) == before
+    stream = speak(WORDS[:6], gap_s=0.3)  # 3 words a second: held for its pace
+    assert not stream.text.released_at_once
     assert kept[-1] == stream.first_audio_at - stream.text.paced_release > 0
     after = tiny_engine.open(seed=2)
     try:
@@ -404,8 +429,9 @@ def test_the_engine_measures_word_by_word_starts_and_plans_the_next_with_them(ti
 
 
 def test_a_held_word_by_word_stream_hands_out_the_engines_chunk_schedule_from_the_first(tiny_engine):
-    """The hold plans with a smaller first chunk, but the engine hands out its own: word by word (held, then
-    released), the first chunks are INCREMENTAL_CHUNKS' sizes (text in pieces), the first one included."""
+    """The hold plans with a smaller first chunk, but the engine hands out its own: word by word at 10 a second
+    (released as soon as there are units enough: `released_at_once`), the first chunks are INCREMENTAL_CHUNKS'
+    sizes, the first one included."""
     stream = tiny_engine.open(seed=1)
     started = time.perf_counter()
     for i, piece in enumerate(WORDS):
