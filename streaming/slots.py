@@ -65,8 +65,9 @@ with 10 units received (lead 10) -> 1.2: a unit of 3.0 frames is given round(3.6
 **Chunk schedule.** Completed frames wait in ``pending`` until a chunk is due: ``schedule[slot, chunks]``
 frames (the last entry repeats), or whatever is left when the utterance is done. A slot's row is chosen once,
 at its stream's first prefill: INCREMENTAL_CHUNKS for text in pieces that the start hold let go at once,
-CHUNK_SCHEDULE for the rest (`choose_schedules`). Chunk sizes never depend on timing after that (a chunk handed out early because text ran
-dry would change the codec's float rounding, and a seeded or parked stream would no longer repeat bit for bit).
+CHUNK_SCHEDULE for the rest (`choose_schedules`). Chunk sizes never depend on timing after that (a chunk handed
+out early because text ran dry would change the codec's float rounding, and a seeded or parked stream would no
+longer repeat bit for bit).
 Example, (4, 4, 6, 8, 12, 16, 16):
 a stream's chunks hold frames 0-3, 4-7, 8-13, 14-21, 22-33, 34-49, 50-65, ..., and the tail. With ``stagger``
 the first 16-frame chunk of slot s is ``16 - s % 8`` frames, so streams that started in the same tick hand out
@@ -108,12 +109,12 @@ CHUNK_SCHEDULE = (4, 4, 6, 8, 12, 16)
 # cut while word prefills and the text thread share the 2 cores with the steps and the codec, and the 2nd chunk is
 # the one they make late (issue 29: stalls at 20 words/s through `tts serve`). Text the hold waited for (5 words/s,
 # 1.2x speech) keeps CHUNK_SCHEDULE's: a bigger first chunk asks it for more text before the first audio, measured
-# +4 and +15 ms p50 at 5 words/s (400 and 411 ms against 396).
-# Simulated with the slower 2-core kind's costs (`bench.incremental --simulate`, SIM_COSTS_S 10 / 6.5 / 11.6 ms),
-# Harvard 0-49, against CHUNK_SCHEDULE: least margin p5 54 -> 81 ms at 10 and 20 words/s, first audio p50 +13 ms
-# there, 5 words/s and 1.2x unchanged (371 / 800 ms), no stall more on 0-49 or 100-199; (6, 4, ...) and (8, ...)
-# kept more margin but stalled at 1.2x on 100-199 or started 21 ms later at 5 words/s. Whole text keeps the
-# smaller first chunk (first audio of `tts say` and the Python API).
+# +4 and +15 ms p50 at 5 words/s (400 and 411 ms against 396), and 1.2x stalled in two runs of three. Measured
+# through `tts serve` on the slower 2-core kind (docs/figures.md, 2026-12-03 evening): 20 words/s least margin p5
+# 45-67 ms (was 9-45), one 30 ms stall in 450 takes (was 1.02 a minute in one run of three), first audio +10-30 ms.
+# Simulated (`bench.incremental --simulate`, SIM_COSTS_S 10 / 6.5 / 11.6 ms, Harvard 0-49 and 100-199): held text
+# as before; (6, 4, ...) and (8, ...) kept more margin but stalled at 1.2x or started later at 5 words/s. Whole
+# text keeps the smaller first chunk (first audio of `tts say` and the Python API).
 INCREMENTAL_CHUNKS = (6, 6, 8, 12, 16)
 NEVER = 1 << 40
 # Elastic pacing at the start (`Slots.pace`): while a stream's text is open and its lead of text over speech is
@@ -167,8 +168,8 @@ class Slots:
         self.batch, self.ring, self.books, self.empty = batch, ring, books, cfg.codebook_size
         self.behind, self.ahead = cfg.behind, cfg.ahead
         self.codebook = torch.arange(books, device=device)  # (K,)
-        # (2, B, S): each slot's chunk sizes for whole text (row 0) and text in pieces (row 1); `schedule` is
-        # the row each slot's stream uses (`start`, `choose_schedules`)
+        # (2, B, S): each slot's chunk sizes, CHUNK_SCHEDULE's (row 0) and INCREMENTAL_CHUNKS' (row 1); `schedule`
+        # is the one each slot's stream uses (`start`, `choose_schedules`)
         tables = (CHUNK_SCHEDULE, INCREMENTAL_CHUNKS)
         width = max(map(len, tables)) + 1
         self.schedules = torch.stack([schedule_table(sizes, batch, stagger, device, width) for sizes in tables])
