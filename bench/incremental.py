@@ -446,19 +446,17 @@ def simulate_report(sentences: list[str], rates: list, hold: bool = True, specul
         text, units, arrived = Virtual(hold_start=cfg if hold else False), [], []  # (seconds, units so far, ended)
         text.set_engine_lookahead(*engine_lookahead(cfg, speculative), stretch)
         text.start_latency_s = sim_start_latency(cfg)  # what the engine measures (`StartLatency`)
-        def take():
-            units.extend(text.take()[0])
         for i, piece in enumerate(words_of(sentence)):
             clock[0] = i / rate
             text.push(piece)
-            take()
+            units += text.take()[0]
             arrived.append((clock[0], len(units), False))
             if (at := text.release_at()) is not None:  # the text thread takes again then (`TextWorker`)
                 clock[0] = at
-                take()
+                units += text.take()[0]
                 arrived.append((clock[0], len(units), False))
         text.end()
-        take()
+        units += text.take()[0]
         arrived.append((clock[0], len(units), True))
         schedule = INCREMENTAL_CHUNKS if text.released_at_once else CHUNK_SCHEDULE
         return _simulated_chunks(arrived, frames(units), cfg, schedule, speculative, stretch)
