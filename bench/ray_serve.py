@@ -15,6 +15,12 @@ two replicas carry twice the streams of one at the same TTFA p50 (within 20 %); 
 the two at the largest load one replica keeps real-time. `direct_no_ray` climbs the same loads on `tts serve`'s
 server without Ray (what Ray's proxy and the replica processes cost).
 
+`--cores-per-replica N`: each replica count gets a Ray cluster of its own whose processes may run only on N cores
+per replica (started under a CPU affinity, `cluster`: cores 0..R*N-1 for R replicas, which the replicas share,
+as Ray pins nothing), each replica asking N CPUs, and this process (the clients) runs on the cores after them: on
+a many-core host (the H200 machine's 16), R replicas get R*N cores, as scale-out gives them machines. `ttfa_ms_p50_at_capacity` then compares one
+replica at the largest load it keeps real-time with two at twice that load.
+
 `--kill`: replica failover (streaming/failover.py) on two replicas. Per trial: one seeded utterance, its text sent
 a word every 50 ms by the Python client, spoken uninterrupted (the reference); then the same one again, and once
 its client holds ``kill_after_s`` seconds of audio the replica serving it is killed (`ray.kill`). Reported per
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -69,15 +76,25 @@ def climb(url: str, loads: list[int], rounds: int) -> dict:
     return {"loads": rows, "realtime_streams": capacity}
 
 
-def on_ray(url: str, replicas: int, loads: list[int], rounds: int, tiny: bool) -> dict:
-    """`climb` against ``replicas`` replicas on Ray Serve."""
+def load_limits(clients: int):
+    """The server's limits with room for ``clients`` connections from this one address (the default caps one
+    address at 16: a single load generator is not the many users it stands for)."""
+    from streaming.limits import Limits
+    most = max(clients, Limits.max_connections_per_client)
+    return Limits(max_connections=max(Limits.max_connections, 2 * most), max_connections_per_client=most,
+                  max_streams_per_client=most, max_queue=max(Limits.max_queue, most))
+
+
+def on_ray(url: str, replicas: int, loads: list[int], rounds: int, tiny: bool, cpus: float | None = None) -> dict:
+    """`climb` against ``replicas`` replicas on Ray Serve, each asking ``cpus`` CPUs (None: `ScaleConfig`'s)."""
     from ray import serve
 
     from server import create_app
     from streaming import ray_serve
     factory, kwargs = engine_factory(tiny)
-    serve.run(ray_serve.application(factory, create_app, ray_serve.ScaleConfig(replicas=replicas), kwargs),
-              name="tts", route_prefix="/")
+    scale = ray_serve.ScaleConfig(replicas=replicas, num_cpus=cpus)
+    app = ray_serve.application(factory, create_app, scale, kwargs, {"limits": load_limits(max(loads))})
+    serve.run(app, name="tts", route_prefix="/")
     try:
         return climb(url, loads, rounds)
     finally:
@@ -89,7 +106,7 @@ def direct(loads: list[int], rounds: int, tiny: bool) -> dict:
     from server import ServerThread
     factory, kwargs = engine_factory(tiny)
     engine = factory(**kwargs)
-    with ServerThread(engine) as server:
+    with ServerThread(engine, **vars(load_limits(max(loads)))) as server:
         result = climb(server.ws_url, loads, rounds)
     engine.close()
     return result
@@ -160,8 +177,8 @@ async def warm_up(ws) -> None:
 
 
 def failover(url: str, kill_after_s: list[float], trials: int, tiny: bool, checkpoint_audio_s: float,
-             pace: str = "word") -> dict:
-    """The kill trials (module docstring) on two replicas."""
+             pace: str = "word", cpus: float | None = None) -> dict:
+    """The kill trials (module docstring) on two replicas, each asking ``cpus`` CPUs (None: `ScaleConfig`'s)."""
     import numpy as np
     import ray
     from ray import serve
@@ -170,7 +187,7 @@ def failover(url: str, kill_after_s: list[float], trials: int, tiny: bool, check
     from streaming import ray_serve
     from streaming.failover import journals
     factory, kwargs = engine_factory(tiny)
-    scale = ray_serve.ScaleConfig(replicas=2, checkpoint_audio_s=checkpoint_audio_s)
+    scale = ray_serve.ScaleConfig(replicas=2, checkpoint_audio_s=checkpoint_audio_s, num_cpus=cpus)
     serve.run(ray_serve.application(factory, create_app, scale, kwargs), name="tts", route_prefix="/")
     actor = journals()
     rows = {}
@@ -230,6 +247,33 @@ def snapshot_cost(tiny: bool, count: int = 20) -> dict:
     return {"ms": percentiles(times), "bytes": size}
 
 
+@contextlib.contextmanager
+def cluster(port: int, cores: int = 0):
+    """A local Ray cluster started in this process, with Serve's proxy on ``port``, for a ``with`` block.
+    ``cores`` > 0: Ray's processes (and the replicas they spawn, which inherit the affinity) may run only on
+    this process's first ``cores`` cores, and this process (the clients) moves to the cores after them; 0: all
+    the machine's cores, shared. Example: 16 cores and cores=4: Ray on 0-3 (2 replicas of 2 cores), the clients
+    on 4-15."""
+    import ray
+    from ray import serve
+    mine = os.sched_getaffinity(0)
+    if cores and cores >= len(mine):
+        raise SystemExit(f"--cores-per-replica: {cores} cores for Ray leave none of {len(mine)} for the clients")
+    ray_cores = set(sorted(mine)[:cores]) if cores else mine
+    os.sched_setaffinity(0, ray_cores)  # what Ray spawns from here on inherits it
+    ray.init(num_cpus=len(ray_cores), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                                                   os.environ.get("PYTHONPATH")]))}})
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    os.sched_setaffinity(0, mine - ray_cores or mine)
+    try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        os.sched_setaffinity(0, mine)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="the tiny random-weight engine, not the shipped voices")
@@ -245,30 +289,27 @@ def main() -> None:
                         help="checkpoint live utterances every this much audio (0: never)")
     parser.add_argument("--pace", choices=sorted(PACES), default="word",
                         help="--kill: the client sends its text a word every 50 ms, or a sentence every 0.5 s")
+    parser.add_argument("--cores-per-replica", type=int, default=0,
+                        help="a Ray cluster per replica count pinned to this many cores per replica (0: the machine's"
+                             " cores shared)")
     parser.add_argument("--out", help="also write the JSON here (Ray may print a line of its own on stdout)")
     args = parser.parse_args()
-    import ray
-    from ray import serve
-
-    from streaming import ray_serve
+    from streaming.ray_serve import STATS_PERIOD_S
     port = free_port()
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    report = {"engine": "tiny_random" if args.tiny else "shipped", "cpu_cores": os.cpu_count(),
-              "loadavg_at_start": [round(x, 2) for x in os.getloadavg()], "utterances_per_client": args.rounds,
-              "stats_period_s": ray_serve.STATS_PERIOD_S, "replicas": {}}
     url = f"ws://127.0.0.1:{port}/v1/stream"
-    try:
-        if args.kill:
-            report = {k: report[k] for k in ("engine", "cpu_cores", "loadavg_at_start")}
+    report = {"engine": "tiny_random" if args.tiny else "shipped", "cpu_cores": os.cpu_count(),
+              "cores_per_replica": args.cores_per_replica,
+              "loadavg_at_start": [round(x, 2) for x in os.getloadavg()], "utterances_per_client": args.rounds,
+              "stats_period_s": STATS_PERIOD_S, "replicas": {}}
+    if args.kill:
+        report = {k: report[k] for k in ("engine", "cpu_cores", "cores_per_replica", "loadavg_at_start")}
+        with cluster(port, args.cores_per_replica and 2 * args.cores_per_replica):
             report["failover"] = failover(url, args.kill_after_s, args.trials, args.tiny, args.checkpoint_audio_s,
-                                          args.pace)
-        for replicas in [] if args.kill else args.replicas:
-            report["replicas"][str(replicas)] = on_ray(url, replicas, args.loads, args.rounds, args.tiny)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+                                          args.pace, args.cores_per_replica or None)
+    for replicas in [] if args.kill else args.replicas:
+        with cluster(port, args.cores_per_replica and replicas * args.cores_per_replica):
+            report["replicas"][str(replicas)] = on_ray(url, replicas, args.loads, args.rounds, args.tiny,
+                                                       args.cores_per_replica or None)
     if not args.no_direct and not args.kill:
         report["direct_no_ray"] = direct(args.loads, args.rounds, args.tiny)
     report["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -280,6 +321,10 @@ def main() -> None:
         report["streams_ratio_2_over_1"] = round(two["realtime_streams"] / one["realtime_streams"], 2)
         if p50["1"] and p50["2"]:
             report["ttfa_ratio_2_over_1"] = round(p50["2"] / p50["1"], 2)
+        at_twice = two["loads"].get(str(2 * one["realtime_streams"]), {}).get("ttfa_ms_p50")
+        report["ttfa_ms_p50_at_capacity"] = {"one_at": int(same), "one": p50["1"], "two_at": 2 * int(same),
+                                             "two": at_twice,
+                                             "ratio": at_twice and p50["1"] and round(at_twice / p50["1"], 2)}
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

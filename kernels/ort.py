@@ -78,8 +78,13 @@ def threads() -> int:
     """Intra-op threads of every session: half the cores, the engine's share for the step (the codec worker
     has the other half), whichever thread makes the session and whenever. Taken from torch's thread count
     instead, a session made before the engine split the cores had two threads on a 2-core machine, and the
-    second one took 1.6 ms of CPU a frame from the codec's core (one stream, measured here)."""
-    return max(1, (os.cpu_count() or 2) // 2)
+    second one took 1.6 ms of CPU a frame from the codec's core (one stream, measured here). The cores are
+    those the process may use: OMP_NUM_THREADS where set (Ray sets it to an actor's ``num_cpus``), else its CPU
+    affinity (taskset, a container's cpuset), not the machine's count. Example: a Ray Serve replica with
+    ``num_cpus=2`` on a 16-core host gets 1 thread (8 before), so two replicas on 4 cores do not oversubscribe."""
+    cores = os.environ.get("OMP_NUM_THREADS", "")
+    cores = int(cores) if cores.isdigit() and int(cores) > 0 else len(os.sched_getaffinity(0))
+    return max(1, cores // 2)
 
 
 def cache_dir() -> Path:

@@ -27,6 +27,17 @@ def model():
     return TTSModel(MODEL_PRESETS["tiny"]).eval()
 
 
+
+@pytest.mark.parametrize("omp, affinity, expected", [("2", 16, 1), ("8", 16, 4), ("", 6, 3), ("", 1, 1),
+                                                     ("lots", 4, 2), ("0", 4, 2)])
+def test_session_threads_half_the_cores_the_process_may_use(monkeypatch, omp, affinity, expected):
+    """ONNX Runtime gets half the cores this process may use: OMP_NUM_THREADS (a Ray actor's num_cpus) where it
+    is a positive number, else the CPU affinity; never the whole machine's count."""
+    monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    monkeypatch.setattr(ort.os, "sched_getaffinity", lambda pid: set(range(affinity)))
+    monkeypatch.setattr(ort.os, "cpu_count", lambda: 64)
+    assert ort.threads() == expected
+
 def run_side_by_side(model, step, batch, steps=None, seed=0, reference_step=decode_step, per_step=None):
     """Drive the eager step (or ``reference_step``) and ``step`` with the same random traffic: slots switch
     between active and inactive (inactive slots get frame 0, as the engine gives them), text units arrive

@@ -349,3 +349,13 @@ def test_the_autoscaling_policy_asks_for_a_replica_per_target_streams():
     assert ray_serve.streams_policy(context([7, 6]))[0] == 3
     assert ray_serve.streams_policy(context([6, 0]))[0] == 1
     assert ray_serve.streams_policy(context([0, 0]))[0] == 0
+
+
+def test_the_scale_bench_makes_room_for_its_clients_on_one_address():
+    """`bench.ray_serve` drives every client from one address: above the per-client cap (16) its limits grow with
+    the load, so a climb measures the replicas, not `client_limit`; at or below it they are the defaults."""
+    from bench.ray_serve import load_limits
+    limits = load_limits(48)
+    assert (limits.max_connections_per_client, limits.max_streams_per_client) == (48, 48)
+    assert limits.max_connections >= 2 * 48 and limits.max_queue >= 48
+    assert load_limits(4) == Limits() == load_limits(16)
