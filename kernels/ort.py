@@ -83,8 +83,9 @@ def threads() -> int:
     affinity (taskset, a container's cpuset), not the machine's count. Example: a Ray Serve replica with
     ``num_cpus=2`` on a 16-core host gets 1 thread (8 before), so two replicas on 4 cores do not oversubscribe."""
     cores = os.environ.get("OMP_NUM_THREADS", "")
-    cores = int(cores) if cores.isdigit() and int(cores) > 0 else len(os.sched_getaffinity(0))
-    return max(1, cores // 2)
+    if not (cores.isdigit() and int(cores) > 0):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2  # macOS
+    return max(1, int(cores) // 2)
 
 
 def cache_dir() -> Path:

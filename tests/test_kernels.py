@@ -27,7 +27,6 @@ def model():
     return TTSModel(MODEL_PRESETS["tiny"]).eval()
 
 
-
 @pytest.mark.parametrize("omp, affinity, expected", [("2", 16, 1), ("8", 16, 4), ("", 6, 3), ("", 1, 1),
                                                      ("lots", 4, 2), ("0", 4, 2)])
 def test_session_threads_half_the_cores_the_process_may_use(monkeypatch, omp, affinity, expected):
@@ -37,6 +36,15 @@ def test_session_threads_half_the_cores_the_process_may_use(monkeypatch, omp, af
     monkeypatch.setattr(ort.os, "sched_getaffinity", lambda pid: set(range(affinity)))
     monkeypatch.setattr(ort.os, "cpu_count", lambda: 64)
     assert ort.threads() == expected
+
+
+def test_session_threads_without_an_affinity_call_take_the_machines_cores(monkeypatch):
+    """Where the platform has no CPU affinity call (macOS), the machine's core count stands in for it."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delattr(ort.os, "sched_getaffinity")
+    monkeypatch.setattr(ort.os, "cpu_count", lambda: 8)
+    assert ort.threads() == 4
+
 
 def run_side_by_side(model, step, batch, steps=None, seed=0, reference_step=decode_step, per_step=None):
     """Drive the eager step (or ``reference_step``) and ``step`` with the same random traffic: slots switch

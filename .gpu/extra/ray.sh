@@ -36,10 +36,12 @@ PY
 (while sleep 5; do  # where the replicas may run, and what they use (does the affinity hold?)
     for pid in $(pgrep -f "ServeReplica"); do echo "$(date +%T) $(taskset -pc "$pid") cpu% $(ps -o pcpu= -p "$pid")"; done
 done) > "$OUT/replicas.log" 2>&1 &
+sampler=$!
 case $mode in
     scale) timeout -k 5 420 python3 -m bench.ray_serve --cores-per-replica 2 --no-direct --out "$OUT/ray_scale.json" "$@" \
                > "$OUT/ray_scale.log" 2>&1; echo "ray.sh: exit $?"; cat "$OUT/ray_scale.json" ;;
     kill) timeout -k 5 480 python3 -m bench.ray_serve --cores-per-replica 2 --kill --out "$OUT/ray_kill.json" "$@" \
               > "$OUT/ray_kill.log" 2>&1; echo "ray.sh: exit $?"; cat "$OUT/ray_kill.json" ;;
 esac
+kill "$sampler"
 tail -n 20 "$OUT"/ray_*.log
