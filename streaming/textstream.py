@@ -89,7 +89,10 @@ UNITS_PER_CHAR = 1.08  # units per character of English text, spaces included (7
 FRAME_S = 1 / CodecConfig().frame_rate  # 20 ms; ENGINE_UNITS and DELAY_FRAMES come from the model's config
 PIECE_SPREAD = 0.6  # k pieces to come are counted as k - PIECE_SPREAD * sqrt(k) of the mean size
 SLOW_PACE, SLOW_SPREAD = 1.5, 0.9  # text under SLOW_PACE times speech counts with SLOW_SPREAD
-PIECE_DELAY_S = 0.05  # and each as read this long after it is due
+PIECE_DELAY_S, SLOW_DELAY_S = 0.03, 0.05  # and each as read this long after it is due (SLOW_DELAY_S: slow text)
+# The mean piece counts one more piece of PRIOR_CHARS when that is less (a word's mean length with its space, Harvard
+# sentences after the first word; 5.58 units): a long second word ("The beauty ") says little of the next
+PRIOR_CHARS = 5.17
 START_LATENCY_S = 0.07  # from the start to the first chunk, until the engine has measured its own (`StartLatency`)
 # Text in one piece so far (no pace known) starts once the units of its first 14 frames (3 planned chunks) are
 # there: with the first chunk's alone (7.8 units) a first piece of 2 words started at once and stalled (100-199,
@@ -363,17 +366,19 @@ class TextStream:
         if len(self._pushes) < 2 or self._pushes[1] <= self._pushes[0]:  # no pace known: the first chunk's units
             return units >= self._units_for(NO_PACE_FRAMES)
         last, every = self._pushes[1], self._every()
-        piece = UNITS_PER_CHAR * (self._chars - self._first_chars) / (self._pieces - 1)  # units a piece
+        came, n = self._chars - self._first_chars, self._pieces - 1  # characters and pieces since the first
+        piece = UNITS_PER_CHAR * min(came / n, (came + PRIOR_CHARS) / (n + 1))  # units a piece: a long word is one
         waiting = UNITS_PER_CHAR * self._unread  # come but not read: read when the next piece comes
         since = (self.clock() if at is None else at) - last + self.start_latency_s  # last piece -> first chunk plays
         stretch, per_frame = self._stretch, SPEECH_UNITS_PER_S * FAST_START * FRAME_S
-        spread = PIECE_SPREAD if piece / every >= SLOW_PACE * SPEECH_UNITS_PER_S else SLOW_SPREAD
+        slow = piece / every < SLOW_PACE * SPEECH_UNITS_PER_S
+        spread, delay = (SLOW_SPREAD, SLOW_DELAY_S) if slow else (PIECE_SPREAD, PIECE_DELAY_S)
         spoken = (self._delay_frames - 1) * per_frame / stretch  # units the delay steps cover
         played, end, sizes = 0, 0, iter(PLANNED_CHUNKS)
         while played < HOLD_HORIZON_FRAMES:  # chunk by chunk: due when the player reaches its first frame
             played, end = end, end + (size := next(sizes, PLANNED_CHUNKS[-1]))
             spoken += size * per_frame / stretch
-            pieces = max(0.0, (played * FRAME_S + since - PIECE_DELAY_S) // every)  # to come and be read by then
+            pieces = max(0.0, (played * FRAME_S + since - delay) // every)  # to come and be read by then
             there = units + (waiting + piece * (pieces - spread * pieces ** 0.5) if pieces >= 1 else 0.0)
             if there < spoken + self._engine_units:
                 return False

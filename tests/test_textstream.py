@@ -271,7 +271,11 @@ def _speak(pieces: list[str], rate: float, hold: bool = True) -> tuple[int | Non
     return first, got + stream.take()[0]
 
 
-WORDS = [w + " " for w in "The birch canoe slid on the smooth planks and the ducks swam by".split()]
+def _words(text: str) -> list[str]:
+    return [w + " " for w in text.split()]
+
+
+WORDS = _words("The birch canoe slid on the smooth planks and the ducks swam by")
 
 
 def test_a_stream_starts_later_when_its_text_comes_slower_and_then_speaks_every_unit():
@@ -308,6 +312,42 @@ def test_hold_off_hands_units_on_as_a_stream_without_the_hold_does():
         assert held.take()[0] == []  # 1.2x the speaking rate: still held
 
 
+def _released_at(pieces: list[str], rate: float) -> float | None:
+    """When a held start of ``pieces`` pushed at ``rate`` a second went on (at a take after a piece, or at
+    `TextStream.release_at` between pieces); None: only the end would have started it."""
+    stream = _Clocked(hold_start=True)
+    for i, piece in enumerate(pieces):
+        _Clocked.now = i / rate
+        stream.push(piece)
+        if stream.take()[0]:
+            return _Clocked.now
+        if (at := stream.release_at()) is not None:
+            _Clocked.now = at
+            if stream.take()[0]:
+                return at
+    return None
+
+
+def test_a_long_second_word_is_not_taken_for_the_texts_pace(monkeypatch):
+    """The hold counts the pieces to come at their mean size so far or, when that is less, with one more piece
+    of PRIOR_CHARS: at 1.2x the speaking rate, "The beauty " says little of the words after it and starts later
+    than by its own mean, "The boy " (shorter than the prior) starts as by its own."""
+    long, short = (_words(text) for text in ("The beauty of the view stunned the young boy.",
+                                               "The boy was there when the sun rose."))
+    with_prior = _released_at(long, 3.8), _released_at(short, 3.8)
+    monkeypatch.setattr(textstream, "PRIOR_CHARS", 1e6)  # the mean so far is always the less
+    by_own_mean = _released_at(long, 3.8), _released_at(short, 3.8)
+    assert with_prior[0] > by_own_mean[0] and with_prior[1] == by_own_mean[1]
+
+
+def test_fast_text_counts_its_pieces_sooner_than_slow_text(monkeypatch):
+    """Pieces of text at SLOW_PACE times speech or faster are counted PIECE_DELAY_S after they are due, slower
+    text's SLOW_DELAY_S after: a longer slow delay holds 1.2x the speaking rate longer, 5 words/s as before."""
+    fast, slow = _released_at(WORDS, 5), _released_at(WORDS, 3.8)
+    monkeypatch.setattr(textstream, "SLOW_DELAY_S", textstream.SLOW_DELAY_S + 0.1)
+    assert _released_at(WORDS, 5) == fast and _released_at(WORDS, 3.8) > slow
+
+
 def test_a_held_start_ends_between_pieces_at_release_at_without_more_text():
     stream, unheld, units = _Clocked(hold_start=True), _Clocked(), []
     for i, piece in enumerate(WORDS[:3]):
@@ -317,7 +357,7 @@ def test_a_held_start_ends_between_pieces_at_release_at_without_more_text():
         assert stream.take()[0] == []
         units += unheld.take()[0]
     at = stream.release_at()
-    assert 0.5 < at < 0.75  # before the next piece is due
+    assert 2 / 3.2 < at < 3 / 3.2  # after the 3rd piece, before the 4th is due
     _Clocked.now = at - 0.006
     assert stream.take()[0] == []  # a little sooner: still held
     _Clocked.now = at
@@ -351,14 +391,14 @@ def test_text_that_outruns_the_hold_is_released_at_once_and_held_text_is_not():
 
 
 def test_the_hold_plans_with_a_first_chunk_smaller_than_the_engines(monkeypatch):
-    """The start hold decides as if the engine's first chunk were CUSHION_FRAMES shorter: two words at 5 a second
+    """The start hold decides as if the engine's first chunk were CUSHION_FRAMES shorter: two words at 4.5 a second
     are released about that much audio (40 ms) later than by the same plan with the engine's first chunk, so the
     player starts with that much more in hand than the text's pace needs; and no sooner than by a plan with the
     engine's own chunks, which grow more slowly (`textstream.PLANNED_CHUNKS`)."""
     def release_at():
         stream = _Clocked(hold_start=True)
         for i, piece in enumerate(WORDS[:2]):
-            _Clocked.now = i / 5
+            _Clocked.now = i / 4.5  # (at 5 a second the engine's own chunks start at the 2nd word)
             stream.push(piece)
             assert stream.take()[0] == []
         return stream.release_at()
