@@ -82,7 +82,12 @@ DEFAULT_LOOKAHEAD = 0
 # + the engine's measured start latency (`StartLatency`; the simulation's own, 94 ms, not 70): 372 / 194 / 144 /
 # 800 ms, no stall, least margin unchanged (56: the 2nd chunk's steps bind it, not the text); on 100-199 the same
 # stalls as before (0.22 at 5 w/s, 0.87 at 1.2x). Through `tts serve`, 50 sentences, quiet: 5 w/s 418 -> 394 ms p50,
-# no stall, least margin p5 38 -> 43 ms (the engine measured 81 ms).
+# no stall, least margin p5 38 -> 43 ms (the engine measured 81 ms). + PIECE_DELAY_S 0.03 for fast text (slow text's
+# SLOW_DELAY_S kept at 0.05) and PRIOR_CHARS (simulated with a 25 ms codec call; 0-49 / 100-199): 5 w/s 371 -> 352
+# ms on both, stalls 0 / 2 -> 0 / 3 (a 3rd sentence of short function words, "The bark of the"); 1.2x 799 -> 799 /
+# 677 -> 741 ms, stalls 0 / 4 -> 0 / 1. On the engine (2-core AMD EPYC, 100-199): 5 w/s 379 -> 358 ms, the same
+# three sentences stalled before and after; 1.2x three stalled -> one. Through `tts serve`, 0-49 x 3 seeds, quiet
+# (run G): 362 (733) / 200 / 155 / 808 ms at 5 / 10 / 20 w/s / 1.2x, no stall, least margin p5 50-57 ms.
 SPEECH_UNITS_PER_S = 17.4  # the shipped voices at speed 1: 3.16 words/s, 5.47 units a word (Harvard sentences)
 FAST_START = 1.12  # the start's units counted this much faster than SPEECH_UNITS_PER_S (fast first words)
 UNITS_PER_CHAR = 1.08  # units per character of English text, spaces included (720 Harvard sentences)
@@ -346,9 +351,11 @@ class TextStream:
         before a player that starts at the first one (``start_latency_s`` after ``at``, default now: `StartLatency`)
         reaches it. The
         text to come: what came but waits unread (a word waiting for the next one) with the next piece, and k pieces
-        of the mean size less PIECE_SPREAD * sqrt(k) of one (sizes vary; their sum varies less; SLOW_SPREAD for text
-        under SLOW_PACE times speech), each counted PIECE_DELAY_S late. A chunk ending at frame E goes out once step
-        E + 6 ran, whose unit needs ENGINE_UNITS - 1 after it: ``(E + 6) * 0.39 / stretch + 5`` units
+        of the mean size (with one more piece of PRIOR_CHARS when that is less) less PIECE_SPREAD * sqrt(k) of one
+        (sizes vary; their sum varies less), each counted PIECE_DELAY_S late (text under SLOW_PACE times speech:
+        SLOW_SPREAD and SLOW_DELAY_S). Example of the mean: "The beauty " at 3.8 words/s, 7 characters a piece so
+        far -> (7 + 5.17) / 2 = 6.1, 6.6 units a piece (25 a second: slow text). A chunk ending at frame E goes out
+        once step E + 6 ran, whose unit needs ENGINE_UNITS - 1 after it: ``(E + 6) * 0.39 / stretch + 5`` units
         (SPEECH_UNITS_PER_S * FAST_START, 19.5 a second, slowed by the engine's elastic pacing,
         `streaming.slots.Slots.pace`, which eases off as the predicted lead grows: ``stretch``); it is due when the
         player reaches its first frame. The chunks are PLANNED_CHUNKS, whose first is CUSHION_FRAMES shorter than the
@@ -356,10 +363,11 @@ class TextStream:
         12, 16): the plan has frames 6-13 due when the player reaches frame 6, needing 20 frames' units; the engine
         hands out frames 8-13 due at frame 8 (40 ms of audio later), needing 20 frames' too. The text is as early as
         planned, and the player has 40 ms more in hand when it reaches each chunk, which the engine's steps alone
-        make late or not. Example, 10 words/s ("The ", "birch ", "canoe ": 6.5 units a piece every 100
-        ms), stretch 1.2: after "birch " (0.1 s) 11 units wait; the first chunk needs 8 * 0.325 + 5 = 7.6, the 3rd
+        make late or not. Example, 10 words/s ("The ", "birch ", "canoe ": 5.6 characters a piece with the prior,
+        6.0 units, every 100 ms), stretch 1.2: after "birch " (0.1 s) 11 units wait; the first chunk needs 8 * 0.325
+        + 5 = 7.6, the 3rd
         (frames 6-13, due 0.12 s after the first, 0.19 s after "birch ") 20 * 0.325 + 5 = 11.5, and "canoe " counts
-        by then as 6.5 * (1 - 0.6) = 2.6: 13.6; each later one needs 5.2 more per 16 frames while 6.5 come every 5:
+        by then as 6.0 * (1 - 0.6) = 2.4: 13.4; each later one needs 5.2 more per 16 frames while 6.0 come every 5:
         the check passes at once. Text in one piece so far (no pace known: a text sent whole, or a client's first
         batch of words) starts once the units of the first NO_PACE_FRAMES frames are there (20 * 0.29 + 5 = 10.8,
         counted at SPEECH_UNITS_PER_S)."""
