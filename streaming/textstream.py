@@ -365,12 +365,11 @@ class TextStream:
         planned, and the player has 40 ms more in hand when it reaches each chunk, which the engine's steps alone
         make late or not. Example, 10 words/s ("The ", "birch ", "canoe ": 5.6 characters a piece with the prior,
         6.0 units, every 100 ms), stretch 1.2: after "birch " (0.1 s) 11 units wait; the first chunk needs 8 * 0.325
-        + 5 = 7.6, the 3rd
-        (frames 6-13, due 0.12 s after the first, 0.19 s after "birch ") 20 * 0.325 + 5 = 11.5, and "canoe " counts
-        by then as 6.0 * (1 - 0.6) = 2.4: 13.4; each later one needs 5.2 more per 16 frames while 6.0 come every 5:
-        the check passes at once. Text in one piece so far (no pace known: a text sent whole, or a client's first
-        batch of words) starts once the units of the first NO_PACE_FRAMES frames are there (20 * 0.29 + 5 = 10.8,
-        counted at SPEECH_UNITS_PER_S)."""
+        + 5 = 7.6, the 3rd (frames 6-13, due 0.12 s after the first, 0.19 s after "birch ") 20 * 0.325 + 5 = 11.5,
+        and "canoe " counts by then as 6.0 * (1 - 0.6) = 2.4: 13.4; each later one needs 5.2 more per 16 frames
+        while 6.0 come every 5: the check passes at once. Text in one piece so far (no pace known: a text sent
+        whole, or a client's first batch of words) starts once the units of the first NO_PACE_FRAMES frames are
+        there (20 * 0.29 + 5 = 10.8, counted at SPEECH_UNITS_PER_S)."""
         if len(self._pushes) < 2 or self._pushes[1] <= self._pushes[0]:  # no pace known: the first chunk's units
             return units >= self._units_for(NO_PACE_FRAMES)
         last, every = self._pushes[1], self._every()
