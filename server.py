@@ -47,6 +47,7 @@ from streaming.hub import Hub, clients_of
 from streaming.protocol import (CLIENT_MESSAGE, UNCOUNTED, Ack, Cancel, End, Flush, ProtocolError, Resume, Start,
                                 Text, check_text, validation_error)
 from streaming.resume import Link, LinkBroken, ReplayLog, dropped
+from streaming.server_admission import owner
 from tts import SAMPLE_RATE
 from tts.text import TextError
 
@@ -125,6 +126,7 @@ class Session:
             link.cut(dropped=True)
         finally:
             self._unlink(link)
+            link.close()  # its timer goes, and with it the last reference to the socket
         if link.replaced:
             return None  # another socket serves the session now
         if resume is not None and not link.heard:  # dropped before the client said a word: it may not have
@@ -154,6 +156,7 @@ class Session:
         if self.closed:
             return
         self.closed = True
+        self.linked.set()  # senders waiting for a resume wake, find the session closed, and give up
         self._stop_expiry()
         for utterance in list(self.utterances.values()):
             await utterance.stop()
@@ -220,8 +223,11 @@ class Session:
         self.hub.resume_tokens[token] = self
 
     def _forget_tokens(self) -> None:
+        """The session has ended: its live token is forgotten (resume_expired), its spent ones are remembered
+        as spent (resume_used), in a bounded record (`SpentTokens`)."""
         for token in self.tokens:
-            self.hub.resume_tokens.pop(token, None)
+            if token in self.hub.resume_tokens and self.hub.resume_tokens.pop(token) is None:
+                self.hub.spent_tokens.add(token)
 
     async def _expire(self, after_s: float) -> None:
         await asyncio.sleep(after_s)
@@ -242,17 +248,20 @@ class Session:
 
     # ---- resuming --------------------------------------------------------------------------------
     @staticmethod
-    def claim(hub: Hub, msg: Resume) -> tuple["Session", tuple]:
+    def claim(hub: Hub, msg: Resume, clients: tuple) -> tuple["Session", tuple]:
         """(the session `msg.token` names, (where each of its contexts resumes, the token)), or resume_expired /
-        resume_used / resume_offset. Claiming spends the token (synchronously: of two resumes racing with one
-        token, one wins)."""
+        resume_used / resume_forbidden (another identity's session) / resume_offset. Claiming spends the token
+        (synchronously: of two resumes racing with one token, one wins); a refused claim spends nothing."""
         if (relay := workers.relay_for(msg)) is not None:  # another worker's session: carried to it
             return relay, None
         tokens = hub.resume_tokens
-        if msg.token in tokens and tokens[msg.token] is None:
+        if hub.spent_tokens.spent(msg.token) or (msg.token in tokens and tokens[msg.token] is None):
             raise ProtocolError("resume_used", "this resume token has been used; a resumed session's token is the "
                                 "one its `resumed` event gave")
         target = tokens.get(msg.token)
+        if target is not None and not target.closed and owner(target.clients) != owner(clients):
+            raise ProtocolError("resume_forbidden", "this session was opened by another client (another API key, "
+                                "or without keys another address); only its own client may resume it")
         if target is None or target.closed:
             window = (f"{hub.limits.resume_window_s:g} s, and a client keeps at most "
                       f"{hub.limits.max_connections_per_client} sessions waiting, the oldest expiring first"
@@ -260,6 +269,11 @@ class Session:
             raise ProtocolError("resume_expired", f"no session to resume: the token is unknown, or its session "
                                 f"has ended or expired (the resume window is {window})")
         positions = {p.context_id: (p.bytes, p.events) for p in msg.contexts}
+        if unlisted := [c for c in target.utterances if c not in positions]:
+            names = ", ".join(c or "(default)" for c in unlisted)
+            raise ProtocolError("resume_offset", f"the resume does not list {names}, where an utterance is open: "
+                                "list every open context, with what was received of it ({\"bytes\": 0, "
+                                "\"events\": 0} if nothing)")
         for context_id, (nbytes, events) in positions.items():
             try:
                 target._log_or_empty(context_id).check(nbytes, events)
@@ -389,7 +403,7 @@ class Session:
     async def _on_resume(self, msg: Resume) -> None:
         if self.received or self.utterances:
             raise ProtocolError("bad_state", "resume must be the first message on a new connection")
-        raise _Resumed(*self.claim(self.hub, msg))
+        raise _Resumed(*self.claim(self.hub, msg, self.clients))
 
 
 class _Resumed(Exception):
@@ -422,6 +436,7 @@ class Utterance:
         self.encoder = Encoder(start.format, start.sample_rate)
         self.opening = asyncio.ensure_future(session.hub.open(session.clients, voice, start.speed, start.seed,
                                                               self._queued))
+        self.left = asyncio.Event()  # set once the context is free for the next start (`_leave`)
         self.task = asyncio.create_task(self._run())
 
     def push(self, kind: str, text: str = "") -> None:
@@ -458,7 +473,11 @@ class Utterance:
             self.stream.cancel()
         else:
             self.opening.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
+        # Until the context is free, not until `done` is sent: should the socket drop meanwhile, the sender
+        # waits for a resume, and the reader (this caller) must be free to see the drop.
+        left = asyncio.ensure_future(self.left.wait())
+        await asyncio.wait([self.task, left], return_when=asyncio.FIRST_COMPLETED)
+        left.cancel()
 
     async def stop(self) -> None:
         """The connection is going: end everything, say nothing."""
@@ -557,6 +576,7 @@ class Utterance:
         """Free the context for the next start (before the last event goes, so a client answering it is served)."""
         if self.session.utterances.get(self.context_id) is self:
             del self.session.utterances[self.context_id]
+        self.left.set()
 
     async def _finish(self, failed: bool = False) -> None:
         """The utterance's one `done`, once its context and its slot are free (a client answering it at once
@@ -579,7 +599,7 @@ async def stream_endpoint(ws: WebSocket) -> None:
     try:
         step = (Session(hub, clients, hub.admission.connect(clients)), None)
     except ProtocolError as err:
-        step = await _resume_past_caps(ws, hub, err)
+        step = await _resume_past_caps(ws, hub, err, clients)
     while step is not None:  # a resume moves the socket to the session it names
         session, resume = step
         try:
@@ -590,20 +610,25 @@ async def stream_endpoint(ws: WebSocket) -> None:
             step = None
 
 
-async def _resume_past_caps(ws: WebSocket, hub: Hub, refusal: ProtocolError) -> tuple | None:
+async def _resume_past_caps(ws: WebSocket, hub: Hub, refusal: ProtocolError, clients: tuple) -> tuple | None:
     """A connection over the connection caps may still resume a session that waits for it: that session's own
     place in the caps is what it takes (else a client whose every connection dropped at once could not come back,
-    its waiting sessions filling its cap). (session, resume) when its first message resumes one; else the
-    refusal (or why the resume failed) is sent, the socket closed (1013: try again later), and None returned."""
-    if any(session.link is None for session in hub.sessions):
-        with contextlib.suppress(TimeoutError, ValidationError, TypeError, KeyError):
-            async with asyncio.timeout(RESUME_GRACE_S):
-                message = await ws.receive()
-            if isinstance(msg := CLIENT_MESSAGE.validate_json(message["text"]), Resume):
-                try:
-                    return Session.claim(hub, msg)
-                except ProtocolError as err:
-                    refusal = err
+    its waiting sessions filling its cap). Only as many such connections wait at once, for RESUME_GRACE_S at
+    most, as its identity has sessions waiting (`Admission.resume_grace`); the others are refused at once.
+    (session, resume) when its first message resumes one; else the refusal (or why the resume failed) is sent,
+    the socket closed (1013: try again later), and None returned."""
+    if (grace := hub.admission.resume_grace(clients)) is not None:
+        try:
+            with contextlib.suppress(TimeoutError, ValidationError, TypeError, KeyError):
+                async with asyncio.timeout(RESUME_GRACE_S):
+                    message = await ws.receive()
+                if isinstance(msg := CLIENT_MESSAGE.validate_json(message["text"]), Resume):
+                    try:
+                        return Session.claim(hub, msg, clients)
+                    except ProtocolError as err:
+                        refusal = err
+        finally:
+            grace.release()
     with contextlib.suppress(WebSocketDisconnect, WebSocketDisconnected, OSError):
         await ws.send_text(json.dumps(_error(refusal)))
         await ws.close(1013, refusal.code)

@@ -86,6 +86,16 @@ GPU_STREAMS_CAP = 1024  # default cap on a GPU; memory would allow far more (`de
 BLEND_PREFIXES = 64  # blends whose prefix keys/values stay cached (64 KB each for the shipped model)
 
 
+# A seeded stream's step runs with at least this many rows. ONNX Runtime's int8 MatMulNBits (accuracy level 4,
+# the default CPU step) takes another kernel for a one-row product than for two or more: a row's logits at batch 1
+# differ from the same row's at batch 2-8 by up to ~5e-6, while from 2 rows on they are bit-identical whatever
+# the row's place and the other rows' contents (measured on the shipped step, batches 1/2/4/8). A difference that
+# small flips a sampled token now and then, and the stream goes its own way from there: a seeded stream alone
+# (batch 1) and beside others (batch >= 2) differed from its first frame. One idle row costs ~0.45 ms of CPU a
+# step (0.87 -> 1.3 ms, 2-core AMD EPYC), paid only while a seeded stream is alone.
+EXACT_MIN_ROWS = 2
+
+
 class EngineError(RuntimeError):
     code = "engine_error"
 
@@ -509,12 +519,16 @@ class Engine:
         return launched or bool(self._inflight)
 
     def _bucket(self) -> int:
-        """Slots to step: the power of two covering the highest live slot, at most max_streams (0: none live).
-        Example: live slots {0, 2, 5} of 16 -> 8; {0} -> 1; {9} -> 16; {9} of 12 -> 12."""
+        """Slots to step: the power of two covering the highest live slot, at most max_streams (0: none live),
+        and never one slot alone for a seeded stream (`EXACT_MIN_ROWS`).
+        Example: live slots {0, 2, 5} of 16 -> 8; {0} -> 1 (2 if its stream is seeded); {9} -> 16; {9} of 12 -> 12."""
         live = np.flatnonzero(self._live)
         if not len(live):
             return 0
-        return min(self.max_streams, 1 << int(live[-1]).bit_length())
+        n = 1 << int(live[-1]).bit_length()
+        if n < EXACT_MIN_ROWS and self.utterances[live[-1]].stream.decode_alone:
+            n = EXACT_MIN_ROWS
+        return min(self.max_streams, n)
 
     # -- events: O(number of events) host work, device updates batched per tick --
     def _handle_events(self) -> bool:

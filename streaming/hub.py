@@ -17,7 +17,9 @@ from starlette.datastructures import Headers
 from streaming.engine import ServerFull, UnknownVoice
 from streaming.limits import Limits
 from streaming.protocol import ProtocolError
+from streaming.resume import SpentTokens
 from streaming.server_admission import Admission
+from streaming.workers import relayed_address
 from tts import SAMPLE_RATE
 from tts.text import TextError
 
@@ -34,6 +36,7 @@ class Hub:
         self.pool = ThreadPoolExecutor(2 * limits.max_connections + 2, thread_name_prefix="tts-io")
         self.sessions: set = set()  # the WebSocket sessions (server.Session), those waiting for a resume too
         self.resume_tokens: dict = {}  # resume token -> its session, or None once spent (resume_used)
+        self.spent_tokens = SpentTokens()  # tokens spent by resumes of sessions that have ended (resume_used)
         self.streams: set = set()  # engine streams open for clients, WebSocket and HTTP
         path = os.environ.get("TTS_TIMELINE_LOG")
         self.timeline_log = None if not path else TimelineLog(path)
@@ -208,7 +211,7 @@ def api_key(scope) -> str | None:
 
 def clients_of(scope, hub: Hub) -> tuple:
     """The identities one connection counts against: its remote address, and its API key when keys are set."""
-    address = (scope.get("client") or ("unknown",))[0]
+    address = relayed_address(scope) or (scope.get("client") or ("unknown",))[0]
     key = api_key(scope) if hub.api_keys else None
     return (("addr", address),) + ((("key", key),) if key else ())
 

@@ -21,7 +21,7 @@ ERRORS = {
     "too_many_contexts": 400, "body_too_large": 413, "invalid_api_key": 401, "origin_not_allowed": 403,
     "not_found": 404, "method_not_allowed": 405, "client_limit": 429, "server_full": 503,
     "engine_error": 500, "internal": 500, "idle_timeout": 408,
-    "resume_expired": 410, "resume_used": 409, "resume_offset": 416,
+    "resume_expired": 410, "resume_used": 409, "resume_offset": 416, "resume_forbidden": 403,
 }
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from starlette.websockets import WebSocket
@@ -105,6 +105,26 @@ def _before(entry: Entry, nbytes: int, events: int) -> bool:
     return entry.at_events < events
 
 
+class SpentTokens:
+    """Resume tokens spent by a resume whose session has since ended, so that one more resume with one is
+    still `resume_used` (not `resume_expired`), as long as the server remembers it: the last `keep` of them
+    (16 bytes each: memory stays bounded however many sessions come and go)."""
+
+    def __init__(self, keep: int = 10_000):
+        self.keep, self._tokens = keep, OrderedDict()
+
+    def add(self, token: str) -> None:
+        self._tokens[token] = None
+        while len(self._tokens) > self.keep:
+            self._tokens.popitem(last=False)
+
+    def spent(self, token: str) -> bool:
+        return token in self._tokens
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+
 class Link:
     """One socket serving a session. `first_seq`: log entries before it were sent on an earlier socket (or are
     replayed by the resume), so a sender that waited through the drop must not send them again. Every send and
@@ -126,6 +146,18 @@ class Link:
             self.dropped, self.replaced, self.broken = dropped, replaced, True
             for task in self._racing:
                 self._stop(task, "cut")
+
+    def close(self) -> None:
+        """The socket no longer serves the session: whatever still races on it gives up (LinkBroken), and its
+        timer goes, which would otherwise keep the link, its socket and their buffers alive up to a timeout
+        more (30 s by default) for every connection that has ended."""
+        if not self.broken:
+            self.broken = True
+            for task in self._racing:
+                self._stop(task, "cut")
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     async def send_text(self, text: str) -> None:
         await self.race(self.ws.send_text(text), self.timeout_s)

@@ -81,6 +81,27 @@ class Place:
             self._admission._put_back(self)
 
 
+class Grace:
+    """A connection over the caps held to hear whether it resumes (`Admission.resume_grace`), until `release()`
+    (idempotent)."""
+
+    def __init__(self, graced: Counter, identity: tuple):
+        self._graced, self._identity, self._held = graced, identity, True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            _uncount(self._graced, (self._identity,))
+
+
+def owner(clients: tuple) -> tuple:
+    """The identity that owns what a connection opens (its sessions, their resume tokens, its caps): its API key
+    when it presents one, else its remote address. Example: (("addr", "10.0.0.5"), ("key", "k1")) -> ("key",
+    "k1"); (("addr", "10.0.0.5"),) -> ("addr", "10.0.0.5")."""
+    keys = [client for client in clients if client[0] == "key"]
+    return keys[0] if keys else clients[0]
+
+
 class _Waiter:
     def __init__(self, clients: tuple):
         self.clients = clients
@@ -101,6 +122,7 @@ class Admission:
         self._connections_of: Counter = Counter()
         self._streams_of: Counter = Counter()  # speaking or queued, per client
         self._aside_of: dict[tuple, deque[Place]] = {}  # per client, its places set aside, oldest first
+        self._graced: Counter = Counter()  # per identity, connections over the caps let in to try a resume
         self._queue: deque[_Waiter] = deque()
 
     @property
@@ -141,6 +163,17 @@ class Admission:
                 oldest = waiting[0]
                 self._forget_aside(oldest)
                 oldest.expire()
+
+    def resume_grace(self, clients: tuple) -> "Grace | None":
+        """Room for one connection over the caps to say whether it resumes a waiting session: granted while its
+        identity (`owner`) has fewer such connections pending than sessions waiting for a resume, else None
+        (refuse it at once). Example: one session of 10.0.0.5 waits; of 3,000 connections from 10.0.0.5 over
+        the caps, one at a time is held to hear its first message, the rest are refused at once."""
+        identity = owner(clients)
+        if self._graced[identity] >= len(self._aside_of.get(identity, ())):
+            return None
+        self._graced[identity] += 1
+        return Grace(self._graced, identity)
 
     def _put_back(self, place: Place) -> None:
         self._forget_aside(place)

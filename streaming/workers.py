@@ -45,6 +45,7 @@ from streaming.resume import dropped
 
 log = logging.getLogger("tts.workers")
 FORWARDED_HEADERS = ("authorization", "x-api-key")  # the client's credentials, for the owner's access check
+RELAYED_FOR = "x-tts-relayed-for"  # the client's address, set by a relay and believed on a private address only
 RELAY_OPEN_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 10.0  # a worker still running this long after SIGTERM is killed
 PERCENTILES = ("p50", "p99")
@@ -100,6 +101,17 @@ def owner_of(token: str) -> int | None:
     return int(tag)
 
 
+def relayed_address(scope) -> str | None:
+    """The address of the client a relay carries (`Relay`), when ``scope`` came to this worker's private address,
+    where only the pool's workers connect; else None (on the public port anyone could claim any address)."""
+    if _this is None or tuple(scope.get("server") or ()) != _this.peers[_this.index]:
+        return None
+    for name, value in scope.get("headers", ()):
+        if name.decode("latin-1") == RELAYED_FOR:
+            return value.decode("latin-1")
+    return None
+
+
 def relay_for(message) -> Relay | None:
     """A `Relay` to the worker that owns the session ``message`` (a `Resume`) names, when another worker does."""
     owner = owner_of(message.token)
@@ -121,6 +133,7 @@ class Relay:
         query = ws.scope.get("query_string", b"").decode("latin-1")
         url = f"ws://{self.owner[0]}:{self.owner[1]}{ws.scope['path']}" + (f"?{query}" if query else "")
         headers = [(k, v) for k, v in ws.headers.items() if k in FORWARDED_HEADERS]
+        headers.append((RELAYED_FOR, (ws.scope.get("client") or ("unknown",))[0]))  # whose session it may resume
         try:
             owner = await connect(url, additional_headers=headers, compression=None, max_size=None,
                                   open_timeout=RELAY_OPEN_TIMEOUT_S, ping_interval=None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import httpx2 as httpx
 import numpy as np
@@ -369,3 +370,142 @@ def test_a_client_that_aborts_and_reconnects_is_never_locked_out_by_its_waiting_
     server.stop()
     assert wait_until(lambda: engine.active_streams == 0 and hub.admission.connections == 0)
     engine.close()
+
+
+# ---- issue 48: resume bound to its identity, bounded grace, spent tokens, every open context listed ----------
+def test_a_resume_from_another_api_key_is_refused_and_spends_nothing(make_server, tiny_engine):
+    """Issue 48 door 1: a client holding key 2 could resume (and hear) a session opened with key 1."""
+    server = make_server(tiny_engine, resume_window_s=10, api_keys=["k1", "k2"])
+    url = server.ws_url
+
+    async def go():
+        token, got = await dropped_session(url + "?api_key=k1")
+        other = await resume(url + "?api_key=k2", token, got.position())
+        own = await resume(url + "?api_key=k1", token, got.position())
+        return other, own
+
+    other, own = run(go())
+    assert (other["type"], other["code"]) == ("error", "resume_forbidden")
+    assert own["type"] == "resumed"  # the refused try spent nothing
+    assert wait_until(lambda: server.hub.admission.connections == 0)
+
+
+def test_a_resume_from_another_address_is_refused(make_server, tiny_engine):
+    """Without keys a session belongs to the address that opened it (here 127.0.0.1; the thief: 127.0.0.2)."""
+    server = make_server(tiny_engine, resume_window_s=10)
+
+    async def go():
+        token, got = await dropped_session(server.ws_url)
+        async with websockets.connect(server.ws_url, local_addr=("127.0.0.2", 0)) as ws:
+            await send(ws, type="resume", token=token, contexts=[got.position()])
+            other = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        return other, await resume(server.ws_url, token, got.position())
+
+    other, own = run(go())
+    assert other["code"] == "resume_forbidden" and own["type"] == "resumed"
+
+
+def test_connections_over_the_cap_wait_for_a_resume_only_as_many_as_the_client_has_sessions_waiting(make_server):
+    """Issue 48 door 2: with one session waiting for its resume, every further connection from that address was
+    held ~5 s (3,000 of them: 3,028 open files). Now one at a time waits; the rest are refused at once, and
+    another address has nothing waiting, so it is refused at once too; the waiting session still resumes."""
+    from helpers import tiny_random
+    engine = tiny_random(max_streams=2, max_open=8)
+    server = make_server(engine, resume_window_s=30, max_connections=2)
+
+    async def refused_at_once(**connect) -> float:
+        started = asyncio.get_running_loop().time()
+        async with websockets.connect(server.ws_url, **connect) as ws:
+            event = json.loads(await asyncio.wait_for(ws.recv(), 10))
+            assert event["code"] == "server_full", event
+        return asyncio.get_running_loop().time() - started
+
+    async def go():
+        token, got = await dropped_session(server.ws_url)
+        live = await websockets.connect(server.ws_url)  # the server's second connection: now it is full
+        assert await asyncio.to_thread(wait_until, lambda: server.hub.stats()["awaiting_resume"] == 1)
+        held = await websockets.connect(server.ws_url)  # over the cap, may resume: held (it says nothing yet)
+        quick = [await refused_at_once() for _ in range(20)]
+        stranger = await refused_at_once(local_addr=("127.0.0.2", 0))
+        fds_while = len(os.listdir("/proc/self/fd"))
+        await send(held, type="resume", token=token, contexts=[got.position()])
+        resumed = json.loads(await asyncio.wait_for(held.recv(), 10))
+        await send(held, type="cancel")
+        await got.read(held, got.done)
+        await held.close()
+        await live.close()
+        return quick, stranger, resumed, fds_while
+
+    quick, stranger, resumed, fds_while = run(go())
+    assert max(quick) < 1.0 and stranger < 1.0, (quick, stranger)
+    assert resumed["type"] == "resumed"
+    assert wait_until(lambda: server.hub.admission.connections == 0)
+
+
+def test_a_spent_token_answers_resume_used_after_its_session_has_ended(resume_server):
+    """Issue 48 door 7: after the resumed session ended, its first token got resume_expired; the docs say
+    resume_used."""
+    server = resume_server
+
+    async def go():
+        token, got = await dropped_session(server.ws_url)
+        async with websockets.connect(server.ws_url) as ws:
+            await send(ws, type="resume", token=token, contexts=[got.position()])
+            assert json.loads(await ws.recv())["type"] == "resumed"
+            await send(ws, type="cancel")
+            await got.read(ws, got.done)
+        await asyncio.to_thread(wait_until, lambda: not server.hub.sessions)
+        return await resume(server.ws_url, token, {"bytes": 0, "events": 0})
+
+    assert run(go())["code"] == "resume_used"
+    assert not server.hub.resume_tokens and len(server.hub.spent_tokens) >= 1
+
+
+def test_a_resume_must_list_every_open_context(resume_server):
+    """Issue 48 door 7: a resume listing one of two open contexts dropped the other's missing audio and still
+    said done (not cancelled). Now it is refused (resume_offset, naming the context) and spends nothing; the
+    full resume then gets everything."""
+    server = resume_server
+
+    async def go():
+        got = Received()
+        ws = await websockets.connect(server.ws_url)
+        token = await open_contexts(ws, got, sentences=2)
+        await got.read(ws, lambda: len(got.audio[None]) > 10_000 and len(got.audio["b"]) > 5_000)
+        ws.transport.abort()
+        await asyncio.to_thread(wait_until, lambda: server.hub.stats()["awaiting_resume"] == 1)
+        partial = await resume(server.ws_url, token, got.position())
+        async with websockets.connect(server.ws_url) as again:
+            await send(again, type="resume", token=token, contexts=[got.position(c) for c in STARTS])
+            resumed = json.loads(await again.recv())
+            await got.read(again, lambda: all(got.done(c) for c in STARTS))
+        return partial, resumed, got
+
+    partial, resumed, got = run(go())
+    assert partial["code"] == "resume_offset" and "'b'" not in partial["message"] and "b" in partial["message"]
+    assert resumed["type"] == "resumed"
+    assert all(not got.events[c][-1]["cancelled"] for c in STARTS)
+
+
+def test_a_closed_connection_frees_its_socket_at_once(make_server, tiny_engine):
+    """Issue 48 door 7: each closed connection's Link (and through it the socket, scope and buffers) lived
+    idle_timeout_s (30 s) more, held by its uncancelled timer."""
+    import gc
+    import weakref
+    server = make_server(tiny_engine, idle_timeout_s=30)
+    links = []
+
+    async def go():
+        async with websockets.connect(server.ws_url) as ws:
+            await send(ws, type="start")
+            assert json.loads(await ws.recv())["type"] == "ready"
+            await send(ws, type="text", text="Hi.")
+            await send(ws, type="end")
+            session = next(iter(server.hub.sessions))
+            links.append(weakref.ref(session.link))
+            while not isinstance(message := await ws.recv(), str) or json.loads(message)["type"] != "done":
+                pass
+
+    run(go())
+    assert wait_until(lambda: not server.hub.sessions)
+    assert wait_until(lambda: gc.collect() is not None and links[0]() is None, 3), "the link outlived its socket"
