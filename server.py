@@ -48,6 +48,7 @@ from streaming.protocol import (CLIENT_MESSAGE, UNCOUNTED, Ack, Cancel, End, Flu
                                 Text, check_text, validation_error)
 from streaming.resume import Link, LinkBroken, ReplayLog, dropped
 from streaming.server_admission import owner
+from streaming.text_gate import SpeakableGate
 from tts import SAMPLE_RATE
 from tts.text import TextError
 
@@ -437,16 +438,19 @@ class Utterance:
         self.opening = asyncio.ensure_future(session.hub.open(session.clients, voice, start.speed, start.seed,
                                                               self._queued))
         self.left = asyncio.Event()  # set once the context is free for the next start (`_leave`)
+        self.gate = SpeakableGate()  # no audio goes out before the text has something speakable
         self.task = asyncio.create_task(self._run())
 
     def push(self, kind: str, text: str = "") -> None:
         """text / flush / end: to the engine stream, or kept until the stream opens."""
         if kind == "text":
             self.chars += len(text)
+            self.gate.add(text)
             if text.strip():
                 self.first_text_at = self.first_text_at or time.perf_counter()
         elif kind == "end":
             self.state = "ending"
+            self.gate.end()
         if self.stream is None:
             self.pending.append((kind, text))
         else:
@@ -469,6 +473,7 @@ class Utterance:
         """Stop at once: the wait in the queue ends, or generation stops and queued audio is dropped; then
         `done` with cancelled true. Returns once the utterance is gone."""
         self.cancelled = True
+        self.gate.end()
         if self.stream is not None:
             self.stream.cancel()
         else:
@@ -550,6 +555,9 @@ class Utterance:
         """Engine -> socket. Each send waits while the socket is backed up, and no read happens meanwhile,
         so the engine's queue fills and it pauses this stream's generation."""
         stream, start = self.stream, self.start
+        if not await self.gate.wait() and not self.cancelled:  # the text ended with nothing to say
+            what = "has nothing speakable in it" if self.gate.text_seen else "is empty"
+            raise ProtocolError("bad_text", f"the utterance's text {what}", "text")
         async for chunk in self.session.hub.chunks(stream):
             timing = {}
             if start.timings and (phonemes := stream.take_timings()):
@@ -558,6 +566,7 @@ class Utterance:
                 timing["words"] = words
             if timing:
                 await self._event({"type": "timing", **timing})
+            self.session.hub.check_audio(self.samples + len(chunk), self.chars)
             await self._send_audio(self.encoder.encode(chunk), len(chunk))
         if not self.cancelled:
             await self._send_audio(self.encoder.finish(), 0)

@@ -12,13 +12,13 @@ import logging
 from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from streaming.server_admission import retry_after_header
 from streaming.containers import MEDIA_TYPES, Encoder
 from streaming.hub import Hub, api_key, clients_of, origin_allowed
-from streaming.protocol import ProtocolError, SpeechRequest, check_text, validation_error
+from streaming.protocol import ProtocolError, SpeechRequest, check_whole_text, validation_error
 from tts import SAMPLE_RATE
 from tts.text import TextError
 
@@ -86,18 +86,17 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 async def _speech_request(request: Request, hub: Hub) -> SpeechRequest:
-    """The validated request: JSON, voice, text characters and length. What the text front end makes of the
-    text is known with the first audio, before the status line (`speech`)."""
+    """The validated request: JSON, voice, and its text (`tts.text.validate_text`: length, characters, something
+    speakable). What the engine's text front end makes of the text is still known with the first audio, before
+    the status line (`speech`)."""
     body = await _read_body(request, hub.limits.max_message_bytes)
     try:
         req = SpeechRequest.model_validate_json(body)
     except ValidationError as err:
         raise validation_error(err) from None
     req.voice = hub.resolve_voice(req.voice_name)
-    check_text(req.input, "input")
     hub.check_length(len(req.input), "input is", "input")
-    if not req.input.strip():
-        raise ProtocolError("bad_text", "input is empty", "input")
+    check_whole_text(req.input, hub.text_limit, "input")  # before the engine or the queue: a 400, no audio
     return req
 
 
@@ -147,8 +146,10 @@ class SpeechResponse(StreamingResponse):
         super().__init__(self._sse() if sse else self._audio(), media_type=media, headers=headers)
 
     async def _encoded(self):
-        chunk = self._first
+        chunk, samples = self._first, 0
         while chunk is not None:
+            samples += len(chunk)
+            self._hub.check_audio(samples, len(self._req.input))
             if data := self._encoder.encode(chunk):
                 yield data
             chunk = await anext(self._chunks, None)
@@ -205,6 +206,9 @@ async def speech(request: Request):
         hub.admission.connect(clients)
     except ProtocolError as err:
         return error_response(err)
+    except ClientDisconnect:  # the body was cut short: expected, one line (nobody reads an answer)
+        log.info("speech request from %s: the client left before its body was read", clients[0][1])
+        return Response(status_code=400)
     opened = chunks = first = None
     try:
         opened = await _until_disconnect(request, hub.open(clients, req.voice, req.speed, req.seed))

@@ -70,11 +70,22 @@ class Hub:
         raise ProtocolError("unknown_voice", f"unknown voice {name!r}; choose one of {sorted(self._engine.voices)} "
                             f"or an alias {sorted(self.aliases)}", param)
 
+    @property
+    def text_limit(self) -> int:
+        """Characters of one utterance: max_text_chars, or the engine's own limit if that is lower."""
+        return min(self.limits.max_text_chars, getattr(self._engine, "max_chars", self.limits.max_text_chars))
+
     def check_length(self, chars: int, what: str, param: str = "text") -> None:
-        """text_too_long past max_text_chars, or past the engine's own limit if that is lower."""
-        limit = min(self.limits.max_text_chars, getattr(self._engine, "max_chars", self.limits.max_text_chars))
-        if chars > limit:
+        """text_too_long past `text_limit`."""
+        if chars > (limit := self.text_limit):
             raise ProtocolError("text_too_long", f"{what} {chars} characters; the limit is {limit}", param)
+
+    def check_audio(self, samples: int, chars: int) -> None:
+        """audio_too_long once an utterance of ``chars`` characters would pass `Limits.audio_cap_s` with
+        ``samples`` (at the engine's rate): a text the front end reads far longer than it looks is cut there."""
+        if samples > (cap := self.limits.audio_cap_s(chars)) * SAMPLE_RATE:
+            raise ProtocolError("audio_too_long", f"the utterance's audio would pass {cap:g} s, the most "
+                                f"{chars} characters of text may become (max_audio_s, audio_s_per_char)")
 
     async def open(self, clients: tuple, voice: str | None, speed: float, seed: int | None, on_queued=None):
         """(ticket, engine stream): a slot from admission (waiting in its queue if need be), then the stream.

@@ -28,6 +28,16 @@ class Limits:
                                     "but not in its client's caps (0: no resume)")
     resume_buffer_bytes: int = _limit(1 << 20, "output of one context kept for a resume until the client "
                                       "acknowledges it")
+    max_audio_s: float = _limit(600.0, "audio of one utterance, in seconds; past it (or past "
+                                "audio_s_per_char per character of its text, at least AUDIO_FLOOR_S) it is cut "
+                                "with audio_too_long")
+    audio_s_per_char: float = _limit(2.0, "audio seconds one character of text may become (speech is ~0.07 at "
+                                     "speed 1; numbers and speed 0.25 need more)")
+
+    def audio_cap_s(self, chars: int) -> float:
+        """The most audio an utterance of ``chars`` characters may have. Example (defaults): 1 character -> 10 s
+        (the floor: "ﷺ" read as 13 s of Arabic is cut there); 100 -> 200 s; 4096 -> 600 s."""
+        return min(self.max_audio_s, max(AUDIO_FLOOR_S, chars * self.audio_s_per_char))
 
     def __post_init__(self):
         for name, value in vars(self).items():
@@ -38,6 +48,7 @@ class Limits:
 
 
 _MAY_BE_ZERO = ("resume_window_s",)
+AUDIO_FLOOR_S = 10.0  # the audio cap of a short text (`Limits.audio_cap_s`): "Hi." may take a long pause
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

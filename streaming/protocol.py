@@ -9,10 +9,11 @@ error type.
 """
 from __future__ import annotations
 
-import re
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from tts.text import TextError, check_characters, validate_text
 
 # code -> HTTP status. Over WebSocket the same codes come as {"type": "error", "code": ...}.
 ERRORS = {
@@ -22,6 +23,7 @@ ERRORS = {
     "not_found": 404, "method_not_allowed": 405, "client_limit": 429, "server_full": 503,
     "engine_error": 500, "internal": 500, "idle_timeout": 408,
     "resume_expired": 410, "resume_used": 409, "resume_offset": 416, "resume_forbidden": 403,
+    "audio_too_long": 400,
 }
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
@@ -132,14 +134,15 @@ class SpeechRequest(BaseModel):
     `sample_rate` are this server's extensions."""
     model_config = ConfigDict(extra="forbid")
     model: str = "tts"
+    # strict numbers: "speed": "2" or true is a client's bug to see (bad_message), not a speed to guess
     input: str
     voice: str | VoiceRef | None = None
     response_format: Literal[HTTP_FORMATS] = "mp3"
-    speed: float = Field(1.0, ge=0.25, le=4.0)
+    speed: float = Field(1.0, ge=0.25, le=4.0, strict=True)
     instructions: str | None = None
     stream_format: Literal["audio", "sse"] = "audio"
-    seed: Seed | None = None
-    sample_rate: SampleRate = 24_000
+    seed: Annotated[Seed, Field(strict=True)] | None = None
+    sample_rate: SampleRate = 24_000  # a Literal: only these very ints (the string "16000" is refused)
 
     @property
     def voice_name(self) -> str | None:
@@ -168,14 +171,20 @@ def validation_error(err: ValidationError) -> ProtocolError:
     return ProtocolError(code, f"{where or 'message'}: {first['msg']}", param=where)
 
 
-# C0 controls but tab, newline and carriage return; DEL; C1 controls; lone surrogates (JSON can carry them).
-_FORBIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
-
-
 def check_text(text: str, param: str = "text") -> None:
-    """Refuse control characters (bad_text): they are never speech, and an escape or a NUL in an LLM's output
-    is a bug upstream that should be seen, not silently dropped. Tab, newline and carriage return are spaces.
-    Example: "Hello\\u0000 world." -> bad_text "... U+0000 at offset 5 ...". """
-    if found := _FORBIDDEN.search(text):
-        raise ProtocolError("bad_text", f"{param} contains the control character U+{ord(found.group()):04X} at "
-                            f"offset {found.start()}; only tab, newline and carriage return are allowed", param)
+    """`tts.text.check_characters` as a typed error (bad_text naming ``param``): the same refusal, in the same
+    words, as every other front end's. Example: "Hello\\u0000 world." -> bad_text "... U+0000 at offset 5 ...". """
+    try:
+        check_characters(text, param)
+    except TextError as err:
+        raise ProtocolError("bad_text", str(err), param) from None
+
+
+def check_whole_text(text: str, limit: int, param: str = "input") -> None:
+    """`tts.text.validate_text` as a typed error: a whole text (a speech request's input, a Wyoming synthesize)
+    refused before anything is spoken, text_too_long past ``limit``, else bad_text."""
+    try:
+        validate_text(text, limit, param)
+    except TextError as err:
+        code = "text_too_long" if len(text) > limit else "bad_text"
+        raise ProtocolError(code, str(err), param) from None

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from streaming.textstream import TextStream
-from tts.text import SYMBOLS
+from tts.text import SYMBOLS, check_characters
 
 if TYPE_CHECKING:
     from streaming.engine import Engine
@@ -77,6 +77,8 @@ class Stream:
 
     # ---- caller side ----------------------------------------------------------------------------
     def push_text(self, text: str) -> None:
+        """More text. A control character is refused (TextError, `tts.text.check_characters`), whoever calls."""
+        check_characters(text)
         self.text.push(text)
         if self.first_text_at is None and text.strip():
             self.first_text_at = time.perf_counter()

@@ -16,10 +16,22 @@ One connection, one utterance at a time:
 
 Audio is s16le mono at the engine's sample rate (24 kHz). Uses only the engine's public API, so one engine
 can serve the HTTP/WebSocket server and this one at once (``tts serve --wyoming-uri``).
+
+The server's limits hold here too (`streaming.limits.Limits`, the same flags): an event (its header line, its
+declared ``data_length`` and ``payload_length`` together) over ``max_message_bytes`` is refused before any of it
+is read (``error`` ``event_too_large``, then the connection closes: it cannot be skipped without reading it);
+``max_connections`` / ``max_connections_per_client`` connections (``server_full`` / ``client_limit``, then
+closed); ``max_text_chars`` (``text_too_long``); ``idle_timeout_s`` with no event received and no audio sent
+(``idle_timeout``, closed), also for a client that stops reading; and the audio cap (``audio_too_long``). Every
+malformed event (not JSON, not an object, no ``type``, ``data`` not an object, a length that is not a
+non-negative integer, fields of the wrong type) gets an ``error`` event (``bad_event``) and the connection goes
+on; text is checked as on every front end (`tts.text.validate_text`: NUL and other control characters, nothing
+speakable: ``bad_text``). A client that goes away is one line in the log, never a traceback.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
@@ -38,7 +50,12 @@ from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 from streaming.containers import Encoder
 from streaming.engine import EngineError, ServerFull, UnknownVoice
-from tts.text import TextError
+from streaming.limits import Limits
+from streaming.protocol import ProtocolError
+from streaming.server_admission import Admission
+from streaming.text_gate import SpeakableGate
+from streaming.wyoming_events import BadEvent, read_event
+from tts.text import TextError, validate_text
 from tts.voices import attribution
 
 LANGUAGE = "en_US"
@@ -79,12 +96,69 @@ class WyomingHandler(AsyncEventHandler):
     """One client connection. ``self.stream`` is the engine stream of the utterance being spoken, if any;
     ``self.pump`` the task that sends its audio; ``self.streaming`` whether a synthesize-start is open."""
 
-    def __init__(self, engine, info: Info, pool: ThreadPoolExecutor, *args, **kwargs):
+    def __init__(self, engine, info: Info, pool: ThreadPoolExecutor, limits: Limits, admission: Admission,
+                 *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.engine, self.info, self.pool = engine, info, pool
-        self.stream = self.pump = None
+        self.engine, self.info, self.pool, self.limits, self.admission = engine, info, pool, limits, admission
+        self.stream = self.pump = self.gate = None
         self.streaming = False
         self.failed = False  # the open stream has already reported an error
+        self.chars = 0  # text of the utterance being spoken
+        self.last_active = time.monotonic()  # an event received or audio sent
+        peer = self.writer.get_extra_info("peername")
+        self.clients = (("addr", peer[0] if isinstance(peer, tuple) else "local"),)
+
+    async def run(self) -> None:
+        """The connection: admitted against the limits, then events until the client leaves, idles or sends
+        something that cannot be framed. Every failure ends here as an event or one log line."""
+        try:
+            place = self.admission.connect(self.clients)
+        except ProtocolError as refusal:
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                await self._report(RequestError(refusal.code, refusal.message))
+            self.writer.close()
+            return
+        try:
+            await self._serve()
+        except (ConnectionError, TimeoutError) as gone:  # a reset, a broken pipe, a reader that stopped
+            _LOG.info("wyoming client %s gone: %s", self.clients[0][1], gone or type(gone).__name__)
+        finally:
+            place.release()
+            await self.disconnect()
+            self.writer.close()
+
+    async def _serve(self) -> None:
+        while (event := await self._next_event()) is not None:
+            await self.handle_event(event)
+
+    async def _next_event(self) -> Event | None:
+        """The next event, or None when the client has gone, idled past idle_timeout_s or sent one that cannot
+        be framed (told why first). A malformed event that can be framed is answered here and skipped."""
+        while True:
+            wait = self.limits.idle_timeout_s - (time.monotonic() - self.last_active)
+            try:
+                if wait <= 0:
+                    raise TimeoutError
+                event = await read_event(self.reader, self.limits.max_message_bytes, wait)
+            except TimeoutError:
+                if time.monotonic() - self.last_active < self.limits.idle_timeout_s:
+                    continue  # audio went out meanwhile
+                await self._report(RequestError("idle_timeout", f"no event and no audio for "
+                                                f"{self.limits.idle_timeout_s:g} s"))
+                return None
+            except BadEvent as err:
+                await self._report(RequestError(err.code, str(err)))
+                if err.fatal:
+                    return None
+                continue
+            if event is not None:
+                self.last_active = time.monotonic()
+            return event
+
+    async def write_event(self, event: Event) -> None:
+        """Send an event; a client that reads nothing for idle_timeout_s is gone (TimeoutError)."""
+        async with asyncio.timeout(self.limits.idle_timeout_s):
+            await super().write_event(event)
 
     async def handle_event(self, event: Event) -> bool:
         try:
@@ -101,21 +175,33 @@ class WyomingHandler(AsyncEventHandler):
                 await self._stop()
         except RequestError as err:
             await self._report(err)
-        except (KeyError, TypeError, ValueError) as err:  # a malformed event: missing or mistyped fields
+        except (ConnectionError, TimeoutError):
+            raise  # the client has gone (`run`)
+        except (AttributeError, KeyError, TypeError, ValueError) as err:  # malformed: missing or mistyped fields
             await self._report(RequestError("bad_event", f"malformed {event.type} event: {err!r}"))
+        except Exception as err:  # a bug costs this request, never the connection's log a stray traceback
+            _LOG.exception("wyoming request failed")
+            await self._report(RequestError("internal", f"internal error: {err}"))
         return True
 
     async def disconnect(self) -> None:
-        """The client went away: stop generating for it."""
+        """The client went away: stop generating for it, and wait for its audio task to end."""
         if self.stream is not None:
             self.stream.cancel()
         if self.pump is not None:
             self.pump.cancel()
+            await asyncio.gather(self.pump, return_exceptions=True)
 
     # ---- the two request flows -----------------------------------------------------------------
     async def _synthesize(self, request: Synthesize) -> None:
         _check_format(request.text_format)
+        try:
+            validate_text(request.text, self.limits.max_text_chars)  # as every front end checks a whole text
+        except TextError as err:
+            code = "text_too_long" if len(request.text) > self.limits.max_text_chars else "bad_text"
+            raise RequestError(code, str(err)) from None
         stream = await self._open(request.voice)
+        self.chars = len(request.text)
         try:
             stream.push_text(request.text)
             stream.end()
@@ -127,21 +213,29 @@ class WyomingHandler(AsyncEventHandler):
     async def _start(self, request: SynthesizeStart) -> None:
         if self.streaming:
             raise RequestError("bad_event", "synthesize-start while a stream is open; send synthesize-stop first")
-        self.streaming, self.failed = True, False
+        self.streaming, self.failed, self.chars, self.gate = True, False, 0, SpeakableGate()
         _check_format(request.text_format)
         self.stream = await self._open(request.voice)
-        self.pump = asyncio.create_task(self._send_audio(self.stream))
+        self.pump = asyncio.create_task(self._send_audio(self.stream, self.gate))
 
     def _chunk(self, text: str) -> None:
         if not self.streaming:
             raise RequestError("bad_event", "synthesize-chunk without synthesize-start")
+        if not isinstance(text, str):
+            raise RequestError("bad_event", f"synthesize-chunk text must be a string, not {type(text).__name__}")
         if self.stream is None or self.failed:
             return  # the stream already failed and said so; its synthesize-stop still gets an answer
+        if self.chars + len(text) > self.limits.max_text_chars:  # the stream fails, as on a bad chunk
+            self.stream.cancel()
+            raise RequestError("text_too_long", f"this chunk would make the text {self.chars + len(text)} "
+                               f"characters; the limit is {self.limits.max_text_chars}")
         try:
-            self.stream.push_text(text)
+            self.stream.push_text(text)  # a control character: TextError, as on every front end
         except TextError as err:
             self.stream.cancel()
             raise RequestError("bad_text", str(err)) from None
+        self.chars += len(text)
+        self.gate.add(text)
 
     async def _stop(self) -> None:
         if not self.streaming:
@@ -149,6 +243,8 @@ class WyomingHandler(AsyncEventHandler):
         try:
             if self.stream is not None and not self.failed:
                 self.stream.end()
+            if self.gate is not None:
+                self.gate.end()
             if self.pump is not None:
                 await self.pump
         finally:
@@ -179,26 +275,36 @@ class WyomingHandler(AsyncEventHandler):
                     raise RequestError("server_full", str(err)) from None
             await asyncio.sleep(0.02)
 
-    async def _send_audio(self, stream) -> None:
+    async def _send_audio(self, stream, gate: SpeakableGate | None = None) -> None:
         """Engine -> client: audio-start with the first chunk, every chunk as s16le, audio-stop at the end.
-        A stream that fails reports an ``error`` (and ends its audio if it had started)."""
-        encoder, started = Encoder("pcm_s16le"), False
+        A stream that fails reports an ``error`` (and ends its audio if it had started). Streamed text (``gate``):
+        no audio before the text has something speakable; text that ends with none is bad_text, no text at all
+        just stops, quietly."""
+        encoder, started, samples = Encoder("pcm_s16le"), False, 0
         audio_format = dict(rate=self.engine.sample_rate, width=SAMPLE_WIDTH, channels=CHANNELS)
         try:
-            while True:
-                chunk = await stream.next_chunk()
-                if chunk is None:
-                    break
+            if gate is not None and not await gate.wait():
+                if gate.text_seen:
+                    raise TextError("the streamed text has nothing speakable in it")
+                return
+            while (chunk := await stream.next_chunk()) is not None:
+                samples += len(chunk)
+                if samples > (cap := self.limits.audio_cap_s(self.chars)) * self.engine.sample_rate:
+                    raise RequestError("audio_too_long", f"the audio would pass {cap:g} s, the most "
+                                       f"{self.chars} characters of text may become")
                 if not started:
                     await self.write_event(AudioStart(**audio_format).event())
                     started = True
                 await self.write_event(AudioChunk(audio=encoder.encode(chunk), **audio_format).event())
+                self.last_active = time.monotonic()
         except TextError as err:  # the utterance ended with nothing speakable in it
             if not (self.streaming and stream.first_text_at is None):  # an empty stream just stops, quietly
                 await self._report(RequestError("bad_text", str(err)))
+        except RequestError as err:
+            await self._report(err)
         except EngineError as err:
             await self._report(RequestError("engine_error", f"speech generation failed: {err}"))
-        except ConnectionError:  # the client went away mid-utterance: nobody to tell
+        except (ConnectionError, TimeoutError):  # the client went away (or stopped reading): nobody to tell
             return
         finally:
             if not stream.finished:
@@ -222,10 +328,11 @@ class WyomingServer:
     'tcp://127.0.0.1:10200'
     """
 
-    def __init__(self, engine, uri: str, zeroconf_name: str | None = None):
+    def __init__(self, engine, uri: str, zeroconf_name: str | None = None, limits: Limits | None = None):
         if urlparse(uri).scheme not in ("tcp", "unix"):
             raise ValueError(f"serve Wyoming on tcp://HOST:PORT or unix://PATH, not {uri!r}")
-        self.engine, self.uri = engine, uri
+        self.engine, self.uri, self.limits = engine, uri, limits or Limits()
+        self.admission = Admission(self.limits)  # its own counts, on its own event loop
         self.info = describe(engine)
         self.pool = ThreadPoolExecutor(2 * engine.max_streams + 2, thread_name_prefix="tts-wyoming")
         self._server = AsyncServer.from_uri(uri)
@@ -240,7 +347,8 @@ class WyomingServer:
         return self
 
     async def _start(self) -> None:
-        await self._server.start(partial(WyomingHandler, self.engine, self.info, self.pool))
+        await self._server.start(partial(WyomingHandler, self.engine, self.info, self.pool, self.limits,
+                                         self.admission))
         if self.announcement is not None:
             await self.announcement.start()
 

@@ -1318,3 +1318,96 @@ def test_admission_sets_a_waiting_session_aside_from_its_clients_caps():
     assert refusals == ["client_limit", "client_limit"]
     assert counted["connections"] == 6 and counted["streams"] == 5
     assert admission.stats() == {"connections": 0, "streams": 0, "queued": 0, "clients": 0}
+
+
+# ---- issue 48: one text check before any audio on every front end; strict numbers; caps; quiet disconnects --
+UNSPEAKABLE = ["?", "...", "$", "\U0001F600", "\u200b", "Hello\u0000 world."]
+
+
+@pytest.mark.parametrize("text", UNSPEAKABLE)
+def test_unspeakable_input_is_a_400_before_any_audio_over_http(server, text):
+    """Issue 48 door 3: these got 200, 60-140 ms of audio, then a cut-off body."""
+    response = httpx.post(server.url + "/v1/audio/speech", json={"input": text, "response_format": "pcm"},
+                          timeout=30)
+    assert response.status_code == 400, response.content[:100]
+    assert response.json()["error"]["code"] == "bad_text" and response.json()["error"]["param"] == "input"
+
+
+@pytest.mark.parametrize("pieces", [["?"], ["..."], ["$"], ["\U0001F600"], ["\u200b"], ["?", " ", "!"]])
+def test_unspeakable_text_is_bad_text_before_any_audio_over_the_websocket(server, pieces):
+    async def go():
+        async with websockets.connect(server.ws_url) as ws:
+            await ws.send(json.dumps({"type": "start"}))
+            for piece in pieces:
+                await ws.send(json.dumps({"type": "text", "text": piece}))
+            await ws.send(json.dumps({"type": "end"}))
+            got = []
+            while not got or not isinstance(got[-1], dict) or got[-1].get("type") != "done":
+                message = await asyncio.wait_for(ws.recv(), 30)
+                got.append(message if isinstance(message, bytes) else json.loads(message))
+            return got
+
+    got = run(go())
+    assert not any(isinstance(m, bytes) for m in got), "audio before bad_text"
+    assert [m["type"] for m in got] == ["ready", "error", "done"] and got[1]["code"] == "bad_text"
+    assert got[2]["cancelled"]
+
+
+def test_the_python_api_and_the_cli_refuse_the_same_text_the_same_way(tiny_engine, tmp_path):
+    from tts.api import synthesize_stream
+    from tts.cli import main
+    from tts.text import TextError
+    for text in UNSPEAKABLE:
+        with pytest.raises(TextError):
+            next(synthesize_stream(text, engine=tiny_engine))
+    assert main(["say", "?", "-o", str(tmp_path / "out.wav")]) == 2 and not (tmp_path / "out.wav").exists()
+
+
+@pytest.mark.parametrize("speed", ["2", True, "fast"])
+def test_speed_must_be_a_number(server, speed):
+    """Issue 48 door 7: "speed": "2" and "speed": true were accepted over HTTP."""
+    response = httpx.post(server.url + "/v1/audio/speech", json={"input": "Hi.", "speed": speed}, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "speed"
+
+
+def test_audio_past_the_cap_is_cut_with_audio_too_long(make_server, tiny_engine):
+    """Issue 48 door 5: one character ("ﷺ") became 13 s of audio, with no cap on audio per request."""
+    server = make_server(tiny_engine, max_audio_s=0.5)
+
+    async def go():
+        async with websockets.connect(server.ws_url) as ws:
+            await ws.send(json.dumps({"type": "start"}))
+            await ws.send(json.dumps({"type": "text", "text": SENTENCE * 3}))
+            await ws.send(json.dumps({"type": "end"}))
+            audio, events = 0, []
+            while not events or events[-1]["type"] != "done":
+                message = await asyncio.wait_for(ws.recv(), 30)
+                if isinstance(message, bytes):
+                    audio += len(message)
+                else:
+                    events.append(json.loads(message))
+            return audio, events
+
+    audio, events = run(go())
+    assert [e.get("code") for e in events if e["type"] == "error"] == ["audio_too_long"]
+    assert events[-1]["cancelled"] and audio <= 0.5 * SR * 2
+    with httpx.stream("POST", server.url + "/v1/audio/speech", json={"input": SENTENCE * 3, "response_format": "pcm",
+                                                                     "stream_format": "sse"}, timeout=30) as sse:
+        body = sse.read().decode()
+    assert '"code": "audio_too_long"' in body
+
+
+def test_a_body_cut_short_is_one_log_line(server, caplog):
+    """Issue 48 door 5: a request whose body was cut short logged a ClientDisconnect traceback."""
+    import logging
+    import socket
+    caplog.set_level(logging.INFO)
+    logging.getLogger("uvicorn.error").addHandler(caplog.handler)  # uvicorn's loggers do not propagate
+    with socket.create_connection((server.host, server.port)) as sock:
+        sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"input\": \"Hel")
+        time.sleep(0.3)
+    time.sleep(0.5)
+    logging.getLogger("uvicorn.error").removeHandler(caplog.handler)
+    assert "Exception in ASGI" not in caplog.text and "ClientDisconnect" not in caplog.text, caplog.text
+    assert "left before its body was read" in caplog.text

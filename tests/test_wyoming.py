@@ -188,7 +188,9 @@ def test_english_language_picks_the_default_voice(server):
 
 @pytest.mark.parametrize("events, code", [
     ([Synthesize("   ").event()], "bad_text"),
-    ([Synthesize("x" * 100_000).event()], "bad_text"),
+    ([Synthesize("x" * 5_000).event()], "text_too_long"),  # over max_text_chars (a 100,000: event_too_large)
+    ([Synthesize("Hello\u0000 world.").event()], "bad_text"),
+    ([Synthesize("?").event()], "bad_text"),
     ([Synthesize("<speak>Hi</speak>", text_format="ssml").event()], "unsupported_text_format"),
     ([SynthesizeChunk("orphan chunk").event()], "bad_event"),
     ([SynthesizeStop().event()], "bad_event"),
@@ -269,3 +271,133 @@ def test_zeroconf_announces_the_server_and_withdraws_it(engine):
         finally:
             browser.close()
     assert found is not None and found.port == port and found.parsed_addresses() == ["127.0.0.1"]
+
+
+# ---- issue 48: the server's limits, malformed events, disconnects ------------------------------------------
+async def raw_exchange(port: int, lines: list[bytes], answers: int) -> tuple[list[dict], bool]:
+    """Write raw bytes, read ``answers`` events' header lines back (data merged); whether the server then closed."""
+    import json
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    for line in lines:
+        writer.write(line)
+    await writer.drain()
+    got = []
+    for _ in range(answers):
+        header = json.loads(await asyncio.wait_for(reader.readline(), 10))
+        if header.get("data_length"):
+            header["data"] = {**header.get("data", {}), **json.loads(await reader.readexactly(header["data_length"]))}
+        got.append(header)
+    try:
+        closed = await asyncio.wait_for(reader.read(1), 2) == b""
+    except TimeoutError:
+        closed = False
+    writer.close()
+    return got, closed
+
+
+def port_of(server) -> int:
+    return int(server.uri.rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize("line", [b"[1,2,3]\n", b'{"data": {}}\n', b'{"type": "synthesize", "data": [1]}\n',
+                                  b"not json\n", b'{"type": 5}\n', b'{"type": "synthesize", "data": {"text": 5}}\n'])
+def test_every_malformed_event_gets_an_error_event_and_the_connection_lives_on(server, line, caplog):
+    """Issue 48 door 4: these closed the connection with no error event and logged "Task exception was never
+    retrieved"."""
+    got, closed = run(raw_exchange(port_of(server), [line, b'{"type": "describe"}\n'], 2))
+    assert got[0]["type"] == "error" and got[0]["data"]["code"] == "bad_event", got
+    assert got[1]["type"] == "info" and not closed
+    assert "Traceback" not in caplog.text and "never retrieved" not in caplog.text
+
+
+@pytest.mark.parametrize("line", [b'{"type": "synthesize", "payload_length": 1000000000000}\n',
+                                  b'{"type": "synthesize", "data_length": 70000}\n',
+                                  b'{"type": "synthesize", "data_length": "12"}\n'])
+def test_a_declared_length_past_the_limit_is_refused_before_it_is_read(server, line):
+    """Issue 48 door 4: a declared payload_length of 1 TB was buffered as it came (300 MiB held)."""
+    got, closed = run(raw_exchange(port_of(server), [line, b"x" * 100_000], 1))
+    assert got[0]["type"] == "error" and got[0]["data"]["code"] in ("event_too_large", "bad_event"), got
+    assert closed
+
+
+def test_wyoming_has_the_servers_connection_caps_and_idle_timeout(engine):
+    from streaming.limits import Limits
+    limits = Limits(max_connections=3, max_connections_per_client=2, idle_timeout_s=1.0)
+    with WyomingServer(engine, f"tcp://127.0.0.1:{free_port()}", limits=limits) as small:
+        async def go():
+            first = await asyncio.open_connection("127.0.0.1", port_of(small))
+            second = await asyncio.open_connection("127.0.0.1", port_of(small))
+            await asyncio.sleep(0.2)
+            refused, closed = await raw_exchange(port_of(small), [], 1)
+            started = time.monotonic()
+            idle = await asyncio.wait_for(first[0].read(65536), 10)  # the idle timeout's error, then the close
+            lived = time.monotonic() - started
+            end = await asyncio.wait_for(first[0].read(1), 5) if b"idle_timeout" in idle else None
+            for _, writer in (first, second):
+                writer.close()
+            return refused, closed, idle, lived, end
+
+        refused, closed, idle, lived, end = run(go())
+    assert refused[0]["data"]["code"] == "client_limit" and closed
+    assert b"idle_timeout" in idle and end == b"" and lived < 3
+
+
+def test_nul_text_is_refused_in_a_stream_too(server):
+    async def go():
+        async with client(server) as conn:
+            await conn.write_event(SynthesizeStart().event())
+            await conn.write_event(SynthesizeChunk("Hello\u0000 there.").event())
+            error = await conn.read_event()
+            await conn.write_event(SynthesizeStop().event())
+            return error, await events_until(conn, SynthesizeStopped)
+
+    error, rest = run(go())
+    assert Error.from_event(error).code == "bad_text" and "U+0000" in Error.from_event(error).text
+    assert SynthesizeStopped.is_type(rest[-1].type) and not any(AudioChunk.is_type(e.type) for e in rest)
+
+
+def test_unspeakable_streamed_text_is_bad_text_before_any_audio(server):
+    async def go():
+        async with client(server) as conn:
+            await conn.write_event(SynthesizeStart().event())
+            for piece in ("?", " ...", " \u200b"):
+                await conn.write_event(SynthesizeChunk(piece).event())
+            await conn.write_event(SynthesizeStop().event())
+            return await events_until(conn, SynthesizeStopped)
+
+    events = run(go())
+    assert types(events)[0] == "error" and Error.from_event(events[0]).code == "bad_text"
+    assert not any(AudioChunk.is_type(e.type) for e in events)
+
+
+def test_audio_past_the_cap_is_cut_with_a_typed_error(engine):
+    from streaming.limits import Limits
+    with WyomingServer(engine, f"tcp://127.0.0.1:{free_port()}", limits=Limits(max_audio_s=0.5)) as capped:
+        async def go():
+            async with client(capped) as conn:
+                await conn.write_event(Synthesize(TEXT).event())
+                return await events_until(conn, AudioStop)
+
+        events = run(go())
+    errors = [Error.from_event(e).code for e in events if Error.is_type(e.type)]
+    assert errors == ["audio_too_long"] and len(pcm(events)) <= 0.5 * 24000
+
+
+def test_a_client_gone_mid_audio_is_one_log_line(server, engine, caplog):
+    """Issue 48 door 5: BrokenPipeError tracebacks when a client left mid-audio."""
+    import logging
+    caplog.set_level(logging.INFO)
+
+    async def go():
+        reader, writer = await asyncio.open_connection("127.0.0.1", port_of(server))
+        writer.write(b'{"type": "synthesize", "data": {"text": "' + (TEXT * 4).encode() + b'"}}\n')
+        await writer.drain()
+        await reader.readline()  # audio-start: it speaks
+        writer.transport.abort()
+
+    run(go())
+    deadline = time.monotonic() + 10
+    while engine.active_streams and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert "Traceback" not in caplog.text and "never retrieved" not in caplog.text, caplog.text

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from streaming.engine import Engine
-from tts.text import TextError
+from tts.text import TextError, validate_text
 
 from tts import SAMPLE_RATE  # noqa: F401  (re-exported: tts.api.SAMPLE_RATE)
 
@@ -167,10 +167,7 @@ def synthesize_stream(text: str | Iterable[str], voice: str | None = None, speed
     """
     engine = engine or get_engine()
     if isinstance(text, str):
-        if not text.strip():
-            raise TextError("text is empty")
-        if len(text) > engine.max_chars:
-            raise TextError(f"text is {len(text)} characters; the limit is {engine.max_chars}")
+        validate_text(text, engine.max_chars)  # the one check every front end makes, before any audio
         pieces: Iterable[str] = [text]
     else:
         pieces = text

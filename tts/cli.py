@@ -143,6 +143,16 @@ def speak(source: Iterator, parts: list[str], write, quiet: bool) -> tuple[int, 
     return samples, words
 
 
+def speakable_parts(texts) -> list[str]:
+    """The utterances of ``texts``, checked before any audio or file is made: the whole text as every front end
+    checks one (`tts.text.validate_text`: "?" alone is TextError "text has nothing speakable in it"), then its
+    paragraphs with something to say (a "* * *" between sections is not an utterance of its own)."""
+    from tts.text import has_speakable, validate_text
+    texts = list(texts)
+    validate_text("\n\n".join(texts), limit=sum(map(len, texts)) + 2 * len(texts))  # (length: per utterance)
+    return [u for text in texts for u in utterances(text) if has_speakable(u)]
+
+
 def cmd_say(args) -> int:
     from tts import subtitles
     from tts.output import format_for
@@ -153,10 +163,7 @@ def cmd_say(args) -> int:
         subtitles.subtitle_format(args.subtitles)
     if args.server and (args.subtitles or args.seed is not None):
         raise InputError("--subtitles and --seed work with local synthesis only (drop --server)")
-    parts = [u for text in read_texts(args.text, args.input) for u in utterances(text)]
-    if not parts:
-        from tts.text import TextError
-        raise TextError("text is empty")
+    parts = speakable_parts(read_texts(args.text, args.input))
     source = server_chunks(args.server, parts, args.voice, args.speed) if args.server else \
         local_chunks(parts, args.voice, args.speed, args.seed)
     started = time.perf_counter()
@@ -207,7 +214,7 @@ def cmd_serve(args) -> int:
     import logging
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")  # uvicorn's look
     from server import serve
-    from streaming.limits import limits_from
+    from streaming.limits import Limits, limits_from
     from tts.api import get_engine
     if args.workers > 1:  # each worker loads its own engine (streaming/workers.py): none here
         if args.wyoming_uri:
@@ -220,7 +227,7 @@ def cmd_serve(args) -> int:
     with contextlib.ExitStack() as also:
         if args.wyoming_uri:  # one engine for both servers
             from streaming.wyoming import WyomingServer
-            also.enter_context(WyomingServer(engine, args.wyoming_uri, args.zeroconf))
+            also.enter_context(WyomingServer(engine, args.wyoming_uri, args.zeroconf, Limits(**limits_from(args))))
         serve(host=args.host, port=args.port, engine=engine, api_keys=args.api_key, allow_origins=args.allow_origin,
               **limits_from(args))
     return 0
@@ -252,8 +259,9 @@ def serve_on_ray(args) -> int:
 def cmd_wyoming(args) -> int:
     from streaming.wyoming import WyomingServer
     from tts.api import get_engine
+    from streaming.limits import Limits, limits_from
     engine = get_engine(compile=not args.no_compile)
-    with WyomingServer(engine, args.uri, args.zeroconf):
+    with WyomingServer(engine, args.uri, args.zeroconf, Limits(**limits_from(args))):
         print(f"Wyoming server on {args.uri}; Ctrl-C stops it", file=sys.stderr)
         try:
             threading.Event().wait()
@@ -312,6 +320,8 @@ def wyoming_parser(sub) -> None:
                          help="announce the server on the local network (mDNS), optionally under NAME")
     wyoming.add_argument("--no-compile", action="store_true",
                          help="run the plain eager decode step, no faster one (TTS_NO_COMPILE=1 does the same)")
+    from streaming.limits import add_arguments
+    add_arguments(wyoming)  # the server's limits hold on Wyoming too (streaming/wyoming.py)
     wyoming.set_defaults(run=cmd_wyoming)
 
 

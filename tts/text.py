@@ -17,7 +17,7 @@ from functools import lru_cache
 from tts.normalize import TextError, Token, end_mark, join_spoken, normalize, speak, split_sentences, tokenize
 
 __all__ = ["SYMBOLS", "SYMBOL_ID", "MAX_TEXT_CHARS", "TextError", "normalize", "phonemize", "text_to_sentences",
-           "sentence_units", "to_ids"]
+           "sentence_units", "to_ids", "check_characters", "has_speakable", "validate_text"]
 
 
 # Index 0 is padding. The order is frozen: model checkpoints index into it.
@@ -187,18 +187,54 @@ def text_sentences(text: str) -> list[tuple[list[Token], list[str], list[int]]]:
     return result
 
 
+# C0 controls but tab, newline and carriage return; DEL; C1 controls; lone surrogates (JSON can carry them).
+_FORBIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+SPEAKABLE_CONTEXT = 32  # characters of earlier text a new piece is read with ("$" then "5": "five dollars")
+
+
+def check_characters(text: str, what: str = "text") -> None:
+    """Refuse control characters (TextError): they are never speech, and an escape or a NUL in an LLM's output is
+    a bug upstream that should be seen, not silently dropped. Tab, newline and carriage return are spaces. Every
+    front end gets this through the engine's `Stream.push_text`. Example: "Hello\\u0000 world." -> "text contains
+    the control character U+0000 at offset 5; ..."."""
+    if found := _FORBIDDEN.search(text):
+        raise TextError(f"{what} contains the control character U+{ord(found.group()):04X} at offset "
+                        f"{found.start()}; only tab, newline and carriage return are allowed")
+
+
+def has_speakable(text: str) -> bool:
+    """Whether the normaliser finds a word to say in ``text`` (a letter or a digit in what it would speak),
+    sentence by sentence, stopping at the first: about what the first sentence costs. Examples: "?", "...",
+    "$", an emoji, a zero-width space -> False; "$5" ("five dollars"), "Hi ?" -> True."""
+    tokens = tokenize(text)
+    for start, stop, _ in split_sentences(tokens, final=True):
+        if any(ch.isalnum() for word in speak(tokens[start:stop]) for ch in word):
+            return True
+    return False
+
+
+def validate_text(text: str, limit: int = MAX_TEXT_CHARS, what: str = "text") -> None:
+    """The one check of a whole text, before anything is spoken, on every front end (the WebSocket, HTTP,
+    Wyoming, the Python API, the command line): a string, not over ``limit`` characters, no control character,
+    not empty, something speakable. Raises TextError."""
+    if not isinstance(text, str):
+        raise TextError(f"{what} must be a string, not {type(text).__name__}")
+    if len(text) > limit:
+        raise TextError(f"{what} is {len(text)} characters; the limit is {limit}")
+    check_characters(text, what)
+    if not text.strip():
+        raise TextError(f"{what} is empty")
+    if not has_speakable(text):
+        raise TextError(f"{what} has nothing speakable in it")
+
+
 def to_ids(units: list[str]) -> list[int]:
     return [SYMBOL_ID[u] for u in units]
 
 
 def text_to_sentences(text: str) -> list[list[str]]:
     """Validated front end: raw text -> phoneme sentences. Raises TextError."""
-    if not isinstance(text, str):
-        raise TextError(f"text must be a string, not {type(text).__name__}")
-    if len(text) > MAX_TEXT_CHARS:
-        raise TextError(f"text is {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
-    if not text.strip():
-        raise TextError("text is empty")
+    validate_text(text)
     sentences = [units for _, units, _ in text_sentences(text)]
     if not sentences:
         raise TextError("text has nothing speakable in it")
