@@ -69,11 +69,13 @@ def _io_threads() -> int:
 class ParkingConfig:
     park_after_s: float = PARK_AFTER_S  # a stream that cannot step this long gives its slot back (0: never)
     disk_after_s: float = 10.0  # a parked stream idle this long moves from host memory to disk
-    directory: str | None = None  # where spilled states go: a fresh directory under it (default: the temp dir)
+    # where spilled states go: a fresh directory (tts-parked-*) under it; default TTS_PARK_DIR, else the temp dir
+    directory: str | None = field(default_factory=lambda: os.environ.get("TTS_PARK_DIR") or None)
     max_host_bytes: int = 1 << 30  # past this the oldest parked states spill to disk at once
     pinned_bytes: int = 1 << 30  # reserved once for parked states' packed rows (pinned on a GPU): `RowPool`
-    max_disk_bytes: int = 4 << 30  # past this nothing more spills (states stay in memory; counts the states'
-    # bytes, each file adds a header of a few hundred bytes)
+    # past this nothing more spills (states stay in memory; counts the states' bytes, each file adds a header of a
+    # few hundred bytes); default TTS_PARK_MAX_BYTES, else 4 GiB
+    max_disk_bytes: int = field(default_factory=lambda: int(os.environ.get("TTS_PARK_MAX_BYTES") or 4 << 30))
     io_threads: int = field(default_factory=_io_threads)  # threads writing and reading the files
 
 

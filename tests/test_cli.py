@@ -220,3 +220,31 @@ def test_srt_and_vtt_from_a_word_list():
 def test_long_words_make_short_cues():
     slow = [{"word": f"w{i}", "start": i * 1.0, "end": i * 1.0 + 0.9} for i in range(6)]
     assert [c[2] for c in subtitles.cues(slow)] == ["w0 w1 w2", "w3 w4 w5"]  # no cue runs past 3.5 s
+
+
+def test_say_writes_its_file_with_normal_permissions(tmp_path):
+    """Issue 48 door 7: `tts say -o out.wav` wrote mode 0600 (mkstemp), unreadable by a web server or another
+    user. Now: what open() gives (0666 less the umask: 0644 under 022), still atomically."""
+    out = tmp_path / "out.wav"
+    result = tts("say", "Hi.", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask
+    out.chmod(0o640)  # a file it replaces keeps its mode
+    assert tts("say", "Hi.", "-o", str(out)).returncode == 0 and out.stat().st_mode & 0o777 == 0o640
+    assert [p.name for p in tmp_path.iterdir()] == ["out.wav"]
+
+
+def test_serve_park_flags_reach_every_engines_parking(monkeypatch, tmp_path):
+    from streaming.parking import ParkingConfig
+    from tts.cli import parking_environment, parser
+    monkeypatch.delenv("TTS_PARK_DIR", raising=False)
+    monkeypatch.delenv("TTS_PARK_MAX_BYTES", raising=False)
+    assert ParkingConfig().max_disk_bytes == 4 << 30 and ParkingConfig().directory is None
+    args = parser().parse_args(["serve", "--park-dir", str(tmp_path), "--park-max-bytes", "1000000"])
+    with monkeypatch.context() as env:
+        env.setattr(os, "environ", dict(os.environ))
+        parking_environment(args)
+        config = ParkingConfig()
+    assert (config.directory, config.max_disk_bytes) == (str(tmp_path), 1_000_000)

@@ -209,6 +209,7 @@ def cmd_serve(args) -> int:
         raise InputError("--workers must be at least 1, and is not used with --ray (use --replicas)")
     if args.text_process:  # every engine of this server, the workers' too (they inherit the environment)
         os.environ["TTS_TEXT_PROCESS"] = "1"
+    parking_environment(args)
     if args.ray:
         return serve_on_ray(args)
     import logging
@@ -231,6 +232,15 @@ def cmd_serve(args) -> int:
         serve(host=args.host, port=args.port, engine=engine, api_keys=args.api_key, allow_origins=args.allow_origin,
               **limits_from(args))
     return 0
+
+
+def parking_environment(args) -> None:
+    """--park-dir / --park-max-bytes for every engine of this server, the workers' too (`ParkingConfig` reads
+    TTS_PARK_DIR and TTS_PARK_MAX_BYTES)."""
+    if args.park_dir is not None:
+        os.environ["TTS_PARK_DIR"] = args.park_dir
+    if args.park_max_bytes is not None:
+        os.environ["TTS_PARK_MAX_BYTES"] = str(args.park_max_bytes)
 
 
 def serve_on_ray(args) -> int:
@@ -294,6 +304,13 @@ def serve_parser(sub) -> None:
                             "does not hold the interpreter lock its ticks need (TTS_TEXT_PROCESS=1 does the same)")
     serve.add_argument("--no-compile", action="store_true",
                        help="run the plain eager decode step, no faster one (TTS_NO_COMPILE=1 does the same)")
+    serve.add_argument("--park-dir", metavar="DIR",
+                       help="where streams parked for a while (waiting for text, their reader or a resume) spill "
+                            "their state: a fresh tts-parked-* directory under DIR, removed at exit (default: "
+                            "TTS_PARK_DIR, else the temp dir, $TMPDIR or /tmp)")
+    serve.add_argument("--park-max-bytes", type=int, metavar="INT",
+                       help="the most spilled state on disk; past it parked streams stay in memory (default: "
+                            "TTS_PARK_MAX_BYTES, else 4 GiB)")
     serve.add_argument("--wyoming-uri", help="also serve Home Assistant's Wyoming protocol, e.g. tcp://0.0.0.0:10200")
     serve.add_argument("--zeroconf", nargs="?", const="", metavar="NAME",
                        help="announce the Wyoming server on the local network (mDNS), optionally under NAME")

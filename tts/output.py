@@ -44,16 +44,30 @@ def format_for(path: str | Path, explicit: str | None = None) -> str:
     return FORMATS[suffix]
 
 
+def file_mode(path: Path) -> int:
+    """The permissions ``path`` gets: those of the file it replaces, else 0666 less the umask, as ``open`` gives
+    a new file (umask 022: 0644, readable by a web server or another user). Reading the umask sets it back at
+    once (there is no call that only reads it)."""
+    try:
+        return path.stat().st_mode & 0o777
+    except OSError:
+        umask = os.umask(0o022)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | Path, mode: str = "wb"):
     """A temporary file beside ``path``, renamed onto it when the block ends normally, removed otherwise:
-    a reader of ``path`` never sees a partial file."""
+    a reader of ``path`` never sees a partial file. It gets the mode a plain ``open`` would give it (`file_mode`),
+    not mkstemp's 0600."""
     path = Path(path)
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     except OSError as err:  # name the file asked for, not the temporary one
         raise OSError(err.errno, err.strerror, str(path)) from None
     try:
+        os.fchmod(fd, file_mode(path))
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as file:
             yield file
         os.replace(tmp, path)
