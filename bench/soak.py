@@ -213,7 +213,7 @@ async def soak(base: str, minutes: int, clients: int, server: psutil.Process, ab
     started = time.monotonic()
     STARTED.append(time.perf_counter())
     tallies = [Tally() for _ in range(minutes)]
-    rss_start = server.memory_info().rss / 2**20
+    rss_start, fds_start = server.memory_info().rss / 2**20, server.num_fds()
     tasks = [asyncio.create_task(client(base, https[i], i, started + 60 * minutes, tallies, started, abort_share))
              for i in range(clients)]
     sampler = asyncio.create_task(_sample_awaiting_resume(base, tallies, started))
@@ -224,6 +224,7 @@ async def soak(base: str, minutes: int, clients: int, server: psutil.Process, ab
         print(json.dumps({"minute": minute + 1, **reports[-1]}), file=sys.stderr, flush=True)
     await asyncio.gather(*tasks)
     sampler.cancel()
+    fds_end = await _fds_when_drained(base, server)
     errors = sum((Counter(r["errors"]) for r in reports), Counter())
     rss = [r["rss_mb"] for r in reports]
     return {"minutes": reports, "clients": clients, "warm_up_s": round(warm_up_s, 1),
@@ -231,7 +232,19 @@ async def soak(base: str, minutes: int, clients: int, server: psutil.Process, ab
             "slow_readers": sum(r["slow_readers"] for r in reports), "errors": dict(errors),
             "rss_mb_start": round(rss_start, 1), "rss_mb_end": rss[-1],
             "rss_growth_after_minute_1_mb": round(rss[-1] - rss[0], 1),
-            "worst_p99_over_p50": max((r["p99_over_p50"] or 0) for r in reports)}
+            "worst_p99_over_p50": max((r["p99_over_p50"] or 0) for r in reports),
+            "open_fds_start": fds_start, "open_fds_after_drain": fds_end}
+
+
+async def _fds_when_drained(base: str, server: psutil.Process, seconds: float = 60.0) -> int:
+    """The server's open file descriptors once its connections are gone (dropped sessions expire after the resume
+    window, 30 s by default): they should be back to what they were before the clock started (issue 48)."""
+    deadline = time.monotonic() + seconds
+    async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+        while time.monotonic() < deadline and (await http.get("/health")).json().get("connections"):
+            await asyncio.sleep(1.0)
+    await asyncio.sleep(1.0)
+    return server.num_fds()
 
 
 async def _sample_awaiting_resume(base: str, minutes: list[Tally], started: float) -> None:
