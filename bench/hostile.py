@@ -13,12 +13,15 @@ origin_evil, origin_null (the upgrade refused with 403; the server's own origin 
 (30 connections aborted in a tight loop: nothing fails, another utterance completes, every dropped session
 expires), threads_8_api (8 threads calling tts.synthesize_stream() at once on a 4-slot engine: all complete),
 voice_empty (WebSocket and HTTP: unknown_voice), put_speech (405 with Allow: POST), server_log (no traceback
-in either server's log).
+in either server's log); and issue 48's doors (bench/hostile_doors.py: resume bound to its identity, connections
+held for a resume bounded, one text check before any audio, strict numbers, the audio cap, a cut-short body,
+Wyoming's limits and malformed events, `tts say -o`'s file mode, --park-dir).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -26,7 +29,8 @@ from collections import Counter
 import httpx2 as httpx
 import websockets
 
-from bench.common import ServeProcess
+from bench import hostile_doors as doors
+from bench.common import ServeProcess, free_port
 
 OTHER = "The other client is speaking, and it goes on all the way to the end."
 NUMBER = "The number is " + "7" * 400 + "."
@@ -235,7 +239,8 @@ def threads_api(threads: int = 8, slots: int = 4) -> dict:
 
 def main() -> None:
     idle_timeout_s = 3.0
-    default = ServeProcess().wait()
+    wyoming_port, parked = free_port(), tempfile.mkdtemp(prefix="hostile-park-")
+    default = ServeProcess("--wyoming-uri", f"tcp://127.0.0.1:{wyoming_port}", "--park-dir", parked).wait()
     small = ServeProcess("--max-streams", "4", "--idle-timeout-s", str(idle_timeout_s)).wait()
     rows = []
 
@@ -254,7 +259,14 @@ def main() -> None:
                 emit(row)
             for row in await four_slot_rows(small, idle_timeout_s):
                 emit(row)
+            for row in await doors.resume_rows(default) + await doors.text_rows(default):  # issue 48
+                emit(row)
+            emit(doors.body_cut_short(default))
+            for row in await doors.wyoming_rows(default, wyoming_port):
+                emit(row)
             emit(await aborts(default))
+            emit(doors.park_dir(parked))
+            emit(await doors.held_over_cap())
         asyncio.run(server_rows())
         emit({"row": "server_log", "tracebacks": default.tracebacks() + small.tracebacks(),
               "ok": default.tracebacks() + small.tracebacks() == 0})
@@ -262,6 +274,7 @@ def main() -> None:
         default.stop()
         small.stop()
     emit(threads_api())
+    emit(doors.say_file_mode())
     print(json.dumps({"rows": len(rows), "ok": sum(r["ok"] for r in rows),
                       "failed": [r["row"] for r in rows if not r["ok"]]}))
 

@@ -60,6 +60,7 @@ from tts.voices import attribution
 
 LANGUAGE = "en_US"
 OPEN_WAIT_S = 5.0   # how long a request waits for a free engine slot before `server_full`
+LINGER_S = 0.5  # after an event it cannot frame, how long the server reads and discards before it closes
 SAMPLE_WIDTH, CHANNELS = 2, 1  # s16le mono
 SERVICE_TYPE = "_wyoming._tcp.local."  # what Home Assistant browses for
 _LOG = logging.getLogger(__name__)
@@ -149,11 +150,22 @@ class WyomingHandler(AsyncEventHandler):
             except BadEvent as err:
                 await self._report(RequestError(err.code, str(err)))
                 if err.fatal:
+                    await self._linger()
                     return None
                 continue
             if event is not None:
                 self.last_active = time.monotonic()
             return event
+
+    async def _linger(self) -> None:
+        """Before closing on an event it cannot frame: end our side after the error event (FIN), and discard what
+        the client still sends for up to LINGER_S, so that the close is not a reset that could take the error
+        event with it out of the client's buffer."""
+        with contextlib.suppress(OSError, RuntimeError, TimeoutError):
+            self.writer.write_eof()
+            async with asyncio.timeout(LINGER_S):
+                while await self.reader.read(1 << 16):
+                    pass
 
     async def write_event(self, event: Event) -> None:
         """Send an event; a client that reads nothing for idle_timeout_s is gone (TimeoutError)."""

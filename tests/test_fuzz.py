@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import string
@@ -579,3 +580,160 @@ async def _speech(url: str, body, keep: int) -> int:
 @example(body=json.dumps({"input": "The number is " + "7" * 400 + ".", "voice": "joe"}), keep=16384)
 def test_fuzzed_speech_requests(fuzzed, body, keep):
     _witnessed(fuzzed, lambda: _speech(fuzzed[0].url, body, keep))
+
+
+# ---- Wyoming (issue 48): the same kind of fuzz on the Wyoming server ----------------------------------------
+WYOMING_EVENTS = {"info", "audio-start", "audio-chunk", "audio-stop", "synthesize-stopped", "error"}
+WYOMING_CODES = {"unknown_voice", "unsupported_language", "unsupported_text_format", "bad_text", "text_too_long",
+                 "audio_too_long", "server_full", "client_limit", "idle_timeout", "event_too_large", "engine_error",
+                 "bad_event", "internal"}
+WYOMING_LIMITS = {"max_text_chars": 600, "max_message_bytes": 16384, "idle_timeout_s": 60.0,
+                  "max_connections": 8, "max_connections_per_client": 4}
+
+
+class _LogTap:
+    """Every log record at WARNING or above, and any traceback, from the whole process while the fuzz runs."""
+
+    def __init__(self):
+        import logging
+        self.records: list[str] = []
+        self.handler = logging.Handler(logging.WARNING)
+        self.handler.emit = lambda record: self.records.append(f"{record.name}: {record.getMessage()}"
+                                                               + (" [traceback]" if record.exc_info else ""))
+        logging.getLogger().addHandler(self.handler)
+
+    def close(self) -> None:
+        import logging
+        logging.getLogger().removeHandler(self.handler)
+
+
+@pytest.fixture(scope="module")
+def wyoming_fuzzed():
+    from streaming.limits import Limits
+    from streaming.wyoming import WyomingServer
+    from helpers import tiny_random
+    engine = tiny_random(max_streams=3, max_open=8)
+    tap = _LogTap()
+    with socket_port() as port, WyomingServer(engine, f"tcp://127.0.0.1:{port}",
+                                              limits=Limits(**WYOMING_LIMITS)) as server:
+        yield server, engine, port, tap
+    tap.close()
+    engine.close()
+
+
+@contextlib.contextmanager
+def socket_port():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    yield port
+
+
+def _wire(event: dict, data: dict | None = None, payload: bytes = b"") -> bytes:
+    """One Wyoming event as the package writes it: header line, data, payload."""
+    header = dict(event)
+    extra = json.dumps(data).encode() if data else b""
+    if extra:
+        header["data_length"] = len(extra)
+    if payload:
+        header["payload_length"] = len(payload)
+    return json.dumps(header).encode() + b"\n" + extra + payload
+
+
+WYOMING_TEXT = st.one_of(TEXT, JUNK)
+VOICE = st.one_of(st.none(), st.fixed_dictionaries({}, optional={"name": st.one_of(st.sampled_from(["joe", "x"]),
+                                                                                    JUNK),
+                                                                  "language": st.one_of(st.sampled_from(
+                                                                      ["en_US", "de"]), JUNK)}), JUNK)
+WYOMING_EVENT = st.one_of(
+    st.just(_wire({"type": "describe"})),
+    st.builds(lambda t, v: _wire({"type": "synthesize", "data": {"text": t, "voice": v}}), WYOMING_TEXT, VOICE),
+    st.builds(lambda v: _wire({"type": "synthesize-start", "data": {"voice": v}}), VOICE),
+    st.builds(lambda t: _wire({"type": "synthesize-chunk", "data": {"text": t}}), WYOMING_TEXT),
+    st.just(_wire({"type": "synthesize-stop"})),
+    st.builds(lambda t: _wire({"type": "synthesize"}, {"text": t}), WYOMING_TEXT),  # text in the data part
+    st.builds(lambda p: _wire({"type": "audio-chunk"}, payload=p), st.binary(min_size=1, max_size=64)),
+    st.builds(lambda h: json.dumps(h).encode() + b"\n",  # headers of every wrong shape
+              st.one_of(JUNK, st.dictionaries(st.sampled_from(["type", "data", "data_length", "payload_length",
+                                                               "version"]), JUNK, max_size=4))),
+    st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"") + b"\n"),
+)
+WYOMING_PLAN = st.tuples(st.lists(WYOMING_EVENT, max_size=8), st.sampled_from(["close", "abort", "describe"]))
+
+
+async def _wyoming_plan(port: int, events: list[bytes], end: str) -> list[dict]:
+    """Send the events, then end as planned ("describe": ask for info and read until it comes). Returns what the
+    server sent (header fields, data merged); a close by the server must follow an error event."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    got, closed, reset = [], False, False
+
+    async def read() -> None:
+        nonlocal closed, reset
+        try:
+            await read_events()
+        except ConnectionError:  # the server closed with our bytes unread: a reset (what it said may be lost)
+            closed = reset = True
+
+    async def read_events() -> None:
+        nonlocal closed
+        while line := await reader.readline():
+            header = json.loads(line)
+            if header.get("data_length"):
+                header["data"] = {**header.get("data", {}), **json.loads(await reader.readexactly(header["data_length"]))}
+            if header.get("payload_length"):
+                await reader.readexactly(header["payload_length"])
+            got.append(header)
+            if end == "describe" and header["type"] == "info" and sent_all.is_set():
+                return
+        closed = True
+
+    sent_all = asyncio.Event()
+    reading = asyncio.create_task(read())
+    try:
+        for event in events:
+            writer.write(event)
+        if end == "describe":
+            writer.write(_wire({"type": "describe"}))
+        sent_all.set()
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        if end == "describe":
+            async with asyncio.timeout(60):
+                await reading
+        else:
+            await asyncio.sleep(0.05)
+    finally:
+        reading.cancel()
+        if end == "abort":
+            writer.transport.abort()
+        else:
+            writer.close()
+    if closed and not reset:
+        assert any(e["type"] == "error" for e in got), ("closed without an error event", got)
+    return got
+
+
+@FUZZ
+@given(plan=WYOMING_PLAN)
+@example(plan=([b"[1,2,3]\n", b'{"data": {}}\n', b'{"type": "synthesize", "data": [1]}\n'], "describe"))
+@example(plan=([b'{"type": "synthesize", "data_length": "12"}\n'], "describe"))
+@example(plan=([_wire({"type": "synthesize", "data": {"text": "Hello\u0000 world."}})], "describe"))
+@example(plan=([b'{"type": "synthesize", "payload_length": 1000000000000}\n' + b"x" * 4096], "describe"))
+def test_fuzzed_wyoming_events(wyoming_fuzzed, plan):
+    server, engine, port, tap = wyoming_fuzzed
+    events, end = plan
+    got = asyncio.run(asyncio.wait_for(_wyoming_plan(port, events, end), 120))
+    for event in got:
+        assert event["type"] in WYOMING_EVENTS, event
+        if event["type"] == "error":
+            assert event["data"]["code"] in WYOMING_CODES and event["data"]["text"], event
+    # the server still serves, and nothing is left: no connection, no engine stream, nothing in the log
+    after = asyncio.run(asyncio.wait_for(_wyoming_plan(port, [_wire({"type": "synthesize", "data": {"text": "Hi."}})],
+                                                       "describe"), 60))
+    assert [e["type"] for e in after if e["type"] in ("audio-start", "audio-stop")] == ["audio-start", "audio-stop"]
+    deadline = time.monotonic() + 10
+    while (engine.active_streams or server.admission.connections) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.active_streams == 0 and server.admission.connections == 0
+    assert not [r for r in tap.records if "traceback" in r or "never retrieved" in r], tap.records
