@@ -556,8 +556,7 @@ class Utterance:
         so the engine's queue fills and it pauses this stream's generation."""
         stream, start = self.stream, self.start
         if not await self.gate.wait() and not self.cancelled:  # the text ended with nothing to say
-            what = "has nothing speakable in it" if self.gate.text_seen else "is empty"
-            raise ProtocolError("bad_text", f"the utterance's text {what}", "text")
+            raise ProtocolError("bad_text", "the utterance's text has nothing speakable in it", "text")
         async for chunk in self.session.hub.chunks(stream):
             timing = {}
             if start.timings and (phonemes := stream.take_timings()):

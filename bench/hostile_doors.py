@@ -147,7 +147,8 @@ async def text_rows(server: ServeProcess) -> list[dict]:
         {"row": "unspeakable_ws", "answers": ws_answers,
          "ok": all(a == ["ready", "bad_text", "done"] for a in ws_answers)},
         {"row": "speed_strings", "statuses": speeds, "ok": speeds == [400, 400]},
-        {"row": "audio_cap", "input": "\ufdfa", "codes": [c for c in cap_codes if c], "audio_s": round(cap_audio / 48000, 2),
+        {"row": "audio_cap", "input": "\ufdfa", "codes": [c for c in cap_codes if c],
+         "audio_s": round(cap_audio / 48000, 2),
          "ok": "audio_too_long" in cap_codes and cap_audio <= 10.5 * 48000},
     ]
 

@@ -94,6 +94,7 @@ BLEND_PREFIXES = 64  # blends whose prefix keys/values stay cached (64 KB each f
 # (batch 1) and beside others (batch >= 2) differed from its first frame. One idle row costs ~0.45 ms of CPU a
 # step (0.87 -> 1.3 ms, 2-core AMD EPYC), paid only while a seeded stream is alone.
 EXACT_MIN_ROWS = 2
+ROW_SENSITIVE_STEPS = ("onnxruntime-int8",)  # the steps that need it (eager PyTorch: the same at 1 row as at 2)
 
 
 class EngineError(RuntimeError):
@@ -520,13 +521,14 @@ class Engine:
 
     def _bucket(self) -> int:
         """Slots to step: the power of two covering the highest live slot, at most max_streams (0: none live),
-        and never one slot alone for a seeded stream (`EXACT_MIN_ROWS`).
+        and, on a step in ROW_SENSITIVE_STEPS, never one slot alone for a seeded stream (`EXACT_MIN_ROWS`).
         Example: live slots {0, 2, 5} of 16 -> 8; {0} -> 1 (2 if its stream is seeded); {9} -> 16; {9} of 12 -> 12."""
         live = np.flatnonzero(self._live)
         if not len(live):
             return 0
         n = 1 << int(live[-1]).bit_length()
-        if n < EXACT_MIN_ROWS and self.utterances[live[-1]].stream.decode_alone:
+        seeded = self.utterances[live[-1]].stream.decode_alone
+        if n < EXACT_MIN_ROWS and seeded and self.step_kind in ROW_SENSITIVE_STEPS:
             n = EXACT_MIN_ROWS
         return min(self.max_streams, n)
 

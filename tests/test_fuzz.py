@@ -680,7 +680,8 @@ async def _wyoming_plan(port: int, events: list[bytes], end: str) -> list[dict]:
         while line := await reader.readline():
             header = json.loads(line)
             if header.get("data_length"):
-                header["data"] = {**header.get("data", {}), **json.loads(await reader.readexactly(header["data_length"]))}
+                more = json.loads(await reader.readexactly(header["data_length"]))
+                header["data"] = {**header.get("data", {}), **more}
             if header.get("payload_length"):
                 await reader.readexactly(header["payload_length"])
             got.append(header)
