@@ -587,8 +587,10 @@ WYOMING_EVENTS = {"info", "audio-start", "audio-chunk", "audio-stop", "synthesiz
 WYOMING_CODES = {"unknown_voice", "unsupported_language", "unsupported_text_format", "bad_text", "text_too_long",
                  "audio_too_long", "server_full", "client_limit", "idle_timeout", "event_too_large", "engine_error",
                  "bad_event", "internal"}
+# max_audio_s: a synthesize is answered whole before the next event is read, and a huge word read out can last
+# minutes; capped, every reply is short (and audio_too_long is drawn too)
 WYOMING_LIMITS = {"max_text_chars": 600, "max_message_bytes": 16384, "idle_timeout_s": 60.0,
-                  "max_connections": 8, "max_connections_per_client": 4}
+                  "max_connections": 8, "max_connections_per_client": 4, "max_audio_s": 3.0}
 
 
 class _LogTap:
@@ -721,6 +723,7 @@ async def _wyoming_plan(port: int, events: list[bytes], end: str) -> list[dict]:
 @example(plan=([b'{"type": "synthesize", "data_length": "12"}\n'], "describe"))
 @example(plan=([_wire({"type": "synthesize", "data": {"text": "Hello\u0000 world."}})], "describe"))
 @example(plan=([b'{"type": "synthesize", "payload_length": 1000000000000}\n' + b"x" * 4096], "describe"))
+@example(plan=([_wire({"type": "synthesize"}, {"text": "A " + "kzuCeOsVN" * 55 + " word."})] * 2, "describe"))
 def test_fuzzed_wyoming_events(wyoming_fuzzed, plan):
     server, engine, port, tap = wyoming_fuzzed
     events, end = plan
