@@ -13,8 +13,8 @@ Starlette routes the requests and uvicorn serves them; uvicorn's WebSocket side 
 package (its sans-I/O protocol, which waits for the socket to drain before each send: that wait is
 the backpressure that stops a slow reader from making the server buffer audio without bound).
 Here: the WebSocket sessions, the app and running it. Admission (connection caps, the FIFO queue for engine
-slots, per-client caps) is `streaming.server_admission`; what connections share, `streaming.hub`; the HTTP endpoints and
-the access checks, `streaming.http_api`.
+slots, per-client caps) is `serving.admission`; what connections share, `serving.context`; the HTTP endpoints and
+the access checks, `serving.http_api`.
 """
 from __future__ import annotations
 
@@ -40,13 +40,13 @@ from starlette.routing import Match, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
-from streaming import http_api, workers
-from streaming.limits import Limits
-from streaming.containers import Encoder
-from streaming.hub import Hub, clients_of
-from streaming.protocol import (CLIENT_MESSAGE, UNCOUNTED, Ack, Cancel, End, Flush, ProtocolError, Resume, Start,
+from serving import http_api, workers
+from serving.limits import Limits
+from tts.containers import Encoder
+from serving.context import Hub, clients_of
+from serving.protocol import (CLIENT_MESSAGE, UNCOUNTED, Ack, Cancel, End, Flush, ProtocolError, Resume, Start,
                                 Text, check_text, validation_error)
-from streaming.resume import Link, LinkBroken, ReplayLog, dropped
+from serving.resume import Link, LinkBroken, ReplayLog, dropped
 from tts import SAMPLE_RATE
 from tts.text import TextError
 
@@ -859,7 +859,7 @@ class ServerThread(_Addresses):
 class ServerProcesses(_Addresses):
     """`serve(workers=count)` for a benchmark: worker processes on a free loopback port, each building its engine
     with ``factory(max_streams=, max_open=)`` (picklable), until `stop`. ``hub`` sums what their /health say
-    (`streaming.workers.PoolView`; ``parking``, the engines' own, is for its readers)."""
+    (`serving.workers.PoolView`; ``parking``, the engines' own, is for its readers)."""
 
     def __init__(self, factory, count: int, max_streams: int, parking=None, host: str = "127.0.0.1", port: int = 0,
                  log_level: str = "warning", **limits):

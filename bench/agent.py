@@ -393,7 +393,7 @@ def build_engine(args, parking):
     import kernels
     from streaming.engine import Engine
     if args.tiny:
-        from tests.helpers import tiny_model_and_codec
+        from testkit import tiny_model_and_codec
         model, codec, voices = tiny_model_and_codec()
     else:
         from tts.voices import load_shipped
@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
     room = HEADROOM * args.clients
     limits = dict(max_connections=room, max_connections_per_client=room, max_streams_per_client=room,
                   max_queue=room)
-    if args.workers > 1:  # (procs) N server processes, each its own engine of slots / N (streaming/workers.py)
+    if args.workers > 1:  # (procs) N server processes, each its own engine of slots / N (serving/workers.py)
         serving = ServerProcesses(functools.partial(worker_engine, args, parking), args.workers, args.slots,
                                   parking, **limits).start()
         engine = serving.hub  # the workers' /health, summed

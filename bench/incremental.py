@@ -407,7 +407,7 @@ def _cpu_seconds(threads: list[threading.Thread]) -> float:
 
 def _burst_engine(n: int, shipped: bool):
     if not shipped:
-        from tests.helpers import tiny_random
+        from testkit import tiny_random
         return tiny_random(max_streams=n)
     import kernels
     from streaming.engine import Engine

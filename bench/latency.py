@@ -39,7 +39,7 @@ import torch
 
 import kernels
 from bench.common import harvard, percentiles
-from streaming.decode import StepCaches, decode_step
+from streaming.step_caches import StepCaches, decode_step
 from streaming.engine import Engine
 from tts.api import synthesize, synthesize_stream
 from tts.model import TTSModel

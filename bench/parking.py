@@ -365,7 +365,7 @@ def main() -> None:
         parking.io_threads = args.io_threads
     greedy = SamplingConfig(temperature=0.0)
     if args.tiny:
-        from tests.helpers import tiny_model_and_codec
+        from testkit import tiny_model_and_codec
         model, codec, voices = tiny_model_and_codec()
     else:
         from tts.voices import load_shipped

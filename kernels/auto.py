@@ -92,7 +92,7 @@ class DefaultStepFactory:
             from kernels.cuda_graph import GraphedStep
             self.kind = "cuda_graph"
             return GraphedStep(model, caches, batch, device)
-        from streaming.decode import decode_step
+        from streaming.step_caches import decode_step
         self.kind = "eager"
         return decode_step
 

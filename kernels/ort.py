@@ -50,7 +50,7 @@ import torch
 from kernels import enabled
 from kernels import lean
 from kernels.lean import lean_module, ring_tensors, write_rings
-from streaming.decode import StepCaches
+from streaming.step_caches import StepCaches
 from tts.model import TTSModel
 
 INPUTS = ["tokens", "frame", "unit", "active", "text_pos", "audio_pos"]

@@ -43,7 +43,7 @@ import torch
 import tts.codec
 from kernels import lean, ort
 from kernels.lean import lean_module
-from streaming.decode import StepCaches
+from streaming.step_caches import StepCaches
 
 GRAPHS = Path(__file__).resolve().with_name("graphs")
 _sessions: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, object]]" = weakref.WeakKeyDictionary()

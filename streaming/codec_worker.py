@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from streaming.figures import Recent
+from streaming.live_figures import Recent
 from streaming.masks import slot_mask
 from streaming.stream import Stream
 from tts.codec import Codec, DecoderState

@@ -8,7 +8,7 @@ the slots, the model and the caches; each tick it
      encodes new text of every stream that needs it in one padded text-encoder call (`_prefill`),
   2. steps every ready slot of the bucket that covers the live ones (`_launch`: one AR step, sampling and
      the slots' bookkeeping as batched tensor ops, `streaming.slots`; on a GPU all of it one CUDA graph,
-     `streaming.decode.TickGraph`),
+     `streaming.step_caches.TickGraph`),
   3. decodes the completed frames (one codec call per tick) and hands out chunks that are due (`_collect`).
 Host work per tick is proportional to the events, not the slots: no per-slot Python loop in the steady
 state, and on a GPU one host sync per tick (waiting for the previous tick's audio while this tick's step
@@ -21,7 +21,7 @@ A new stream's first chunk goes ahead of the CPU codec worker's backlog (`CodecW
 
 Open streams and slots are counted apart: `open` admits up to ``max_open`` streams, and a stream holds one of
 the ``max_streams`` slots only while it can speak. A stream that could not step for ``park_after_s`` (its
-text ran dry, or its reader is behind) is parked: its slot state is copied out (`streaming.slot_state`, into
+text ran dry, or its reader is behind) is parked: its slot state is copied out (`streaming.slot_mover`, into
 the `streaming.parking` store) and the slot goes to the next stream waiting for one; when its text or its reader
 comes back it waits for a slot (restores ahead of new starts) and continues exactly where it stopped.
 `detach`/`attach` move a stream's whole state to another engine with the same weights. The engine decides when
@@ -46,14 +46,14 @@ from typing import Callable
 import numpy as np
 import torch
 
-from streaming.admission import Admission, Full
+from streaming.reservations import Admission, Full
 from streaming.codec_worker import AudioOutbox, CodecWorker, FrameCodec, exact_convolutions, fast_path_enabled
-from streaming.decode import TEXT_RING, StepCaches, TickGraph, decode_step
-from streaming.figures import Recent, Timer
+from streaming.step_caches import TEXT_RING, StepCaches, TickGraph, decode_step
+from streaming.live_figures import Recent, Timer
 from streaming.parking import Parked, ParkingConfig, ParkingStore, pack, unpack, weights_fingerprint
 from streaming.sampling import sample
 from streaming.sentence_reader import ProcessReader
-from streaming.slot_state import DetachRequest, SlotMover, Snapshot, host_state
+from streaming.slot_mover import DetachRequest, SlotMover, Snapshot, host_state
 from streaming.slots import MAX_CHUNK, META, PACE_STRETCH, Slots
 from streaming.stream import MOVING, Stream
 from streaming.text_worker import TextWorker
@@ -1297,7 +1297,7 @@ class Engine:
         """A copy of ``stream``'s whole state, as `detach` returns it, while the stream goes on here; and how many
         samples of its audio come before that state. `attach` on an engine with the same weights continues the
         stream sample-exactly from that sample on (the audio before it is not in the copy). For checkpoints of
-        live streams (streaming/failover.py). The copy is consistent: the text thread stops at the stream's place
+        live streams (serving/failover.py). The copy is consistent: the text thread stops at the stream's place
         in its queue (every unit it took before has reached the engine, none is taken after) while the engine
         thread, between two ticks, copies the host state and the slot's rows; the codec thread adds the decoder's
         rows after the chunks already due (their samples are the count). The caller pushes no text meanwhile.

@@ -20,7 +20,7 @@ looks every 1/4 of that) its rows go to ``<dir>/7.park`` and leave memory; text 
 next ``want`` answers True; the engine takes the rows (`take`) and the file is gone.
 
 `pack`/`unpack`: one stream's whole state as bytes, to continue it on another engine (`Engine.detach`/`attach`)
-with the same weights (`weights_fingerprint`). Copying states in and out of slots: `streaming.slot_state`.
+with the same weights (`weights_fingerprint`). Copying states in and out of slots: `streaming.slot_mover`.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Wyoming server (streaming/wyoming.py) on a real loopback socket, driven by the `wyoming` package's own
+"""The Wyoming server (serving/wyoming.py) on a real loopback socket, driven by the `wyoming` package's own
 async client, on the tiny random-weight engine with greedy sampling (so the same text gives the same audio)."""
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from wyoming.info import Describe, Info
 from wyoming.tts import (Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped,
                          SynthesizeVoice)
 
-from streaming import wyoming as wyoming_server
-from helpers import tiny_random
+from serving import wyoming as wyoming_server
+from testkit import tiny_random
 from streaming.engine import Engine, SamplingConfig
-from streaming.wyoming import WyomingServer
+from serving.wyoming import WyomingServer
 from tts.api import synthesize
 
 TEXT = "Hello there. How are you today? The ring never grows."

@@ -178,7 +178,7 @@ def cmd_voices(args) -> int:
     from tts.voices import voice_presets
     presets = voice_presets()
     if args.json:  # what GET /v1/voices answers
-        from streaming.http_api import VOICE_KEYS
+        from serving.http_api import VOICE_KEYS
         from tts.voices import voice_aliases
         default = next((n for n, v in presets.items() if v.get("default")), next(iter(presets)))
         listed = [{k: v.get(k) for k in VOICE_KEYS} for v in presets.values()]
@@ -207,9 +207,9 @@ def cmd_serve(args) -> int:
     import logging
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")  # uvicorn's look
     from server import serve
-    from streaming.limits import limits_from
+    from serving.limits import limits_from
     from tts.api import get_engine
-    if args.workers > 1:  # each worker loads its own engine (streaming/workers.py): none here
+    if args.workers > 1:  # each worker loads its own engine (serving/workers.py): none here
         if args.wyoming_uri:
             raise InputError("--wyoming-uri is not served with --workers (run `tts wyoming` beside it)")
         serve(host=args.host, port=args.port, api_keys=args.api_key, allow_origins=args.allow_origin,
@@ -219,7 +219,7 @@ def cmd_serve(args) -> int:
     engine = get_engine(max_streams=args.max_streams, compile=not args.no_compile, max_open=args.max_connections)
     with contextlib.ExitStack() as also:
         if args.wyoming_uri:  # one engine for both servers
-            from streaming.wyoming import WyomingServer
+            from serving.wyoming import WyomingServer
             also.enter_context(WyomingServer(engine, args.wyoming_uri, args.zeroconf))
         serve(host=args.host, port=args.port, engine=engine, api_keys=args.api_key, allow_origins=args.allow_origin,
               **limits_from(args))
@@ -227,14 +227,14 @@ def cmd_serve(args) -> int:
 
 
 def serve_on_ray(args) -> int:
-    """`tts serve --ray`: the same server on Ray Serve, one engine per replica (streaming/ray_serve.py)."""
+    """`tts serve --ray`: the same server on Ray Serve, one engine per replica (serving/ray_serve.py)."""
     if args.wyoming_uri:
         raise InputError("--wyoming-uri is not served with --ray (run `tts wyoming` beside it)")
     import logging
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     from server import create_app
-    from streaming import ray_serve
-    from streaming.limits import Limits, limits_from
+    from serving import ray_serve
+    from serving.limits import Limits, limits_from
     from tts.api import get_engine
     autoscale = args.max_replicas is not None
     scale = ray_serve.ScaleConfig(replicas=args.replicas, autoscale=autoscale, min_replicas=args.replicas,
@@ -250,7 +250,7 @@ def serve_on_ray(args) -> int:
 
 
 def cmd_wyoming(args) -> int:
-    from streaming.wyoming import WyomingServer
+    from serving.wyoming import WyomingServer
     from tts.api import get_engine
     engine = get_engine(compile=not args.no_compile)
     with WyomingServer(engine, args.uri, args.zeroconf):
@@ -263,7 +263,7 @@ def cmd_wyoming(args) -> int:
 
 
 def serve_parser(sub) -> None:
-    from streaming.limits import add_arguments
+    from serving.limits import add_arguments
     serve = sub.add_parser("serve", help="run the WebSocket/HTTP server", epilog=EXIT_CODES,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("--host", default="127.0.0.1")

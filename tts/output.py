@@ -3,7 +3,7 @@
 Every sink is a context manager whose ``with`` gives ``write(chunk)`` for float32 mono chunks; leaving it normally
 completes the output (renames the file into place, plays to the end); leaving it by an exception (an error,
 Ctrl-C) discards it (removes the temporary file, stops the sound). Encoding goes through the server's
-encoders (`streaming.containers`), so a file holds exactly what `POST /v1/audio/speech` would send.
+encoders (`tts.containers`), so a file holds exactly what `POST /v1/audio/speech` would send.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from streaming.containers import Encoder
+from tts.containers import Encoder
 
 FORMATS = {".wav": "wav", ".mp3": "mp3", ".ogg": "opus", ".opus": "opus", ".flac": "flac", ".aac": "aac",
            ".pcm": "pcm", ".raw": "pcm"}  # file suffix -> encoder format; pcm is 16-bit little-endian, headerless

@@ -1,7 +1,7 @@
 """GPU smoke of the engine as merged: greedy CPU vs GPU audio of one sentence; 6 greedy streams on 4 slots
 (starting 0.1 s apart, so slots are freed and taken again) against each alone on a 4-slot engine; the numeric
 settings that decide batch invariance. Run from the repository root on the device machine:
-    python3 .gpu/extra/smoke.py
+    python3 scripts/gpu/smoke.py
 """
 import sys
 import threading

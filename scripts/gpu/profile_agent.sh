@@ -2,8 +2,8 @@
 # Where a busy server worker's tick goes (issue 27, 1,024 agents): the agent bench (agent.sh, WORKERS, MINUTES)
 # for CLIENTS, and once it is in its measured phase, py-spy samples the busiest server process(es) for SECONDS.
 # Writes $OUT/pyspy_<pid>.txt (collapsed stacks, --threads) and $OUT/ps.txt beside agent.sh's files.
-# Needs pyspy/py_spy-*.whl beside this file (ignored; `pip download py-spy --no-deps -d .gpu/extra/pyspy`).
-# Usage there: CLIENTS=1024 WORKERS=4 MINUTES=0.75 DELAY=75 SECONDS_=20 bash .gpu/extra/profile_agent.sh
+# Needs pyspy/py_spy-*.whl beside this file (ignored; `pip download py-spy --no-deps -d scripts/gpu/pyspy`).
+# Usage there: CLIENTS=1024 WORKERS=4 MINUTES=0.75 DELAY=75 SECONDS_=20 bash scripts/gpu/profile_agent.sh
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/agent-out}

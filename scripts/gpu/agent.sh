@@ -8,12 +8,12 @@
 # load against the capacity first. A run takes ~2.5 min (start and graph capture ~15 s, warm-up with 1,024
 # clients ~15 s, the run 90 s, grace <= 15 s); one that would not finish inside 570 s of the call is skipped.
 #
-# Needs, beside this file (this tree's .gpu/extra): wheels/ (the server's packages the device image lacks,
+# Needs, beside this file (this tree's scripts/gpu): wheels/ (the server's packages the device image lacks,
 # for cp312), site/piper (piper's phonemizer), harvard.txt. The voices come from this tree's voices/ if it has
 # them, else from ./voices (the root of the checkout the device machine received). Usage, there:
-#     bash PATH/TO/THIS/TREE/.gpu/extra/agent.sh [CLIENTS ...]
+#     bash PATH/TO/THIS/TREE/scripts/gpu/agent.sh [CLIENTS ...]
 # CPU rehearsal: DEVICE=cpu SLOTS=4 MINUTES=0.3 CLIENT_PROCESSES=2 WARM_UP_CLIENTS=4 NO_WHEELS=1 EXTRA=--tiny
-# WORKERS=N (default 1): N server processes (`tts serve --workers N`, streaming/workers.py), each with its own
+# WORKERS=N (default 1): N server processes (`tts serve --workers N`, serving/workers.py), each with its own
 # engine of SLOTS / N slots and CUDA context on the one GPU; files are then agent_N_wWORKERS.*, and
 # gpu_apps_N_wWORKERS.csv samples each process's GPU memory every 15 s. E.g. WORKERS=4 bash agent.sh 512 1024
 set -u

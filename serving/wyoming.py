@@ -36,7 +36,7 @@ from wyoming.server import AsyncEventHandler, AsyncServer
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-from streaming.containers import Encoder
+from tts.containers import Encoder
 from streaming.engine import EngineError, ServerFull, UnknownVoice
 from tts.text import TextError
 from tts.voices import attribution

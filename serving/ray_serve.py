@@ -16,7 +16,7 @@ very code `tts serve` runs. Ray's proxy holds the client's socket and relays it 
     its utterances in progress finish with all their audio; each of its WebSockets is closed with code 1012
     ("service restart") as soon as it has no utterance open, so the client reconnects and lands on a replica
     that stays; Ray stops the replica once no connection is left, or after graceful_shutdown_timeout_s.
-  * failover (`streaming.failover`): every replica journals its WebSocket sessions' messages, and checkpoints
+  * failover (`serving.failover`): every replica journals its WebSocket sessions' messages, and checkpoints
     their live utterances' engine state, in a Ray actor that outlives it; when a replica dies, its clients resume
     (the proxy drops their sockets, they reconnect through it) on a live replica, which attaches the latest
     checkpoints, replays the journal after them and sends each client the rest of its audio.
@@ -39,7 +39,7 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from streaming.failover import CHECKPOINT_AUDIO_S, Checkpointing, Failover, journals, stop_journals
+from serving.failover import CHECKPOINT_AUDIO_S, Checkpointing, Failover, journals, stop_journals
 
 log = logging.getLogger("tts.ray")
 STATS_PERIOD_S = 0.25  # how often each replica reports its active streams to the routers
@@ -100,7 +100,7 @@ class ScaleConfig:
 class EngineServer:
     """One engine and the server app on it, in a Ray Serve replica. ``engine_factory(**engine_kwargs)`` builds
     the engine (`tts.api.get_engine`; tests pass the tiny engine's); ``app_factory(engine, **app_kwargs)`` the
-    ASGI app (`server.create_app`), whose ``state.hub`` is the `streaming.hub.Hub` it serves from."""
+    ASGI app (`server.create_app`), whose ``state.hub`` is the `serving.context.Hub` it serves from."""
 
     def __init__(self, engine_factory, engine_kwargs: dict, app_factory, app_kwargs: dict, failover: bool = True,
                  checkpoint_audio_s: float = CHECKPOINT_AUDIO_S):
@@ -169,7 +169,7 @@ def offered_replicas() -> dict[str, set[str]]:
     it). Reached through this module imported by name: Ray ships both the deployment class and the router class
     to their processes by value, each with its own copy of this module's globals, so a plain global would not be
     shared between the router and the replica it runs in."""
-    return importlib.import_module("streaming.ray_serve").OFFERED
+    return importlib.import_module("serving.ray_serve").OFFERED
 
 
 class ReplicaHeader:

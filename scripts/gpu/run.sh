@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the kit, then run the named steps in order, each with its own time limit, each's
 # output to $OUT/<step>.txt (so a later failure or the call's limit loses nothing earlier). From the
-# repository root on the device machine:   bash .gpu/extra/run.sh STEP [STEP ...]
+# repository root on the device machine:   bash scripts/gpu/run.sh STEP [STEP ...]
 # Steps: smoke | parkN[_label] (bench.parking N streams, traced) | diag* | race | pytest | latency; a step name
 # containing one_bucket, shared or switch adds that experiment's flag (--one-bucket; diag.py --shared-capture;
 # bench.parking --switch-interval 0.001); a step name containing shm spills the disk tier to /dev/shm (tmpfs), omp1

@@ -15,10 +15,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from streaming.server_admission import retry_after_header
-from streaming.containers import MEDIA_TYPES, Encoder
-from streaming.hub import Hub, api_key, clients_of, origin_allowed
-from streaming.protocol import ProtocolError, SpeechRequest, check_text, validation_error
+from serving.admission import retry_after_header
+from tts.containers import MEDIA_TYPES, Encoder
+from serving.context import Hub, api_key, clients_of, origin_allowed
+from serving.protocol import ProtocolError, SpeechRequest, check_text, validation_error
 from tts import SAMPLE_RATE
 from tts.text import TextError
 

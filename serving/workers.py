@@ -41,7 +41,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from websockets.protocol import State
 
-from streaming.resume import dropped
+from serving.resume import dropped
 
 log = logging.getLogger("tts.workers")
 FORWARDED_HEADERS = ("authorization", "x-api-key")  # the client's credentials, for the owner's access check

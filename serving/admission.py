@@ -17,7 +17,7 @@ is served (its live count is 1); s3 set aside makes three waiting, so s1 expires
 live connections and a third: the third is refused (client_limit) as ever.
 
 Pure asyncio and no engine: the server asks `Admission` first, then opens the engine stream (whose own
-admission, streaming/admission.py, also serves callers outside the server, in threads). Here the waiting costs
+admission, streaming/reservations.py, also serves callers outside the server, in threads). Here the waiting costs
 no thread, a WebSocket is told its place, a client that leaves leaves the queue, and caps count per client.
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ import math
 import time
 from collections import Counter, deque
 
-from streaming.limits import Limits
-from streaming.protocol import ProtocolError
+from serving.limits import Limits
+from serving.protocol import ProtocolError
 
 
 class Ticket:

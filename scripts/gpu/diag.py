@@ -3,7 +3,7 @@ stream that parts from round 0, says whether its units' timings (phoneme, start 
 differ too, in all and before the rest of its text came (equal timings: the text side and the durations agree,
 so the AR step or the codec parted). ``--shared-capture``: the frame codec's graphs captured on the default
 capture stream, as before they had one of their own (an A/B of that fix).
-    python3 .gpu/extra/diag.py [--device cuda] [--streams 64] [--rounds 5] [--tiny] [--frame-codec] [--one-bucket]
+    python3 scripts/gpu/diag.py [--device cuda] [--streams 64] [--rounds 5] [--tiny] [--frame-codec] [--one-bucket]
         [--shared-capture]
 """
 import argparse
@@ -42,7 +42,7 @@ def main():
                         help="the codec graphs captured on the default capture stream, as before the fix")
     args = parser.parse_args()
     if args.tiny:
-        from tests.helpers import tiny_model_and_codec
+        from testkit import tiny_model_and_codec
         model, codec, voices = tiny_model_and_codec()
     else:
         from tts.voices import load_shipped

@@ -2,7 +2,7 @@
 # Which thread holds the interpreter lock while parked states load from disk: py-spy samples only the lock's
 # holder (--gil), per thread, over one `bench.parking` run (N streams, default 64). Writes $OUT/gil_parkN.txt
 # (collapsed stacks) and $OUT/parkN_spy.json (the run's own figures). Needs pyspy/py_spy-*.whl beside this file
-# (ignored; `pip download py-spy --no-deps -d .gpu/extra/pyspy`). From the repository root on the device machine.
+# (ignored; `pip download py-spy --no-deps -d scripts/gpu/pyspy`). From the repository root on the device machine.
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/gpu-out}

@@ -14,7 +14,7 @@ From then on it is an ordinary session on this replica.
     replica B's server <-- start, text, text, end (the journal)
     replica B's server --> ready, audio 0..96000 B (dropped: the client has it), audio 96000.. B (sent)
 
-`Failover` is ASGI middleware around the server's app (streaming/ray_serve.py puts it on every replica); it reads
+`Failover` is ASGI middleware around the server's app (serving/ray_serve.py puts it on every replica); it reads
 and writes the WebSocket messages the app exchanges and touches nothing inside the server. It also gives every
 `start` without a seed a random one, so that every utterance can be regenerated.
 
@@ -52,7 +52,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from streaming.protocol import UNCOUNTED
+from serving.protocol import UNCOUNTED
 from tts import SAMPLE_RATE
 
 log = logging.getLogger("tts.failover")

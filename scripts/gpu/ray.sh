@@ -3,17 +3,17 @@
 # Ray is not on the device image and its wheel (79 MB) does not fit one call beside the tree, so a trimmed site
 # (no jars, rllib, data, tune, train, llm, dashboard UI; binaries stripped: 25 MB as tar.xz) travels in parts
 # over back-to-back calls to a warm machine, each stashed in /tmp/raykit, and the last call assembles it.
-# Here (repository root):  see .gpu/extra/README ("Ray kit") for building .gpu/ray/{part-*,deps/}.
-# There:  bash .gpu/extra/ray.sh stash                 (a call carrying .gpu/ray/part-aa, then one with -ab)
-#         bash .gpu/extra/ray.sh scale [bench args]    (carrying the kit and .gpu/ray/deps)
-#         bash .gpu/extra/ray.sh kill [bench args]
+# Here (repository root):  see scripts/gpu/README ("Ray kit") for building scripts/gpu/ray/{part-*,deps/}.
+# There:  bash scripts/gpu/ray.sh stash                 (a call carrying scripts/gpu/ray/part-aa, then one with -ab)
+#         bash scripts/gpu/ray.sh scale [bench args]    (carrying the kit and scripts/gpu/ray/deps)
+#         bash scripts/gpu/ray.sh kill [bench args]
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT" /tmp/raykit
 mode=$1; shift
 if [ "$mode" = stash ]; then
-    cp .gpu/ray/part-* /tmp/raykit/ && ls -la /tmp/raykit
+    cp scripts/gpu/ray/part-* /tmp/raykit/ && ls -la /tmp/raykit
     exit
 fi
 if [ ! -d /tmp/raysite/ray ]; then
@@ -21,7 +21,7 @@ if [ ! -d /tmp/raysite/ray ]; then
     mkdir -p /tmp/raysite && cat /tmp/raykit/part-* | xz -d | tar -x -C /tmp/raysite || { echo "ray.sh: no ray site"; exit 1; }
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "$HERE"/wheels/*.whl .gpu/ray/deps/*.whl || { echo "ray.sh: the wheels did not install"; exit 1; }
+    "$HERE"/wheels/*.whl scripts/gpu/ray/deps/*.whl || { echo "ray.sh: the wheels did not install"; exit 1; }
 export PYTHONPATH=$PWD:/tmp/site:$HERE/site:/tmp/raysite PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 lscpu | grep -E "Model name|^CPU\(s\)"
 python3 - <<'PY'  # the int8 step and the codec's ONNX export built once, before any replica loads them

@@ -15,9 +15,9 @@ from urllib.parse import parse_qs, urlsplit
 from starlette.datastructures import Headers
 
 from streaming.engine import ServerFull, UnknownVoice
-from streaming.limits import Limits
-from streaming.protocol import ProtocolError
-from streaming.server_admission import Admission
+from serving.limits import Limits
+from serving.protocol import ProtocolError
+from serving.admission import Admission
 from tts import SAMPLE_RATE
 from tts.text import TextError
 

@@ -29,8 +29,8 @@ from typing import Callable
 import torch
 
 from streaming.codec_worker import AudioOutbox, CodecWorker, FrameCodec, decoder_row_tensors
-from streaming.decode import StepCaches
-from streaming.figures import Timer
+from streaming.step_caches import StepCaches
+from streaming.live_figures import Timer
 from streaming.parking import Parked, ParkingStore, RowLayout, RowPool
 from streaming.slots import Slots
 

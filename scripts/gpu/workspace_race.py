@@ -1,7 +1,7 @@
 """Two CUDA graphs of float32 matmuls replayed at once on two streams: are their results those of one replay at
 a time? Each pair captured twice: both on torch.cuda.graph's default capture stream (which shares one cuBLAS
 workspace between the graphs), then the second on a stream of its own. Prints mismatching replays per case.
-    python3 .gpu/extra/workspace_race.py
+    python3 scripts/gpu/workspace_race.py
 """
 import torch
 
