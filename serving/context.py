@@ -1,7 +1,7 @@
 """What every connection of the server shares: the engine, the limits and admission, the voice aliases, the API
 keys, and a thread pool for the engine's blocking calls (opening a stream; audio is awaited without a thread,
-`Hub.chunks`); and who a connection is (its address, its API key). server.py (the WebSocket) and
-streaming/http_api.py (HTTP) use it; it serves no endpoint itself."""
+`Hub.chunks`); and who a connection is (its address, its API key). serving/session.py (the WebSocket) and
+serving/http_api.py (HTTP) use it; it serves no endpoint itself."""
 from __future__ import annotations
 
 import asyncio
@@ -27,12 +27,13 @@ class Hub:
     a thread pool for the engine's blocking calls (so no connection waits for another's)."""
 
     def __init__(self, engine, limits: Limits, aliases: dict[str, str] | None = None,
-                 api_keys: tuple[str, ...] = (), allow_origins: tuple[str, ...] = ()):
+                 api_keys: tuple[str, ...] = (), allow_origins: tuple[str, ...] = (), load_engine=None):
         self.limits, self._engine, self._aliases = limits, engine, aliases
+        self._load_engine = load_engine  # engine None: loads it on first use (the entry point's `tts.api.get_engine`)
         self.api_keys, self.allow_origins = tuple(api_keys), tuple(allow_origins)
         self.admission = Admission(limits, slots=None if engine is None else _open_streams(engine))
         self.pool = ThreadPoolExecutor(2 * limits.max_connections + 2, thread_name_prefix="tts-io")
-        self.sessions: set = set()  # the WebSocket sessions (server.Session), those waiting for a resume too
+        self.sessions: set = set()  # the WebSocket sessions (serving.session.Session), those waiting for a resume too
         self.resume_tokens: dict = {}  # resume token -> its session, or None once spent (resume_used)
         self.streams: set = set()  # engine streams open for clients, WebSocket and HTTP
         path = os.environ.get("TTS_TIMELINE_LOG")
@@ -43,8 +44,9 @@ class Hub:
 
     async def engine(self):
         if self._engine is None:
-            from tts.api import get_engine
-            self._engine = await self.call(get_engine)
+            if self._load_engine is None:
+                raise RuntimeError("no engine: pass one, or load_engine (server.create_app passes tts.api.get_engine)")
+            self._engine = await self.call(self._load_engine)
             self.admission.slots = _open_streams(self._engine)
         return self._engine
 
