@@ -357,8 +357,9 @@ def tick_parts(engine) -> dict | None:
     phases = getattr(engine, "tick_phases", None)
     if phases is None or not len(phases):
         return None
+    from streaming.engine import TICK_PHASES
     values = phases.values(last=2000) * 1000
-    return {name: percentiles(values[:, i]) for i, name in enumerate(("events", "launch", "wait", "hand_out"))}
+    return {name: percentiles(values[:, i]) for i, name in enumerate(TICK_PHASES)}
 
 
 def offered_only(args) -> dict:

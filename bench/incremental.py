@@ -638,10 +638,10 @@ class Timeline:
         self.engine, self.marks = engine, {}
         self._open, engine.open = engine.open, self._opened
         self._handed, engine.text_worker.deliver = engine.text_worker.deliver, self._hand
-        self._decode, engine.codec_worker.decode = engine.codec_worker.decode, self._decoding
+        self._decode, engine.codec_path.worker.decode = engine.codec_path.worker.decode, self._decoding
 
     def close(self) -> None:
-        del self.engine.open, self.engine.codec_worker.decode
+        del self.engine.open, self.engine.codec_path.worker.decode
         self.engine.text_worker.deliver = self._handed
 
     def _opened(self, *args, **kwargs):

@@ -18,7 +18,7 @@ from streaming.engine import ServerFull, UnknownVoice
 from serving.limits import Limits
 from serving.protocol import ProtocolError
 from serving.admission import Admission
-from tts import SAMPLE_RATE
+from tts.rates import SAMPLE_RATE
 from tts.text import TextError
 
 

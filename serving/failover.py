@@ -44,131 +44,27 @@ on with no byte lost or repeated, but its samples after the checkpoint (or the f
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import secrets
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
+from serving.journals import (CHECKPOINTS_KEPT, JOURNALS_ACTOR, MAX_JOURNAL_BYTES, Checkpoint, JournalEntry,  # noqa: F401
+                              Journals, journals, stop_journals)
 from serving.protocol import UNCOUNTED
-from tts import SAMPLE_RATE
+from serving.replay import Replay, Shift, compact, outgoing, parsed_message, shifted_message  # noqa: F401
 
 log = logging.getLogger("tts.failover")
 FLUSH_S = 0.05  # how often a replica sends its sessions' new messages to the journals
 TOUCH_S = 1.0  # how often a replica says that its sessions live on (the journals forget the others)
-MAX_JOURNAL_BYTES = 4 << 20  # a session's journal past this is dropped: that session cannot fail over
 # A live utterance is checkpointed each time it has this much more audio: a failover regenerates at most about
 # this much (at the engine's speed: 0.25 s of work at RTF 0.25) before the client's next byte. Each costs a
 # snapshot (~2.2 MB for the shipped model) sent to the journals actor.
 CHECKPOINT_AUDIO_S = 1.0
 CHECKPOINT_POLL_S = 0.1  # how often a replica looks for utterances due a checkpoint
-CHECKPOINTS_KEPT = 2  # per utterance: the latest whose audio the client holds is used (it may lack the newest's)
 RAW_WIDTHS = {"pcm_s16le": 2, "pcm": 2, "f32le": 4}  # formats whose bytes are samples x width: a byte -> a sample
-JOURNALS_ACTOR = "tts-journals"
 UNCOUNTED_EVENTS = ("queued", "audio", "resumed")  # events a client's position does not count
-
-
-# A journal entry: a client message the server took (its text, or its binary data), or, where the server sent an
-# utterance's `done`, {"done": context id, "at": [bytes, events]}: the context's count after it (`compact` uses it).
-Entry = str | bytes | dict
-
-
-class Journals:
-    """Ray actor: every live session's journal, by journal id (the session's first resume token), and each token
-    the session has had -> its journal id. A journal nobody touches for its time-to-live is forgotten (its
-    replica is gone, and the window for a resume has passed). One actor: its methods run one at a time, so two
-    replicas claiming one token cannot both win."""
-
-    def __init__(self):
-        self.entries: dict[str, list[Entry]] = {}
-        self.sizes: dict[str, int] = {}
-        self.expires: dict[str, float] = {}
-        self.tokens: dict[str, str | None] = {}  # token -> journal id; None once claimed (spent)
-        self.checkpoints: dict[str, dict[str | None, list[Checkpoint]]] = {}  # journal id -> context -> latest
-        self.replays = {"utterances": 0, "from_checkpoints": 0}  # utterances replayed: all, from a checkpoint
-
-    def append(self, batch: list[tuple[str, list[Entry], list[str], float]]) -> None:
-        """(journal id, new entries, new tokens, time to live) for each session a replica has news of."""
-        now = time.monotonic()
-        for jid, entries, tokens, ttl_s in batch:
-            if self.sizes.get(jid, 0) < 0:
-                continue  # over the bound: it stays dropped
-            self.entries.setdefault(jid, []).extend(entries)
-            self.sizes[jid] = self.sizes.get(jid, 0) + sum(len(m) if not isinstance(m, dict) else 64 for m in entries)
-            if self.sizes[jid] > MAX_JOURNAL_BYTES:
-                self.entries[jid], self.sizes[jid] = [], -1
-                self.checkpoints.pop(jid, None)
-            self.tokens.update({token: jid for token in tokens})
-            self.expires[jid] = now + ttl_s
-        self._expire(now)
-
-    def checkpoint(self, jid: str, taken: list["Checkpoint"]) -> None:
-        """Keep a replica's new checkpoints of a session's utterances: the latest CHECKPOINTS_KEPT of each
-        context's current utterance (one of a new utterance replaces its context's older ones)."""
-        if jid not in self.entries or self.sizes.get(jid, 0) < 0:
-            return
-        kept = self.checkpoints.setdefault(jid, {})
-        for checkpoint in taken:
-            same = [c for c in kept.get(checkpoint.context, ()) if c.start == checkpoint.start]
-            kept[checkpoint.context] = same[len(same) + 1 - CHECKPOINTS_KEPT:] + [checkpoint]
-
-    def claim(self, token: str) -> tuple[str, list[Entry], list["Checkpoint"]] | None:
-        """(journal id, its entries, its checkpoints) for a resume with ``token``, which is then spent; None when
-        no journal has it."""
-        jid = self.tokens.get(token)
-        if jid is None or self.sizes.get(jid, 0) < 0 or jid not in self.entries:
-            return None
-        self.tokens[token] = None
-        return jid, list(self.entries[jid]), [c for kept in self.checkpoints.get(jid, {}).values() for c in kept]
-
-    def replayed(self, utterances: int, from_checkpoints: int) -> None:
-        """A replica replayed a session: its utterances in progress, and how many went on from a checkpoint."""
-        self.replays["utterances"] += utterances
-        self.replays["from_checkpoints"] += from_checkpoints
-
-    def stats(self) -> dict:
-        """Journals and checkpoints held (their bytes), and the replays so far."""
-        held = [c for kept in self.checkpoints.values() for cs in kept.values() for c in cs]
-        return {"journals": len(self.entries), "checkpoints": len(held),
-                "checkpoint_bytes": sum(len(c.state) for c in held), **self.replays}
-
-    def forget(self, ended: list[tuple[str, str]]) -> None:
-        """(journal id, its session's last token) of sessions that ended; one that a resume took elsewhere since
-        (its token claimed) lives on there."""
-        for jid, token in ended:
-            if self.tokens.get(token) == jid:
-                self.expires[jid] = 0.0
-        self._expire(time.monotonic())
-
-    def claimed(self, tokens: list[str]) -> list[str]:
-        """Those of ``tokens`` that a resume has claimed."""
-        return [token for token in tokens if token in self.tokens and self.tokens[token] is None]
-
-    def _expire(self, now: float) -> None:
-        for jid in [jid for jid, at in self.expires.items() if at <= now]:
-            del self.expires[jid]
-            self.entries.pop(jid, None)
-            self.sizes.pop(jid, None)
-            self.checkpoints.pop(jid, None)
-        self.tokens = {t: jid for t, jid in self.tokens.items() if jid is None or jid in self.entries}
-
-
-def journals():
-    """The cluster's `Journals` actor, started on first use. Detached: it outlives the replica that started it."""
-    import ray
-    return ray.remote(Journals).options(name=JOURNALS_ACTOR, namespace="serve", lifetime="detached",
-                                        get_if_exists=True, num_cpus=0, max_concurrency=1).remote()
-
-
-def stop_journals() -> None:
-    """End the journals actor, if there is one (it is detached: nothing else ends it but the cluster's end)."""
-    import ray
-    try:
-        ray.kill(ray.get_actor(JOURNALS_ACTOR, namespace="serve"))
-    except ValueError:
-        pass
 
 
 class Journaler:
@@ -178,7 +74,7 @@ class Journaler:
 
     def __init__(self, actor, hub):
         self.actor, self.hub = actor, hub
-        self.pending: dict[str, tuple[list[Entry], list[str]]] = {}
+        self.pending: dict[str, tuple[list[JournalEntry], list[str]]] = {}
         self.tracks: dict[str, Track] = {}  # journal id -> its journal's length and utterances (for checkpoints)
         self.standins: dict[str, list[int]] = {}  # journal id -> seeds its replay here stood in for checkpoints
         self.engine: Checkpointing | None = None
@@ -194,7 +90,7 @@ class Journaler:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
-    def add(self, jid: str, entries: list[Entry] = (), tokens: list[str] = ()) -> None:
+    def add(self, jid: str, entries: list[JournalEntry] = (), tokens: list[str] = ()) -> None:
         self.tracks.setdefault(jid, Track()).note(entries)
         queued = self.pending.setdefault(jid, ([], []))
         queued[0].extend(entries)
@@ -210,7 +106,7 @@ class Journaler:
                 except Exception:  # the journals are unreachable: serving goes on, without failover
                     log.exception("could not write the session journals")
 
-    def follow(self, jid: str, entries: list[Entry], replay: "Replay") -> None:
+    def follow(self, jid: str, entries: list[JournalEntry], replay: "Replay") -> None:
         """A session replayed here: follow its journal from ``entries`` on; an utterance continued from a
         checkpoint has the stand-in seed its server got, and its audio starts at the checkpoint's sample."""
         track = self.tracks[jid] = Track()
@@ -289,20 +185,6 @@ class Journaler:
 
 
 @dataclass
-class Checkpoint:
-    """A live utterance's engine state (`Engine.snapshot`) at a place in its session's journal: the state has
-    taken in the journal's first ``after`` entries (its context's later ones are not in it), and continues the
-    utterance's audio from its byte ``nbytes`` (sample ``samples``) on."""
-    context: str | None
-    start: int  # the journal index of the utterance's start
-    after: int
-    samples: int
-    nbytes: int
-    fingerprint: str  # of the weights it needs (`Engine.fingerprint`)
-    state: bytes
-
-
-@dataclass
 class Current:
     """A context's latest utterance in a session's journal: where its start is, its seed (as its server has it),
     whether a checkpoint continues it exactly (no flush, no error so far), and its latest checkpoint's sample."""
@@ -320,7 +202,7 @@ class Track:
 
     def note(self, entries) -> None:
         for entry in entries:
-            message = _parse({"text": entry}) if isinstance(entry, str) else {}
+            message = parsed_message({"text": entry}) if isinstance(entry, str) else {}
             context_id = message.get("context_id")
             if message.get("type") == "start":
                 self.contexts[context_id] = Current(self.length, message.get("seed"))
@@ -396,7 +278,7 @@ class Checkpointer:
     async def _checkpoint(self, jid: str, sock: "Socket") -> None:
         """Snapshot the session's due utterances while its server waits for the next message (none is handed
         to it until they are done: every message journaled has been taken in, and nothing after)."""
-        from streaming.engine import EngineError  # here: the journals actor imports this module without torch
+        from streaming.errors import EngineError  # here: the journals actor imports this module without torch
         due = self._due(jid)
         if not due or not sock.receiving:
             return
@@ -418,15 +300,6 @@ class Checkpointer:
             await known.flush()  # the entries it has taken in reach the journal first
             await known.actor.checkpoint.remote(jid, taken)
             self.taken += len(taken)
-
-
-@dataclass
-class Shift:
-    """A session replayed here without its finished utterances (`compact`): per context, where the server's count
-    of bytes and events starts in the session's; and how many client messages were left out. Acks, resumes and
-    `resumed.received` are translated by it."""
-    offsets: dict = field(default_factory=dict)  # context id -> [bytes, events]
-    dropped: int = 0
 
 
 @dataclass
@@ -494,7 +367,7 @@ class Failover:
                 await sock.free.wait()  # a checkpoint in progress: the server takes nothing in meanwhile
                 if message["type"] != "websocket.receive":
                     return message
-                parsed = _parse(message)
+                parsed = parsed_message(message)
                 if not first or parsed.get("type") != "resume":
                     break
                 first = False
@@ -502,7 +375,7 @@ class Failover:
                     return message  # else: replaying, from the top
             first = False
             if parsed.get("type") == "ack":
-                return _shifted(message, parsed, sock.shift)
+                return shifted_message(message, parsed, sock.shift)
             if parsed.get("type") in UNCOUNTED:
                 return message
             if parsed.get("type") == "start" and parsed.get("seed") is None:
@@ -527,7 +400,7 @@ class Failover:
             sock.untracked = sock.jid is None  # no journal of its past here: it gets none (a replay would miss it)
             sock.shift = known.shifts.get(sock.jid, sock.shift)
             sock.sent = have
-            return _shifted(message, json.loads(message["text"]), sock.shift)
+            return shifted_message(message, json.loads(message["text"]), sock.shift)
         claimed = await self.journaler.claim(token)
         if claimed is None:
             return message  # the server answers resume_expired
@@ -600,161 +473,3 @@ class Failover:
         sock.early = []
 
 
-class Replay:
-    """A session coming back from its journal on this replica: the journal's messages go to the server first
-    (those of utterances the client has whole left out, and where a checkpoint continues an utterance, those it
-    has taken in: `compact`), and of the server's output only what the client lacks goes out.
-
-    Example: the client holds 9600 audio bytes and 1 event (ready) of the default context; the replay's output
-    is ready, 4800 B, timing, 9600 B, ...: ready is dropped (event 0 < 1), the 4800 B too (bytes 0..4800 < 9600),
-    the timing event goes (event 1 >= 1), of the 9600 B chunk (bytes 4800..14400) the last 4800 B go."""
-
-    def __init__(self, entries: list, have: dict, checkpoints=(), fingerprint: str | None = None, expect=None):
-        """``checkpoints`` (`Checkpoint`) made with weights of ``fingerprint``; ``expect(state) -> seed``
-        (`Checkpointing.expect`) registers the one chosen for an utterance."""
-        self.received = sum(not isinstance(entry, dict) for entry in entries)
-        feed, self.shift, chosen = compact(entries, have, checkpoints, fingerprint)
-        self.standins = {}  # context id -> (the seed standing in for its checkpoint, the checkpoint's sample)
-        for context_id, (at, checkpoint) in chosen.items():
-            seed = expect(checkpoint.state)
-            feed[at] = json.dumps({**_parse({"text": feed[at]}), "seed": seed})
-            self.standins[context_id] = (seed, checkpoint.samples)
-        self.starts = sum(_parse({"text": m}).get("type") == "start" for m in feed if isinstance(m, str))
-        self.unspoken = {context_id: samples for context_id, (_, samples) in self.standins.items()}  # for `done`
-        self.feed, self.have = deque(feed), have
-
-    def next_message(self) -> dict | None:
-        """The next journal message for the server; None when the journal is all in."""
-        if not self.feed:
-            return None
-        message = self.feed.popleft()
-        if isinstance(message, bytes):
-            return {"type": "websocket.receive", "bytes": message}
-        return {"type": "websocket.receive", "text": message}
-
-    def filter(self, message: dict, event: dict | None, position: list[int], nbytes: int, context_id) -> dict | None:
-        """The part of an output message the client lacks (None: it has it all). ``position``: the context's
-        (bytes, events) before it, in the session's count."""
-        have_bytes, have_events = self.have.get(context_id, (0, 0))
-        if event is None or event.get("type") == "audio":
-            return _tail(message, event, max(0, have_bytes - position[0])) if nbytes else message
-        if event.get("type") == "queued":
-            return message if position[0] >= have_bytes and position[1] >= have_events else None
-        if position[1] < have_events:
-            return None
-        if event.get("type") == "done" and context_id in self.unspoken:  # the server spoke from the checkpoint on
-            spoken = event.get("audio_seconds", 0) + self.unspoken.pop(context_id) / SAMPLE_RATE
-            return {**message, "text": json.dumps({**event, "audio_seconds": round(spoken, 3)})}
-        return message
-
-
-def compact(entries: list, have: dict, checkpoints=(), fingerprint: str | None = None) -> tuple[list, Shift, dict]:
-    """The journal's messages to replay for a client holding ``have`` (context id -> (bytes, events)), the
-    shift, and the checkpoints chosen. Per context, the messages before the last `done` the client holds are
-    left out, and the server's count for it starts where that done left the session's. A context whose first
-    message left in is the start of an utterance with a checkpoint (`Checkpoint`) of weights ``fingerprint``
-    whose audio the client holds continues from the latest such: its messages that the checkpoint has taken
-    in are left out too, and the server's count starts that many bytes further (its first event, `ready`,
-    is the client's already). Chosen: context id -> (the index of its start in the feed, its checkpoint).
-
-    Example: journal [start, text, end, done-mark(None at 96000 B, 3 events), start, text] and a client holding
-    (120000 B, 4 events) of the default context: it has the first utterance's done, so the replay is [start,
-    text]; the shift is offsets {None: [96000, 3]}, 3 messages dropped; the server's 0 B is the session's 96000 B.
-    With a checkpoint of the second utterance (start 4) after 6 entries at 20000 B: the replay is [start], the
-    offsets {None: [116000, 3]}, 4 messages dropped."""
-    cuts = {}
-    for i, entry in enumerate(entries):
-        if isinstance(entry, dict):
-            held_bytes, held_events = have.get(entry["done"], (0, 0))
-            if entry["at"][0] <= held_bytes and entry["at"][1] <= held_events:
-                cuts[entry["done"]] = (i, entry["at"])
-    shift = Shift({context_id: list(at) for context_id, (_, at) in cuts.items()})
-    chosen = _checkpoints(entries, have, cuts, checkpoints, fingerprint)
-    feed, starts = [], {}
-    for i, entry in enumerate(entries):
-        if isinstance(entry, dict):
-            continue
-        context_id = _context(entry)
-        cut, checkpoint = cuts.get(context_id), chosen.get(context_id)
-        if cut is not None and i < cut[0] or checkpoint is not None and checkpoint.start < i < checkpoint.after:
-            shift.dropped += 1
-            continue
-        if checkpoint is not None and i == checkpoint.start:
-            starts[context_id] = (len(feed), checkpoint)
-            offsets = shift.offsets.setdefault(context_id, [0, 0])
-            offsets[0] += checkpoint.nbytes
-        feed.append(entry)
-    return feed, shift, starts
-
-
-def _checkpoints(entries: list, have: dict, cuts: dict, checkpoints, fingerprint: str | None) -> dict:
-    """Per context, the checkpoint a replay continues from (`compact`): of its first utterance left in, made
-    with these weights, the latest whose audio bytes the client holds, with that utterance's `ready`."""
-    first = {}  # context id -> the index of its first message left in
-    for i, entry in enumerate(entries):
-        if not isinstance(entry, dict) and (context_id := _context(entry)) not in first:
-            if context_id not in cuts or i > cuts[context_id][0]:
-                first[context_id] = i
-    chosen = {}
-    for checkpoint in sorted(checkpoints, key=lambda c: c.samples):
-        context_id = checkpoint.context
-        base = cuts[context_id][1] if context_id in cuts else (0, 0)
-        held_bytes, held_events = have.get(context_id, (0, 0))
-        if first.get(context_id) == checkpoint.start and checkpoint.after <= len(entries) \
-                and checkpoint.fingerprint == fingerprint and held_bytes >= base[0] + checkpoint.nbytes \
-                and held_events > base[1]:
-            chosen[context_id] = checkpoint
-    return chosen
-
-
-def _context(message) -> str | None:
-    """The context a client message belongs to (the default one, None, for binary data and unreadable text)."""
-    return _parse({"text": message}).get("context_id") if isinstance(message, str) else None
-
-
-def _shifted(message: dict, parsed: dict, shift: Shift) -> dict:
-    """An ack or resume with its positions in the server's count (`Shift`)."""
-    if not shift.offsets:
-        return message
-    def moved(position: dict) -> dict:
-        bytes_at, events_at = shift.offsets.get(position.get("context_id"), (0, 0))
-        return {**position, "bytes": max(0, position.get("bytes", 0) - bytes_at),
-                "events": max(0, position.get("events", 0) - events_at)}
-    if parsed.get("type") == "ack":
-        parsed = moved(parsed)
-    else:
-        parsed = {**parsed, "contexts": [moved(p) for p in parsed.get("contexts") or () if isinstance(p, dict)]}
-    return {**message, "text": json.dumps(parsed)}
-
-
-def _parse(message: dict) -> dict:
-    """A client message's JSON object ({} for binary data or anything else)."""
-    try:
-        parsed = json.loads(message.get("text") or "null")
-    except ValueError:
-        return {}
-    return parsed if isinstance(parsed, dict) else {}
-
-
-def outgoing(message: dict) -> tuple[str | None, int, dict | None]:
-    """(context id, audio bytes, the event or None) of a message the server sends: binary audio is the default
-    context's; a named context's audio is an `audio` event with base64 data."""
-    if message.get("bytes") is not None:
-        return None, len(message["bytes"]), None
-    event = json.loads(message["text"])
-    nbytes = 0
-    if event.get("type") == "audio":  # base64: 4 characters per 3 bytes, "=" padding the last group
-        data = event["audio"]
-        nbytes = len(data) * 3 // 4 - data[-2:].count("=")
-    return event.get("context_id"), nbytes, event
-
-
-def _tail(message: dict, event: dict | None, skip: int) -> dict | None:
-    """An audio message without its first ``skip`` bytes (None when nothing is left)."""
-    if skip == 0:
-        return message
-    if event is None:
-        rest = message["bytes"][skip:]
-        return {**message, "bytes": rest} if rest else None
-    rest = base64.b64decode(event["audio"])[skip:]
-    return {**message, "text": json.dumps({**event, "audio": base64.b64encode(rest).decode("ascii")})} if rest else None

@@ -16,16 +16,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from serving.admission import retry_after_header
-from tts.containers import MEDIA_TYPES, Encoder
+from tts.containers import MEDIA_TYPES, AudioEncoder
 from serving.context import Hub, api_key, clients_of, origin_allowed
 from serving.protocol import ProtocolError, SpeechRequest, check_text, validation_error
-from tts import SAMPLE_RATE
+from tts.rates import SAMPLE_RATE
+from tts.codec import CodecConfig
 from tts.text import TextError
 
 log = logging.getLogger("tts.server")
 VOICE_KEYS = ("name", "description", "teacher", "license", "sample_rate", "default")
 MODELS = ("tts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # listed for clients that pick one; all speak alike
-FRAME_RATE = 50  # codec frames per second: the "output tokens" of an SSE done event's usage
+FRAME_RATE = CodecConfig().frame_rate  # codec frames per second: the "output tokens" of an SSE done event's usage
 
 
 class AccessMiddleware:
@@ -138,7 +139,7 @@ class SpeechResponse(StreamingResponse):
     def __init__(self, hub: Hub, req: SpeechRequest, ticket, stream, clients: tuple, chunks, first):
         self._hub, self._req, self._ticket, self._stream, self._clients = hub, req, ticket, stream, clients
         self._chunks, self._first = chunks, first
-        self._encoder = Encoder("pcm_s16le" if req.response_format == "pcm" else req.response_format,
+        self._encoder = AudioEncoder("pcm_s16le" if req.response_format == "pcm" else req.response_format,
                                 req.sample_rate)
         self._failed = False
         sse = req.stream_format == "sse"

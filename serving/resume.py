@@ -23,7 +23,7 @@ class LinkBroken(ConnectionError):
 
 
 @dataclass
-class Entry:
+class LogEntry:
     """One thing sent on a context, at its position: audio bytes, or one JSON event."""
     seq: int  # order among everything the session has logged
     at_bytes: int  # audio bytes sent on the context before this entry
@@ -46,7 +46,7 @@ class ReplayLog:
 
     def __init__(self, budget: int):
         self.budget = budget
-        self.entries: deque[Entry] = deque()
+        self.entries: deque[LogEntry] = deque()
         self.end_bytes = self.end_events = 0
         self.size = 0
 
@@ -56,9 +56,9 @@ class ReplayLog:
         first = self.entries[0] if self.entries else None
         return (first.at_bytes, first.at_events) if first else (self.end_bytes, self.end_events)
 
-    def add(self, seq: int, *, audio: bytes | None = None, event: dict | None = None) -> Entry:
+    def add(self, seq: int, *, audio: bytes | None = None, event: dict | None = None) -> LogEntry:
         size = len(audio) if audio is not None else len(json.dumps(event))
-        entry = Entry(seq, self.end_bytes, self.end_events, audio, event, size)
+        entry = LogEntry(seq, self.end_bytes, self.end_events, audio, event, size)
         self.entries.append(entry)
         self.size += entry.size
         if audio is not None:
@@ -87,19 +87,19 @@ class ReplayLog:
         while self.entries and _before(self.entries[0], nbytes, events):
             self.size -= self.entries.popleft().size
 
-    def since(self, nbytes: int, events: int) -> list[Entry]:
+    def since(self, nbytes: int, events: int) -> list[LogEntry]:
         """The entries, or their tails, after (nbytes, events), in order (`check` it first)."""
         missing = []
         for entry in self.entries:
             if entry.audio is not None and entry.at_bytes + len(entry.audio) > nbytes:
                 tail = entry.audio[max(0, nbytes - entry.at_bytes):]
-                missing.append(Entry(entry.seq, entry.at_bytes, entry.at_events, audio=tail, size=len(tail)))
+                missing.append(LogEntry(entry.seq, entry.at_bytes, entry.at_events, audio=tail, size=len(tail)))
             elif entry.event is not None and entry.at_events >= events:
                 missing.append(entry)
         return missing
 
 
-def _before(entry: Entry, nbytes: int, events: int) -> bool:
+def _before(entry: LogEntry, nbytes: int, events: int) -> bool:
     if entry.audio is not None:
         return entry.at_bytes + len(entry.audio) <= nbytes
     return entry.at_events < events

@@ -16,8 +16,8 @@ from serving.context import Hub, clients_of
 from serving.protocol import (CLIENT_MESSAGE, UNCOUNTED, Ack, Cancel, End, Flush, ProtocolError, Resume, Start,
                               Text, check_text, validation_error)
 from serving.resume import Link, LinkBroken, ReplayLog, dropped
-from tts import SAMPLE_RATE
-from tts.containers import Encoder
+from tts.rates import SAMPLE_RATE
+from tts.containers import AudioEncoder
 from tts.text import TextError
 
 log = logging.getLogger("tts.server")
@@ -37,7 +37,7 @@ class Session:
 
     def __init__(self, hub: Hub, clients: tuple, place):
         self.hub, self.limits, self.clients, self.place = hub, hub.limits, clients, place
-        self.utterances: dict[str | None, Utterance] = {}
+        self.utterances: dict[str | None, ContextUtterance] = {}
         self.logs: dict[str | None, ReplayLog] = {}
         self.link: Link | None = None  # the socket serving the session; None while it waits for a resume
         self.linked = asyncio.Event()
@@ -308,7 +308,7 @@ class Session:
             err.keep = parsed.type != "resume"
             raise
 
-    def _utterance(self, context_id: str | None, what: str) -> "Utterance":
+    def _utterance(self, context_id: str | None, what: str) -> "ContextUtterance":
         utterance = self.utterances.get(context_id)
         if utterance is None:
             raise ProtocolError("bad_state", f"{what} is not allowed now: send start first")
@@ -325,7 +325,7 @@ class Session:
                                 f"the most one may have; end one first")
         await self.hub.engine()
         voice = self.hub.resolve_voice(msg.voice)
-        self.utterances[msg.context_id] = Utterance(self, msg, voice)
+        self.utterances[msg.context_id] = ContextUtterance(self, msg, voice)
 
     async def _on_text(self, msg: Text) -> None:
         utterance = self._utterance(msg.context_id, "text")
@@ -374,7 +374,7 @@ def _type_of(text: str):
     return None
 
 
-class Utterance:
+class ContextUtterance:
     """One utterance on a socket: queued (waiting for a slot; its text is kept) -> open -> ending (end received)
     -> gone. It ends with exactly one `done`, or, refused before `ready`, with one `error` alone. Only its own
     task sends those, so a cancel never cuts one in half: a cancel ends the wait or the engine stream, and the
@@ -385,7 +385,7 @@ class Utterance:
         self.state, self.ticket, self.stream, self.pending = "queued", None, None, []
         self.chars, self.samples, self.cancelled = 0, 0, False
         self.first_text_at = self.first_audio_at = None
-        self.encoder = Encoder(start.format, start.sample_rate)
+        self.encoder = AudioEncoder(start.format, start.sample_rate)
         self.opening = asyncio.ensure_future(session.hub.open(session.clients, voice, start.speed, start.seed,
                                                               self._queued))
         self.task = asyncio.create_task(self._run())

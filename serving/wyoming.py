@@ -36,8 +36,8 @@ from wyoming.server import AsyncEventHandler, AsyncServer
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-from tts.containers import Encoder
-from streaming.engine import EngineError, ServerFull, UnknownVoice
+from tts.containers import AudioEncoder
+from streaming.errors import EngineError, ServerFull, UnknownVoice
 from tts.text import TextError
 from tts.voices import attribution
 
@@ -182,7 +182,7 @@ class WyomingHandler(AsyncEventHandler):
     async def _send_audio(self, stream) -> None:
         """Engine -> client: audio-start with the first chunk, every chunk as s16le, audio-stop at the end.
         A stream that fails reports an ``error`` (and ends its audio if it had started)."""
-        encoder, started = Encoder("pcm_s16le"), False
+        encoder, started = AudioEncoder("pcm_s16le"), False
         audio_format = dict(rate=self.engine.sample_rate, width=SAMPLE_WIDTH, channels=CHANNELS)
         try:
             while True:

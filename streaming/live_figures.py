@@ -7,6 +7,9 @@ import time
 import numpy as np
 import torch
 
+# Ticks of live figures kept (13 min of one stream's 50 ticks a second; benches clear them per load)
+FIGURES_KEPT = 40_000
+
 
 class Recent:
     """The last ``capacity`` values of a live figure: a number, or a row of ``width`` numbers (a tick's parts).

@@ -12,7 +12,7 @@ class Full(Exception):
     """No reservation: every slot is held and the caller would not (or could not) wait."""
 
 
-class Admission:
+class Reservations:
     def __init__(self, slots: int, max_waiting: int):
         self.slots, self.max_waiting = slots, max_waiting
         self.held = 0  # reservations: streams holding a slot or about to

@@ -142,6 +142,7 @@ COUNT_ROWS = ("step", "frames", "encoded", "pending", "chunks", "silent", "settl
 
 # Columns of the per-tick table the host reads (`Slots.advance`).
 META = ("unit", "ready", "completed", "pending", "due", "done")
+UNIT, READY, COMPLETED, PENDING, DUE, DONE = range(len(META))  # its columns' indices
 
 
 MAX_CHUNK = max(*CHUNK_SCHEDULE, *INCREMENTAL_CHUNKS)

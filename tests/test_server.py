@@ -22,6 +22,7 @@ import pytest
 import soundfile as sf
 import websockets
 
+from testkit import wait_until
 from tts.client import ClientError, ServerError, connect, say_via_server, synthesize_via_server
 
 SR = 24_000
@@ -81,13 +82,6 @@ async def open_long_utterance(ws, sentences=16) -> None:
     assert json.loads(await ws.recv())["type"] == "ready"
     await send(ws, type="text", text=SENTENCE * sentences)
     await send(ws, type="end")
-
-
-def wait_until(condition, seconds: float = 10) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return condition()
 
 
 def decode(data: bytes) -> tuple[np.ndarray, int]:

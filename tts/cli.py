@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tts import SAMPLE_RATE
+from tts.rates import SAMPLE_RATE
 
 EXIT_CODES = """exit codes:
   0    done
@@ -123,7 +123,7 @@ def _interrupt(*_) -> None:
     raise KeyboardInterrupt
 
 
-def speak(source: Iterator, parts: list[str], write, quiet: bool) -> tuple[int, list[dict]]:
+def write_speech(source: Iterator, parts: list[str], write, quiet: bool) -> tuple[int, list[dict]]:
     """Send every chunk of ``source`` to ``write`` as it comes, with a progress bar over ``parts`` (two or
     more utterances, on a terminal). Returns the samples written and the words, each utterance's words
     moved to where its audio starts."""
@@ -161,7 +161,7 @@ def cmd_say(args) -> int:
         local_chunks(parts, args.voice, args.speed, args.seed)
     started = time.perf_counter()
     with contextlib.closing(source), open_sink(args.output, fmt) as write:
-        samples, words = speak(source, parts, write, args.quiet)
+        samples, words = write_speech(source, parts, write, args.quiet)
         if _interrupted.is_set():  # stopped, though the KeyboardInterrupt was lost: the file is discarded
             raise KeyboardInterrupt
     if args.subtitles:

@@ -11,10 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tts.rates import SAMPLE_RATE
+
 
 @dataclass(frozen=True)
 class CodecConfig:
-    sample_rate: int = 24_000
+    sample_rate: int = SAMPLE_RATE
     channels: int = 32  # decoder width; the decoder is what runs at serving time
     encoder_channels: int = 24  # the encoder only tokenises the corpus, so it is kept smaller
     dim: int = 128

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import soxr
 
-from tts import SAMPLE_RATE
+from tts.rates import SAMPLE_RATE
 
 ULAW_RATE = 8_000  # telephony: G.711 mu-law is 8 kHz by definition
 OPUS_RATE = 48_000  # Ogg Opus always decodes at 48 kHz, whatever was encoded
@@ -45,7 +45,7 @@ class _Sink:
         return data
 
 
-class Encoder:
+class AudioEncoder:
     """float32 chunks at SAMPLE_RATE -> bytes of one format at ``rate``, chunk by chunk. Raw PCM by numpy;
     containers by PyAV (FFmpeg), written to a non-seekable sink so every format streams (WAV gets FFmpeg's
     streaming header). Opus is fed at 48 kHz, mu-law at 8 kHz, whatever ``rate`` says."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tts.containers import Encoder
+from tts.containers import AudioEncoder
 
 FORMATS = {".wav": "wav", ".mp3": "mp3", ".ogg": "opus", ".opus": "opus", ".flac": "flac", ".aac": "aac",
            ".pcm": "pcm", ".raw": "pcm"}  # file suffix -> encoder format; pcm is 16-bit little-endian, headerless
@@ -64,7 +64,7 @@ def atomic_file(path: str | Path, mode: str = "wb"):
 @contextlib.contextmanager
 def file_sink(path: str | Path, fmt: str):
     """``write(chunk)`` encodes into a file as chunks arrive; the file appears complete or not at all."""
-    with atomic_file(path) as file, contextlib.closing(Encoder(fmt, file=file)) as encoder:
+    with atomic_file(path) as file, contextlib.closing(AudioEncoder(fmt, file=file)) as encoder:
         yield lambda chunk: file.write(encoder.encode(chunk))  # containers write the (seekable) file, so
         file.write(encoder.finish())  # their headers get completed; raw PCM comes back as bytes
 
@@ -77,7 +77,7 @@ def stdout_sink(fmt: str, out=None):
     def write(chunk: np.ndarray) -> None:
         out.write(encoder.encode(chunk))
         out.flush()
-    with contextlib.closing(Encoder(fmt)) as encoder:
+    with contextlib.closing(AudioEncoder(fmt)) as encoder:
         yield write
         out.write(encoder.finish())
         out.flush()

@@ -53,9 +53,9 @@ def main():
                     step_factory=kernels.default_step_factory(args.device) if cuda else None,
                     frame_codec=True if args.frame_codec else None)
     if args.shared_capture:
-        engine.frame_decoder.capture_stream = None
+        engine.codec_path.decoder.capture_stream = None
     if args.one_bucket:
-        engine._bucket = lambda: engine.max_streams if engine._live.any() else 0
+        engine.table.bucket = lambda max_streams: max_streams if engine.table.live.any() else 0
     engine.warm_up()
     sentences = [s for s in harvard(64) if len(s.split()) >= 7][:args.streams]
     sentences = (sentences * args.streams)[:args.streams]
