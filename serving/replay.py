@@ -91,7 +91,8 @@ def compact(entries: list, have: dict, checkpoints=(), fingerprint: str | None =
                 cuts[entry["done"]] = (i, entry["at"])
     shift = Shift({context_id: list(at) for context_id, (_, at) in cuts.items()})
     chosen = _checkpoints(entries, have, cuts, checkpoints, fingerprint)
-    feed, starts = [], {}
+    feed: list = []
+    starts: dict = {}
     for i, entry in enumerate(entries):
         if isinstance(entry, dict):
             continue

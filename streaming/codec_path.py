@@ -10,7 +10,7 @@ tick, collects it and hands chunks out through it, and never asks which one it h
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Protocol
+from typing import Callable, Protocol, cast
 
 import numpy as np
 import torch
@@ -152,16 +152,16 @@ class FrameCodecPath:
         """The codec on its own CUDA stream, overlapping the next tick's step: it first copies what it reads of
         this tick's outputs (which the next tick's graph rewrites; the main stream waits for that copy only),
         then decodes and copies the audio to a pinned buffer of a small ring (no allocation per tick)."""
-        n, timer = tick.n, tick.timer
+        n, timer, side = tick.n, tick.timer, cast(torch.cuda.Stream, self.stream)  # (a GPU has one)
         reset = self._take_resets()
         main = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(main)
-        with torch.cuda.stream(self.stream):
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
             if reset is not None:
-                reset.record_stream(self.stream)
+                reset.record_stream(side)
             if eager:  # eager outputs: fresh tensors, kept alive for the codec stream
                 for t in (meta, codes):
-                    t.record_stream(self.stream)
+                    t.record_stream(side)
             self.decoder.take(n, codes, meta[:, COMPLETED].bool(), reset)
             host_meta, host_audio = self._pinned[tick.serial % len(self._pinned)]
             host_meta[:n].copy_(meta, non_blocking=True)

@@ -40,7 +40,8 @@ import torch
 from streaming.codec_path import CpuCodecPath, FrameCodecPath
 from streaming.device_io import HostToDevice
 from streaming.errors import BadState, EngineError, ParkedStateLost, ServerFull, UnknownVoice
-from streaming.events import DeviceUpdates, Events, HostFlags, step_kind_of
+from streaming.device_updates import DeviceUpdates, HostFlags
+from streaming.events import Events, step_kind_of
 from streaming.live_figures import FIGURES_KEPT, Recent
 from streaming.parking import ParkingConfig, ParkingStore
 from streaming.parking_policy import ParkingPolicy

@@ -7,15 +7,16 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
 
+from streaming.device_updates import DeviceUpdates
+from streaming.engine_state import EngineState
 from streaming.errors import EngineError
 from streaming.parking import Parked
 from streaming.slot_table import COUNTS, COUNTS_BEFORE, Utterance
-from streaming.slots import Slots
 from streaming.stream import MOVING, Stream
 from tts.text import TextError
 
@@ -24,7 +25,7 @@ from tts.text import TextError
 GRANTS_PER_TICK = 64
 
 
-class Events:
+class Events(EngineState):
     """`Engine`'s event handling (engine thread only)."""
 
     def _handle_events(self) -> bool:
@@ -224,7 +225,7 @@ class Events:
         u.waiting, u.waiting_since = why, time.perf_counter()
         (self.table.starts if why == "start" else self.table.restores).append(u)
         if why == "restore":
-            self.store.want(u.parked)  # a state on disk starts loading now
+            self.store.want(cast(Parked, u.parked))  # a state on disk starts loading now
         if len(self.table.free) < len(self.table.starts) + len(self.table.restores):
             self.counters["slot_waits"] += 1
 
@@ -234,7 +235,8 @@ class Events:
         granted = 0
         while self.table.free and (self.table.starts or self.table.restores) and granted < GRANTS_PER_TICK:
             granted += 1
-            u = next((r for r in self.table.restores if r.detach is None and self.store.want(r.parked)), None)
+            u = next((r for r in self.table.restores if r.detach is None and self.store.want(cast(Parked, r.parked))),
+                     None)
             if u is None and not self.table.starts:
                 return  # only restores whose state is still loading
             u = u or self.table.starts[0]
@@ -246,8 +248,9 @@ class Events:
         why, u.waiting = u.waiting, None
         self.table.occupy(u)
         if why == "restore":
-            self.store.take(u.parked)
-            self._todo.restores.append((u, u.parked))
+            parked = cast(Parked, u.parked)  # a restore has its parked state
+            self.store.take(parked)
+            self._todo.restores.append((u, parked))
             u.parked = None
             self.counters["restores"] += 1
             u.stream.resume_samples = u.stream.max_queued_samples
@@ -303,55 +306,6 @@ class Events:
         if touched:  # these slots' device state changed: they may step again
             self.table.event_at[touched] = time.perf_counter()
             self.table.stalled_since[touched] = np.inf
-
-
-@dataclass
-class DeviceUpdates:
-    """Event updates waiting for the next tick: slots freed, streams started, flags to set."""
-    frees: list[int] = field(default_factory=list)
-    starts: list[Utterance] = field(default_factory=list)
-    flags: list[Utterance] = field(default_factory=list)  # closed/ended to recompute
-    paused: list[tuple[Utterance, bool]] = field(default_factory=list)
-    parks: list[tuple[Utterance, int]] = field(default_factory=list)  # (stream, the slot it leaves)
-    restores: list[tuple[Utterance, Parked]] = field(default_factory=list)  # (stream in its new slot, its state)
-
-    def any(self) -> bool:
-        return bool(self.frees or self.starts or self.flags or self.paused or self.parks or self.restores)
-
-
-class HostFlags:
-    """What the host last wrote into some of `Slots`' per-slot flags, so that an event that leaves a flag as it
-    was costs no device write (each write is two uploads and an indexed store, and every torch call lets go of
-    the interpreter lock, which a busy server's other threads then hold a while). Most text events are words
-    inside a sentence: they change neither ``closed`` nor ``ended``. Per flag and slot: 0 or 1, or -1 not known
-    (a restored row holds its parked value). Example: slot 3 gets a word (closed False, as written before: no
-    write), then a flush that the prefill confirms (closed True: one write of row 3), then parks and is freed
-    (reset on the device: 0 here too), then a stream is restored into it (-1: the next event's value is written,
-    whatever it is)."""
-
-    def __init__(self, slots: Slots, names: tuple[str, ...]):
-        self.flags = {name: getattr(slots, name) for name in names}  # (B,) bool device tensors
-        self.known = {name: np.zeros(slots.batch, dtype=np.int8) for name in names}  # fresh slots: all False
-
-    def cleared(self, rows) -> None:
-        """``rows`` were reset on the device (`Slots.reset`, `Slots.start`): every flag False."""
-        for known in self.known.values():
-            known[rows] = 0
-
-    def unknown(self, rows) -> None:
-        """``rows`` hold values the host did not write (restored parked state)."""
-        for known in self.known.values():
-            known[rows] = -1
-
-    def write(self, name: str, rows: list[int], values: list[bool], upload) -> None:
-        """Set flag ``name`` of ``rows`` (distinct) to ``values`` on the device, writing only those that differ."""
-        rows, values = np.asarray(rows, dtype=np.int64), np.asarray(values, dtype=bool)
-        known = self.known[name]
-        changed = known[rows] != values
-        if changed.any():
-            rows, values = rows[changed], values[changed]
-            self.flags[name][upload(rows)] = upload(values, torch.bool)
-            known[rows] = values
 
 
 def step_kind_of(factory) -> str:

@@ -5,18 +5,20 @@ themselves are `SlotMover`'s; the store, `streaming.parking`. A mixin of `Engine
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import numpy as np
 
+from streaming.engine_state import EngineState
 from streaming.errors import BadState, EngineError, ParkedStateLost, ServerFull
 from streaming.parking import Parked, pack, unpack, weights_fingerprint
 from streaming.reservations import Full
 from streaming.slot_mover import DetachRequest, Snapshot, host_state
 from streaming.slot_table import Utterance
-from streaming.stream import Stream
+from streaming.stream import EngineInbox, Stream
 
 
-class ParkingPolicy:
+class ParkingPolicy(EngineState):
     """`Engine`'s parking, restoring and moving of streams."""
     _fingerprint: str | None = None
 
@@ -57,7 +59,7 @@ class ParkingPolicy:
             raise BadState("the stream was detached from an engine with the other codec path (frame codec on/off)")
         if rows and not set(self.mover.row_tensors()) <= set(rows):
             raise BadState("the stream's state lacks rows this engine needs (an engine of another version?)")
-        stream = Stream.from_state(self, host["stream"], unread)
+        stream = Stream.from_state(cast(EngineInbox, self), host["stream"], unread)
         if self.text_reader is not None:
             stream.text.reader = self.text_reader
         preset = self.voice_preset(stream.voice)
@@ -137,7 +139,7 @@ class ParkingPolicy:
         cutoff = time.perf_counter() - self.parking.park_after_s
         stalled = np.flatnonzero(self.table.live & (self.table.stalled_since <= cutoff))
         for slot in stalled:
-            self._park(self.table.utterances[slot])
+            self._park(cast(Utterance, self.table.utterances[slot]))  # a live slot has one
 
     def _park(self, u: Utterance) -> None:
         self.table.save_counts(u)
@@ -150,7 +152,7 @@ class ParkingPolicy:
 
     def _park_rows(self, parks: list[tuple[Utterance, int]]) -> None:
         """Copy the parked slots' state out (`SlotMover.park`); hand the detached ones over."""
-        self.mover.park([(u.parked, slot) for u, slot in parks])
+        self.mover.park([(cast(Parked, u.parked), slot) for u, slot in parks])  # set by `_park`
         for u, _ in parks:
             if u.detach is not None:
                 self._finish_detach(u)
@@ -193,7 +195,7 @@ class ParkingPolicy:
                 self._park(u)
             elif u.detach is None:
                 continue  # a hold, parked
-            elif self.store.want(u.parked):
+            elif self.store.want(cast(Parked, u.parked)):
                 self._finish_detach(u)
             else:
                 self._parking.append(u)
@@ -209,7 +211,7 @@ class ParkingPolicy:
 
     def _finish_detach(self, u: Utterance) -> None:
         """Hand the detached stream to `detach` (which reads its parked rows) and forget it here."""
-        request, u.detach = u.detach, None
+        request, u.detach = cast(DetachRequest, u.detach), None
         parked = u.parked
         if parked is not None:
             self.store.take(parked)

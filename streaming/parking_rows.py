@@ -42,7 +42,7 @@ class RowLayout:
         """The rows inside ``flat`` as views without the batch dimension, grouped by dtype in entry order: one
         side of `copy` (build once for a buffer that is used again, such as a staging row)."""
         groups: dict[torch.dtype, list] = {}
-        for name, offset, nbytes, dtype, shape in self.entries:
+        for _name, offset, nbytes, dtype, shape in self.entries:
             groups.setdefault(dtype, []).append(flat[offset:offset + nbytes].view(dtype).view(shape))
         return groups
 

@@ -3,13 +3,14 @@
 from. A mixin of `Engine` (engine thread only); `_PrefillRows` is the host side a prefill hands the device."""
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from streaming.codec_worker import exact_convolutions
+from streaming.engine_state import EngineState
 from streaming.slot_table import Utterance
 from tts.alignment import predicted_frames
 
@@ -19,9 +20,8 @@ PREFILL_ROWS = 128  # rows prefilled per tick at most: a burst of starts is spre
 BLEND_PREFIXES = 64  # blends whose prefix keys/values stay cached (64 KB each for the shipped model)
 
 
-class Prefill:
+class Prefill(EngineState):
     """`Engine`'s prefill (its state: ``table``, ``slots``, ``caches``, ``model``, ``prefixes``, ``io``)."""
-    _blend_prefixes: OrderedDict
 
     def _choose_prefill(self) -> list[tuple[Utterance, int]]:
         """Slots whose encoded lead over their aligned unit ran low and that have units to encode: encode up
@@ -43,19 +43,20 @@ class Prefill:
                                & ((lead <= low) | (self.table.encoded == 0) | stalled)) | revise)
         if len(need) > PREFILL_ROWS:  # the lowest leads now, the rest next tick
             need = np.sort(need[np.argsort(lead[need], kind="stable")[:PREFILL_ROWS]])
-        chosen = []
+        chosen: list[tuple[Utterance, int]] = []
         for slot in need:
             stop = min(int(self.table.encodable[slot]), self.slots.encode_limit(int(unit[slot])),
                        int(self.table.encoded[slot]) + self.slots.encode_limit(0))
             stop = max(stop, int(self.table.encoded[slot]))  # a revision alone re-encodes what is there
-            chosen.append((self.table.utterances[slot], stop))
+            chosen.append((cast(Utterance, self.table.utterances[slot]), stop))
         return chosen
 
     def _start_caches(self, rows: torch.Tensor, utterances: list[Utterance]) -> None:
         """Fresh caches in ``rows`` with each stream's voice prefix ((L, M, H, S, D) keys/values: all layers
         in one store, `StepCaches.start`)."""
         prefixes = [self._voice_prefix(u.voice) for u in utterances]  # per stream (L, 1, H, S, D) keys, values
-        stacked = prefixes[0] if len(prefixes) == 1 else tuple(torch.cat([p[i] for p in prefixes], 1) for i in (0, 1))
+        stacked = prefixes[0] if len(prefixes) == 1 else (torch.cat([p[0] for p in prefixes], 1),
+                                                          torch.cat([p[1] for p in prefixes], 1))
         self.caches.start(rows, stacked)
 
     def _voice_prefix(self, preset: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +65,8 @@ class Prefill:
         more than BLEND_PREFIXES dropped (a stream holds its own copy in the caches)."""
         if len(preset["mix"]) == 1:
             row = next(iter(preset["mix"]))
-            return tuple(t[:, row:row + 1] for t in self.prefixes)
+            keys, values = self.prefixes
+            return keys[:, row:row + 1], values[:, row:row + 1]
         key = tuple(preset["mix"].items())
         if key in self._blend_prefixes:
             self._blend_prefixes.move_to_end(key)
@@ -164,7 +166,7 @@ class _PrefillRows:
     """One prefill's host side (`Engine._prefill_windows`): the padded unit windows (M, L) and, per row, its
     slot, what to take from its window, what it confirms, its voice and rate, and what elastic pacing
     (`Slots.pace`) and a flush's pause (`Slots.place`) need."""
-    units: np.ndarray | None = None  # (M, L), 0 = padding
+    units: Any = None  # (M, L) int64, 0 = padding
     rows: list[int] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)

@@ -71,7 +71,7 @@ class Stream:
         self.cancelled = self.finished = False
         self.moved = False  # detached to another engine (`Engine.detach`): this reader gets no more audio
         self.detaching = False  # being detached: the text front end is no longer read here
-        self.detach_request = None
+        self.detach_request: Any = None  # `streaming.slot_mover.DetachRequest` while `Engine.detach` runs
         self.paused = False  # set by the engine while the reader is behind (backpressure)
         self.held = False  # `hold`: parked at once, no slot until `release`
         self.decode_alone = False  # the CPU codec decodes this stream's chunks in calls of their own
@@ -163,7 +163,8 @@ class Stream:
         waker = LoopWaker.of(loop)
         while True:
             woken = loop.create_future()
-            if (chunk := self.poll(lambda: waker.wake(woken))) is not NOT_YET:
+            # late binding on purpose: a wake registered by an earlier poll wakes the future awaited now
+            if (chunk := self.poll(lambda: waker.wake(woken))) is not NOT_YET:  # noqa: B023
                 return chunk
             await woken
 
@@ -221,7 +222,7 @@ class Stream:
         return {stage: round((marks[stage] - origin) * 1000, 1) for stage in stages}
 
     # ---- engine side ----------------------------------------------------------------------------
-    def take_text(self) -> tuple[list[int], bool, bool]:
+    def take_text(self) -> tuple[list[int] | _Moving, bool, bool]:
         """Units ready to speak now, whether a flush or the end closed them (`TextStream.take`), and whether
         the text has ended. Raises what the text front end raises. While the stream is being detached: MOVING
         (no units; the engine then detaches it, after every take before)."""

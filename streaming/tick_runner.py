@@ -7,22 +7,25 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from streaming.codec_worker import fast_path_enabled
+from streaming.engine_state import EngineState
 from streaming.errors import EngineError
-from streaming.events import DeviceUpdates, step_kind_of
+from streaming.device_updates import DeviceUpdates
+from streaming.events import step_kind_of
 from streaming.live_figures import Timer
 from streaming.sampling import sample
+from streaming.slot_table import Utterance
 from streaming.slots import DONE, DUE, PENDING, READY, UNIT
 from streaming.step_caches import StepCaches, TickGraph, decode_step
 from tts.text import TextError
 
 
-class TickRunner:
+class TickRunner(EngineState):
     """`Engine`'s launch and collect."""
 
     def _launch(self, n: int) -> None:
@@ -107,7 +110,7 @@ class TickRunner:
         if len(due):
             self._hand_out(tick, due, meta[due, PENDING])
         for row in np.flatnonzero(meta[:, DONE]):
-            u = tick.utterances[row]
+            u: Utterance | None = tick.utterances[row]
             if u is not None and not u.done and self.table.utterances[row] is u:
                 u.done = True
                 self._end(u.stream, None if u.spoke else TextError("text has nothing speakable in it"))
@@ -186,12 +189,12 @@ class TickRunner:
 @dataclass
 class Tick:
     n: int
-    utterances: list  # who held each of the first n slots when the tick was launched
+    utterances: list[Any]  # who held each of the first n slots when the tick was launched (Utterance or None)
     generation: np.ndarray
     schedules: list
     timer: Timer
     serial: int  # ticks launched before it
     launched_at: float
-    meta: object = None  # (n, len(META)): a tensor, or a pinned host tensor on a GPU
-    audio: object = None  # frame audio (n, hop) with a frame codec
-    ready: object = None  # CUDA event: the tick's results are on the host
+    meta: Any = None  # (n, len(META)): a tensor, or a pinned host tensor on a GPU
+    audio: Any = None  # frame audio (n, hop) with a frame codec
+    ready: Any = None  # CUDA event: the tick's results are on the host

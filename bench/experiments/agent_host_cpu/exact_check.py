@@ -10,10 +10,10 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, "tests")
+sys.path.insert(0, ".")
 import numpy as np  # noqa: E402
 
-from helpers import tiny_model_and_codec  # noqa: E402
+from testkit import tiny_model_and_codec  # noqa: E402
 from streaming.engine import Engine  # noqa: E402
 from streaming.parking import ParkingConfig  # noqa: E402
 

@@ -15,8 +15,8 @@ import time
 
 from torch.overrides import TorchFunctionMode
 
-sys.path.insert(0, "tests")
-from helpers import tiny_model_and_codec  # noqa: E402
+sys.path.insert(0, ".")
+from testkit import tiny_model_and_codec  # noqa: E402
 from streaming.engine import Engine  # noqa: E402
 from streaming.parking import ParkingConfig  # noqa: E402
 

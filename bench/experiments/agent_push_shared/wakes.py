@@ -10,7 +10,7 @@ import sys
 from bench import agent
 from server import ServerThread
 from streaming.stream import LoopWaker
-from tests.helpers import tiny_random
+from testkit import tiny_random
 
 
 def main(n: int) -> None:
