@@ -357,8 +357,9 @@ def tick_parts(engine) -> dict | None:
     phases = getattr(engine, "tick_phases", None)
     if phases is None or not len(phases):
         return None
+    from streaming.engine import TICK_PHASES
     values = phases.values(last=2000) * 1000
-    return {name: percentiles(values[:, i]) for i, name in enumerate(("events", "launch", "wait", "hand_out"))}
+    return {name: percentiles(values[:, i]) for i, name in enumerate(TICK_PHASES)}
 
 
 def offered_only(args) -> dict:
@@ -393,7 +394,7 @@ def build_engine(args, parking):
     import kernels
     from streaming.engine import Engine
     if args.tiny:
-        from tests.helpers import tiny_model_and_codec
+        from testkit import tiny_model_and_codec
         model, codec, voices = tiny_model_and_codec()
     else:
         from tts.voices import load_shipped
@@ -458,7 +459,7 @@ def main(argv: list[str] | None = None) -> None:
     room = HEADROOM * args.clients
     limits = dict(max_connections=room, max_connections_per_client=room, max_streams_per_client=room,
                   max_queue=room)
-    if args.workers > 1:  # (procs) N server processes, each its own engine of slots / N (streaming/workers.py)
+    if args.workers > 1:  # (procs) N server processes, each its own engine of slots / N (serving/workers.py)
         serving = ServerProcesses(functools.partial(worker_engine, args, parking), args.workers, args.slots,
                                   parking, **limits).start()
         engine = serving.hub  # the workers' /health, summed

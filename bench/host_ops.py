@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from streaming.engine import Engine
     from streaming.parking import ParkingConfig
-    from tests.helpers import tiny_model_and_codec
+    from testkit import tiny_model_and_codec
     if args.shipped:
         from tts.voices import load_shipped
         model, codec, voices = load_shipped(device="cpu")

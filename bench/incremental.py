@@ -407,7 +407,7 @@ def _cpu_seconds(threads: list[threading.Thread]) -> float:
 
 def _burst_engine(n: int, shipped: bool):
     if not shipped:
-        from tests.helpers import tiny_random
+        from testkit import tiny_random
         return tiny_random(max_streams=n)
     import kernels
     from streaming.engine import Engine
@@ -638,10 +638,10 @@ class Timeline:
         self.engine, self.marks = engine, {}
         self._open, engine.open = engine.open, self._opened
         self._handed, engine.text_worker.deliver = engine.text_worker.deliver, self._hand
-        self._decode, engine.codec_worker.decode = engine.codec_worker.decode, self._decoding
+        self._decode, engine.codec_path.worker.decode = engine.codec_path.worker.decode, self._decoding
 
     def close(self) -> None:
-        del self.engine.open, self.engine.codec_worker.decode
+        del self.engine.open, self.engine.codec_path.worker.decode
         self.engine.text_worker.deliver = self._handed
 
     def _opened(self, *args, **kwargs):

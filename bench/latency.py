@@ -39,8 +39,8 @@ import torch
 
 import kernels
 from bench.common import harvard, percentiles
-from streaming.decode import StepCaches, decode_step
-from streaming.engine import Engine
+from streaming.step_caches import StepCaches, decode_step
+from streaming.engine import TICK_PHASES, Engine
 from tts.api import synthesize, synthesize_stream
 from tts.model import TTSModel
 from tts.voices import load_shipped
@@ -232,7 +232,7 @@ def load(engine: Engine, text: str, starts_s: list[float], jitter_s: float = 0.2
             "tick_ms_once_all_spoke": percentiles(list(engine.tick_ms)[max(first_tick):]), **tick_parts(engine)}
 
 
-PHASES = ("events", "launch", "wait", "hand_out")  # `Engine.tick_phases`
+PHASES = TICK_PHASES  # `Engine.tick_phases`
 GC_PAUSES: list = []  # (generation, ms) of the collections during a load (`watch_gc`)
 
 

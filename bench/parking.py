@@ -61,6 +61,7 @@ import kernels
 from bench.common import harvard
 from streaming.engine import Engine, SamplingConfig
 from streaming.parking import Parked, ParkingConfig
+from testkit import wait_until
 
 
 def speak(engine: Engine, sentence: str, seed: int, cut: int | None) -> tuple[np.ndarray, object]:
@@ -116,12 +117,10 @@ def read_all(stream, timeout=120.0) -> np.ndarray:
     return np.concatenate(chunks)
 
 
-def wait_until(condition, seconds=60.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the engine did not get there in time")
-        time.sleep(0.01)
+def reached(condition, seconds=60.0) -> None:
+    """Wait for ``condition`` (`testkit.wait_until`); TimeoutError after ``seconds``."""
+    if not wait_until(condition, seconds):
+        raise TimeoutError("the engine did not get there in time")
 
 
 def parked_round(engine: Engine, sentences: list[str], disk: bool, restores: dict) -> list[np.ndarray]:
@@ -131,7 +130,7 @@ def parked_round(engine: Engine, sentences: list[str], disk: bool, restores: dic
     tier = "disk" if disk else "host"
     # polled through the store's tier counts: `Engine.stats` every 10 ms (percentiles of every figure, Python on
     # this thread) would compete for the GIL with the engine thread during the very parks being timed
-    wait_until(lambda: engine.store.tiers()[tier] == len(streams))
+    reached(lambda: engine.store.tiers()[tier] == len(streams))
     done = len(engine.store.times["restore"])
     for stream, sentence in zip(streams, sentences):
         finish_text(stream, sentence)
@@ -161,7 +160,7 @@ def trace_slots(engine: Engine) -> dict:
     park, occupy = engine._park, engine._occupy
 
     def note(kind, u, slot):
-        live = np.flatnonzero(engine._live)
+        live = np.flatnonzero(engine.table.live)
         events.setdefault(u.stream.seed, []).append((kind, int(slot), u.stream.samples,
                                                      int(live[-1]) + 1 if len(live) else 0))
 
@@ -253,11 +252,11 @@ def store_only(engine: Engine, rounds: int) -> dict:
     flat = torch.empty(layout.row_bytes, dtype=torch.uint8, pin_memory=engine.device.type == "cuda")
     layout.copy([layout.packed(flat)], [layout.slot(tensors, 0)])
     if engine.frame_codec:  # the GPU's codec path: the audio outbox travels beside the packed row
-        loose = {"outbox": torch.from_numpy(engine.outbox.audio[0:1].copy())}
+        loose = {"outbox": torch.from_numpy(engine.codec_path.outbox.audio[0:1].copy())}
     else:  # the CPU codec worker's decoder rows
         captured = threading.Event()
         decoder: list[dict] = []
-        engine.codec_worker.capture([0], lambda states: (decoder.extend(states), captured.set()))
+        engine.codec_path.worker.capture([0], lambda states: (decoder.extend(states), captured.set()))
         captured.wait(30)
         loose = decoder[0]
     store = engine.store
@@ -274,7 +273,7 @@ def store_only(engine: Engine, rounds: int) -> dict:
             parked.captured.set()
             states.append(parked)
             store.put(parked)
-        wait_until(lambda: store.stats()["parked"]["disk"] == len(states))
+        reached(lambda: store.stats()["parked"]["disk"] == len(states))
         asked = time.perf_counter()
         for parked in states:
             store.want(parked)
@@ -365,7 +364,7 @@ def main() -> None:
         parking.io_threads = args.io_threads
     greedy = SamplingConfig(temperature=0.0)
     if args.tiny:
-        from tests.helpers import tiny_model_and_codec
+        from testkit import tiny_model_and_codec
         model, codec, voices = tiny_model_and_codec()
     else:
         from tts.voices import load_shipped
@@ -381,7 +380,7 @@ def main() -> None:
         engine.close()
         return
     if args.one_bucket:
-        engine._bucket = lambda: engine.max_streams if engine._live.any() else 0
+        engine.table.bucket = lambda max_streams: max_streams if engine.table.live.any() else 0
     if args.warm_up:
         engine.warm_up()
     events = trace_slots(engine) if args.trace else {}

@@ -6,7 +6,7 @@ load. One JSON object.
     python -m bench.ray_serve --loads 1 2 4 --rounds 2
     python -m bench.ray_serve --kill [--tiny] [--kill-after-s 1 4] [--trials 3] [--pace sentence]   # failover
 
-For each replica count, Ray Serve runs `streaming.ray_serve` (each replica: one engine, the server app, the
+For each replica count, Ray Serve runs `serving.ray_serve` (each replica: one engine, the server app, the
 machine's cores shared evenly: `ScaleConfig.num_cpus` default) on a local Ray cluster, and `bench.serve.load` drives
 N WebSocket clients through Ray's proxy, each speaking utterances one after another after one warm-up utterance.
 A load is real-time when every utterance's rtf (text sent to `done`, over the audio's duration) is below 1 (its
@@ -21,7 +21,7 @@ as Ray pins nothing), each replica asking N CPUs, and this process (the clients)
 a many-core host (the H200 machine's 16), R replicas get R*N cores, as scale-out gives them machines. `ttfa_ms_p50_at_capacity` then compares one
 replica at the largest load it keeps real-time with two at twice that load.
 
-`--kill`: replica failover (streaming/failover.py) on two replicas. Per trial: one seeded utterance, its text sent
+`--kill`: replica failover (serving/failover.py) on two replicas. Per trial: one seeded utterance, its text sent
 a word every 50 ms by the Python client, spoken uninterrupted (the reference); then the same one again, and once
 its client holds ``kill_after_s`` seconds of audio the replica serving it is killed (`ray.kill`). Reported per
 kill point: `gap_ms` (the kill -> the first audio frame over the resumed connection, p50/p99), `resumed_ms_each`
@@ -57,7 +57,7 @@ PACES = {"word": 0.05, "sentence": 0.5}  # --kill: seconds between the client's 
 def engine_factory(tiny: bool):
     """(factory, kwargs) of the engine each replica (or the direct server) runs."""
     if tiny:
-        from tests.helpers import tiny_random
+        from testkit import tiny_random
         return tiny_random, {"max_streams": 8}
     from tts.api import get_engine
     return get_engine, {}
@@ -79,7 +79,7 @@ def climb(url: str, loads: list[int], rounds: int) -> dict:
 def load_limits(clients: int):
     """The server's limits with room for ``clients`` connections from this one address (the default caps one
     address at 16: a single load generator is not the many users it stands for)."""
-    from streaming.limits import Limits
+    from serving.limits import Limits
     most = max(clients, Limits.max_connections_per_client)
     return Limits(max_connections=max(Limits.max_connections, 2 * most), max_connections_per_client=most,
                   max_streams_per_client=most, max_queue=max(Limits.max_queue, most))
@@ -90,7 +90,7 @@ def on_ray(url: str, replicas: int, loads: list[int], rounds: int, tiny: bool, c
     from ray import serve
 
     from server import create_app
-    from streaming import ray_serve
+    from serving import ray_serve
     factory, kwargs = engine_factory(tiny)
     scale = ray_serve.ScaleConfig(replicas=replicas, num_cpus=cpus)
     app = ray_serve.application(factory, create_app, scale, kwargs, {"limits": load_limits(max(loads))})
@@ -184,8 +184,8 @@ def failover(url: str, kill_after_s: list[float], trials: int, tiny: bool, check
     from ray import serve
 
     from server import create_app
-    from streaming import ray_serve
-    from streaming.failover import journals
+    from serving import ray_serve
+    from serving.failover import journals
     factory, kwargs = engine_factory(tiny)
     scale = ray_serve.ScaleConfig(replicas=2, checkpoint_audio_s=checkpoint_audio_s, num_cpus=cpus)
     serve.run(ray_serve.application(factory, create_app, scale, kwargs), name="tts", route_prefix="/")
@@ -294,7 +294,7 @@ def main() -> None:
                              " cores shared)")
     parser.add_argument("--out", help="also write the JSON here (Ray may print a line of its own on stdout)")
     args = parser.parse_args()
-    from streaming.ray_serve import STATS_PERIOD_S
+    from serving.ray_serve import STATS_PERIOD_S
     port = free_port()
     url = f"ws://127.0.0.1:{port}/v1/stream"
     report = {"engine": "tiny_random" if args.tiny else "shipped", "cpu_cores": os.cpu_count(),

@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny random-weight engine, not the shipped voices")
     args = parser.parse_args()
     if args.tiny:
-        from tests.helpers import tiny_random
+        from testkit import tiny_random
         engine = tiny_random(max_streams=4)
     else:
         from tts.api import get_engine

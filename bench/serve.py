@@ -82,7 +82,7 @@ def main() -> None:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.tiny:
-        from tests.helpers import tiny_random
+        from testkit import tiny_random
         engine = tiny_random(max_streams=4)
     else:
         from tts.api import get_engine

@@ -357,8 +357,8 @@ def _serve(port: int, tiny: bool, trace_memory: bool = False) -> None:
     gc.callbacks.append(note)
     engine = None
     if tiny:  # as `tts serve` builds its engine: as many open streams as connections, those waiting parked
-        from streaming.limits import Limits
-        from tests.helpers import tiny_random
+        from serving.limits import Limits
+        from testkit import tiny_random
         engine = tiny_random(max_streams=4, max_open=Limits().max_connections)
     serve(port=port, engine=engine, log_level="warning")
 

@@ -66,7 +66,7 @@ def aot_inductor_factory(model):
 
 def factory(kind: str, model):
     """A step factory for ``kind``, built (and, for onnxruntime, exported) now."""
-    from streaming.decode import decode_step
+    from streaming.step_caches import decode_step
     if kind == "eager":
         return lambda model, caches, batch, device: decode_step
     if kind == "lean":
@@ -99,7 +99,7 @@ def ort_factory(model, int8: bool):
 
 def full_caches(cfg, batch: int, seed: int = 0):
     """Caches as in steady speech: every ring slot holds a visible position, keys and values random."""
-    from streaming.decode import StepCaches
+    from streaming.step_caches import StepCaches
     caches = StepCaches.empty(cfg, batch)
     g = torch.Generator().manual_seed(seed)
     for tensor in [t for pair in caches.sinks for t in pair] + [t for r in caches.text + caches.audio
@@ -144,7 +144,7 @@ def time_steps(model, kinds: dict, batch: int, rounds: int, per_round: int) -> d
 
 
 def logit_diff(model, kinds: dict, batch: int = 2, steps: int = 30) -> dict:
-    from streaming.decode import decode_step
+    from streaming.step_caches import decode_step
     cfg = model.cfg
     out = {}
     for kind, make in kinds.items():

@@ -19,5 +19,5 @@ def default_step_factory(device="cpu", compile: bool = False):
         def compiled(model, caches, batch, device):
             return CompiledStep(model, caches, batch, device)
         return compiled
-    from kernels.auto import default_step_factory as best
+    from kernels.auto import auto_step_factory as best
     return best(device)

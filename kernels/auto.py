@@ -1,6 +1,6 @@
 """The CPU step every path gets by default, with no build wait anyone can see.
 
-`default_step_factory()` returns a factory that, for a model:
+`auto_step_factory()` returns a factory that, for a model:
   1. runs ONNX Runtime at once from the graph shipped for the model's config (`kernels.weightless`: the
      int8 step, or with TTS_NO_QUANT=1 the fp32 one, its weights made from the model at load);
   2. else at once if the model's int8 export is in the disk cache (`kernels.ort`; with TTS_NO_QUANT=1 the
@@ -24,7 +24,9 @@ import weakref
 from concurrent.futures import Future
 from pathlib import Path
 
-from kernels import ort, weightless
+import kernels.ort as ort
+
+import kernels.weightless as weightless
 from kernels.lean import EagerLeanStep
 
 
@@ -87,12 +89,12 @@ class DefaultStepFactory:
         return shipped
 
     def _cuda(self, model, caches, batch, device):
-        from kernels import enabled
+        from streaming.codec_worker import fast_path_enabled as enabled
         if enabled("graph"):
             from kernels.cuda_graph import GraphedStep
             self.kind = "cuda_graph"
             return GraphedStep(model, caches, batch, device)
-        from streaming.decode import decode_step
+        from streaming.step_caches import decode_step
         self.kind = "eager"
         return decode_step
 
@@ -148,11 +150,11 @@ def build_in_background(module, paths: list[Path], runner: str, make, resolve, f
     threading.Thread(target=run, name=f"tts-build-{path.stem}", daemon=True).start()
 
 
-def default_step_factory(device="cpu") -> DefaultStepFactory:
+def auto_step_factory(device="cpu") -> DefaultStepFactory:
     """The step factory every path should use (``device`` is where the engine runs; the factory also
     reads it per call). Typical use::
 
-        factory = default_step_factory(device)
+        factory = auto_step_factory(device)
         engine = Engine(model, codec, voices, device=device, step_factory=factory)
         factory.when_faster(engine.set_step_factory)
     """
@@ -169,7 +171,7 @@ def faster_codec_step(codec, device="cpu") -> Future:
 
         faster_codec_step(codec).add_done_callback(lambda done: engine.set_codec_step(done.result()))
     """
-    from kernels import ort_codec
+    import kernels.ort_codec as ort_codec
     faster: Future = Future()
     if str(device).startswith("cuda") or not ort.available():
         faster.set_result(None)

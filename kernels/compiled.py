@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from streaming.decode import StepCaches, decode_step
+from streaming.step_caches import StepCaches, decode_step
 from tts.model import TTSModel
 
 

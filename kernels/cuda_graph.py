@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from streaming.decode import StepCaches, decode_step
+from streaming.step_caches import StepCaches, decode_step
 from tts.model import TTSModel
 
 

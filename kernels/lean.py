@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streaming.decode import StepCaches
+from streaming.step_caches import StepCaches
 from tts.model import TTSModel
 
 

@@ -47,10 +47,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels import enabled
-from kernels import lean
+from streaming.codec_worker import fast_path_enabled as enabled
+import kernels.lean as lean
 from kernels.lean import lean_module, ring_tensors, write_rings
-from streaming.decode import StepCaches
+from streaming.step_caches import StepCaches
 from tts.model import TTSModel
 
 INPUTS = ["tokens", "frame", "unit", "active", "text_pos", "audio_pos"]

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 import tts.codec
-from kernels import ort
+import kernels.ort as ort
 from tts.codec import Codec, DecoderState
 
 OPSET = 17

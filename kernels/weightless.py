@@ -41,9 +41,10 @@ import numpy as np
 import torch
 
 import tts.codec
-from kernels import lean, ort
+import kernels.lean as lean
+import kernels.ort as ort
 from kernels.lean import lean_module
-from streaming.decode import StepCaches
+from streaming.step_caches import StepCaches
 
 GRAPHS = Path(__file__).resolve().with_name("graphs")
 _sessions: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, object]]" = weakref.WeakKeyDictionary()
@@ -58,7 +59,7 @@ def step_kind(int8: bool) -> str:
 def key(module: torch.nn.Module, kind: str) -> str:
     """What graph ``kind`` ("step", "step-int8", "codec") of ``module`` (a `TTSModel` or a `Codec`) depends
     on (see the module docstring), hashed."""
-    from kernels import ort_codec
+    import kernels.ort_codec as ort_codec
     if kind == "codec":
         parts = [repr(module.cfg), inspect.getsource(tts.codec), inspect.getsource(ort_codec)]
     else:
@@ -189,7 +190,7 @@ def recipe(name: str, weight: np.ndarray, arrays: dict[str, np.ndarray], quantiz
 
 def export(module: torch.nn.Module, kind: str, path: Path) -> None:
     """Export graph ``kind`` of ``module`` to ``path`` as `kernels.auto` would build it."""
-    from kernels import ort_codec
+    import kernels.ort_codec as ort_codec
     if kind == "codec":
         ort_codec.export(module, path)
         return

@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from streaming.figures import Recent
+from streaming.live_figures import FIGURES_KEPT, Recent
 from streaming.masks import slot_mask
 from streaming.stream import Stream
 from tts.codec import Codec, DecoderState
@@ -62,7 +62,7 @@ class CodecWorker:
         self._jobs: list[tuple] = []  # (kind, rows, streams, first, *payload), in the order given
         self._firsts = 0  # first-chunk jobs among them
         self._cond = threading.Condition()
-        self.codec_ms = Recent(40_000, width=2)  # (ms, frames) per decode call
+        self.codec_ms = Recent(FIGURES_KEPT, width=2)  # (ms, frames) per decode call
         self.decode_step = codec.decode_step  # (M, K, T) codes, state -> (M, T*hop) audio; see set_decode_step
         self._thread = threading.Thread(target=self._run, name="tts-codec", daemon=True)
         self._thread.start()
@@ -171,7 +171,7 @@ class CodecWorker:
                     streams[0].finish(job[4])
             except Exception as err:  # a bug must not leave readers hanging
                 traceback.print_exc()
-                from streaming.engine import EngineError
+                from streaming.errors import EngineError
                 for stream in streams:  # (a decode's or a finish's; other jobs have none)
                     stream.finish(EngineError(f"internal error: {err}"))
 

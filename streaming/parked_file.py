@@ -128,7 +128,7 @@ def pack_loose(loose: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list]:
         entries.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, tensor.nbytes])
         offset += -(-tensor.nbytes // ALIGN) * ALIGN
     packed = np.zeros(offset, dtype=np.uint8)  # numpy: a plain memcpy each (torch's copies woke its thread pool)
-    for (name, _, _, at, nbytes), tensor in zip(entries, loose.values()):
+    for (_name, _, _, at, nbytes), tensor in zip(entries, loose.values()):
         packed[at:at + nbytes] = tensor.contiguous().view(-1).view(torch.uint8).numpy()
     return torch.from_numpy(packed), entries
 

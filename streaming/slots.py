@@ -88,6 +88,7 @@ the next chunk, frames 38-53.
 from __future__ import annotations
 
 import torch
+from typing import Any
 
 from streaming.sampling import stream_key
 from tts.alignment import start_frames
@@ -109,12 +110,7 @@ CHUNK_SCHEDULE = (4, 4, 6, 8, 12, 16)
 # cut while word prefills and the text thread share the 2 cores with the steps and the codec, and the 2nd chunk is
 # the one they make late (issue 29: stalls at 20 words/s through `tts serve`). Text the hold waited for (5 words/s,
 # 1.2x speech) keeps CHUNK_SCHEDULE's: a bigger first chunk asks it for more text before the first audio, measured
-# +4 and +15 ms p50 at 5 words/s (400 and 411 ms against 396), and 1.2x stalled in two runs of three. Measured
-# through `tts serve` on the slower 2-core kind (docs/figures.md, 2026-12-03 evening): 20 words/s least margin p5
-# 45-67 ms (was 9-45), one 30 ms stall in 450 takes (was 1.02 a minute in one run of three), first audio +10-30 ms.
-# Simulated (`bench.incremental --simulate`, SIM_COSTS_S 10 / 6.5 / 11.6 ms, Harvard 0-49 and 100-199): held text
-# as before; (6, 4, ...) and (8, ...) kept more margin but stalled at 1.2x or started later at 5 words/s. Whole
-# text keeps the smaller first chunk (first audio of `tts say` and the Python API).
+# a few ms later at 5 words/s (docs/decisions.md). Whole text keeps the smaller first chunk (`tts say`, the API).
 INCREMENTAL_CHUNKS = (6, 6, 8, 12, 16)
 NEVER = 1 << 40
 # Elastic pacing at the start (`Slots.pace`): while a stream's text is open and its lead of text over speech is
@@ -142,6 +138,7 @@ COUNT_ROWS = ("step", "frames", "encoded", "pending", "chunks", "silent", "settl
 
 # Columns of the per-tick table the host reads (`Slots.advance`).
 META = ("unit", "ready", "completed", "pending", "due", "done")
+UNIT, READY, COMPLETED, PENDING, DUE, DONE = range(len(META))  # its columns' indices
 
 
 MAX_CHUNK = max(*CHUNK_SCHEDULE, *INCREMENTAL_CHUNKS)
@@ -245,7 +242,7 @@ class Slots:
         self.stretch[rows] = torch.where(open_text, torch.where(in_pieces, paced, stretch), 1.0)
         return torch.where(open_text & in_pieces, paced, 1.0)
 
-    def encode_limit(self, unit: torch.Tensor | int) -> torch.Tensor | int:
+    def encode_limit(self, unit: Any) -> Any:  # a tensor, an array or an int: the same back
         """Units below this may be written into the ring while the slot is at ``unit`` (module docstring)."""
         return unit + self.ring - self.behind
 

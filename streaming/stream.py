@@ -14,15 +14,28 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
 from streaming.textstream import TextStream
 from tts.text import SYMBOLS, check_characters
 
-if TYPE_CHECKING:
-    from streaming.engine import Engine
+
+class EngineInbox(Protocol):
+    """What a `Stream` needs of its engine (`streaming.engine.Engine`): an inbox of four calls, each safe from any
+    thread, and a few read-only facts."""
+    model: Any  # its ``cfg`` sets the start hold (`TextStream`)
+    codec: Any
+    sample_rate: int
+    frame_seconds: float
+    max_queued: float
+    start_latency: Any  # `StartLatency`
+
+    def text_arrived(self, stream: "Stream") -> None: ...  # new text, a flush or the end
+    def cancelled(self, stream: "Stream") -> None: ...
+    def hold_changed(self, stream: "Stream") -> None: ...  # `Stream.hold` / `release`
+    def flow_changed(self, stream: "Stream") -> None: ...  # the reader fell behind or caught up
 
 
 # The way to a stream's first audio (`Stream.mark`): the server got the request; the engine opened the stream; it
@@ -44,7 +57,7 @@ NOT_YET = object()  # `Stream.poll`: no audio yet, and more may come
 class Stream:
     """One utterance being spoken. Audio chunks are float32 mono at the codec's sample rate."""
 
-    def __init__(self, engine: "Engine", voice: str, speed: float, max_chars: int, seed: int,
+    def __init__(self, engine: EngineInbox, voice: str, speed: float, max_chars: int, seed: int,
                  lookahead_words: int | None = None):
         self.engine, self.voice, self.speed, self.seed = engine, voice, speed, seed
         self.text = TextStream(max_chars, lookahead_words=lookahead_words, hold_start=engine.model.cfg)
@@ -58,7 +71,7 @@ class Stream:
         self.cancelled = self.finished = False
         self.moved = False  # detached to another engine (`Engine.detach`): this reader gets no more audio
         self.detaching = False  # being detached: the text front end is no longer read here
-        self.detach_request = None
+        self.detach_request: Any = None  # `streaming.slot_mover.DetachRequest` while `Engine.detach` runs
         self.paused = False  # set by the engine while the reader is behind (backpressure)
         self.held = False  # `hold`: parked at once, no slot until `release`
         self.decode_alone = False  # the CPU codec decodes this stream's chunks in calls of their own
@@ -152,7 +165,8 @@ class Stream:
         waker = LoopWaker.of(loop)
         while True:
             woken = loop.create_future()
-            if (chunk := self.poll(lambda: waker.wake(woken))) is not NOT_YET:
+            # late binding on purpose: a wake registered by an earlier poll wakes the future awaited now
+            if (chunk := self.poll(lambda: waker.wake(woken))) is not NOT_YET:  # noqa: B023
                 return chunk
             await woken
 
@@ -210,7 +224,7 @@ class Stream:
         return {stage: round((marks[stage] - origin) * 1000, 1) for stage in stages}
 
     # ---- engine side ----------------------------------------------------------------------------
-    def take_text(self) -> tuple[list[int], bool, bool]:
+    def take_text(self) -> tuple[list[int] | _Moving, bool, bool]:
         """Units ready to speak now, whether a flush or the end closed them (`TextStream.take`), and whether
         the text has ended. Raises what the text front end raises. While the stream is being detached: MOVING
         (no units; the engine then detaches it, after every take before)."""
@@ -288,7 +302,7 @@ class Stream:
                 "text": object_state(self.text), "samples": self.samples, **timings}
 
     @classmethod
-    def from_state(cls, engine: "Engine", state: dict, unread: list[np.ndarray]) -> "Stream":
+    def from_state(cls, engine: EngineInbox, state: dict, unread: list[np.ndarray]) -> "Stream":
         """A stream continuing an exported one (`export_state`) on ``engine``, its ``unread`` audio queued."""
         stream = cls(engine, state["voice"], state["speed"], state["max_chars"], state["seed"],
                      state["lookahead_words"])

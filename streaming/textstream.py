@@ -32,7 +32,7 @@ import time
 from collections import deque
 from typing import Callable
 
-from streaming.sentence_reader import _TO_COME, read_sentence
+from streaming.sentence_reader import read_sentence
 from streaming.slots import CHUNK_SCHEDULE, PACE_STRETCH, pace_factor
 from tts.normalize import Token, complete_length, reads_by_next, sentence_end, split_sentences, tokenize
 from tts.codec import CodecConfig
@@ -68,26 +68,7 @@ DEFAULT_LOOKAHEAD = 0
 # (`streaming.slots.Slots.pace`: up to PACE_STRETCH slower while the text's lead is thin) lets the start come
 # sooner: hindsight's earliest start that never stalls (no hold, Harvard 0-49, `--simulate`) 358 -> 300 ms p50 at
 # 5 w/s with 1.2 (1.15: 312, 1.25: 291).
-# Tuned on Harvard 100-199 (`bench.incremental --simulate`), first audio p50 and stalls/min at 5 / 10 w/s and 1.2x
-# (before: mean-size pieces 2 pieces late, 656 / 191 / 959 ms, 0.3 / 0.3 / 0.7). No stretch, spread 1.0: 554 / 194
-# / 1370, 0 / 0.25 / 0.74. Stretch 1.2, spread 0.6 / 0.8 / 1.0: 335 / 413 / 482 ms at 5 w/s, 1.55 / 0.67 / 0.22
-# stalls. + PIECE_DELAY_S 0.05 and FAST_START 1.12 (the stalls left were the 4th chunk 20-70 ms late with the text
-# as predicted: the first words spoken faster than 17.4 units/s): 385 / 182 / 597, 0.44 / 0.22 / 2.27. + the ease
-# from lead 24 to 60 (not 12 to 30): 385 / 182 / 597, 0.43 / 0.22 / 1.74. + SLOW_SPREAD 0.9 under SLOW_PACE 1.5
-# (at 1.2x a second piece longer than the rest started it): 385 / 182 / 693, 0.43 / 0.22 / 0.65 (1.6 or 1.7:
-# 482 ms at 5 w/s). On 0-49: 385 / 182 / 132 / 812 ms at 5 / 10 / 20 w/s / 1.2x, no stall (before: 682 / 191 / 132
-# / 993, no stall). + the engine's chunks (4, 4, 6, 8, 12, 16), planned as (2, 4, 8, 16) (`PLANNED_CHUNKS`): 397 /
-# 194 / 144 / 824 ms, no stall, least margin 16 -> 56 ms (32 at 12 ms a step); measured, 50 sentences, LOADED
-# (load 1.5-5): 464 / 217 / 152 / 849 ms, 0 / 1.3 / 0 / 0 stalls/min, least margin p5 31 / 7 / 37 / 21 ms.
-# + the engine's measured start latency (`StartLatency`; the simulation's own, 94 ms, not 70): 372 / 194 / 144 /
-# 800 ms, no stall, least margin unchanged (56: the 2nd chunk's steps bind it, not the text); on 100-199 the same
-# stalls as before (0.22 at 5 w/s, 0.87 at 1.2x). Through `tts serve`, 50 sentences, quiet: 5 w/s 418 -> 394 ms p50,
-# no stall, least margin p5 38 -> 43 ms (the engine measured 81 ms). + PIECE_DELAY_S 0.03 for fast text (slow text's
-# SLOW_DELAY_S kept at 0.05) and PRIOR_CHARS (simulated with a 25 ms codec call; 0-49 / 100-199): 5 w/s 371 -> 352
-# ms on both, stalls 0 / 2 -> 0 / 3 (a 3rd sentence of short function words, "The bark of the"); 1.2x 799 -> 799 /
-# 677 -> 741 ms, stalls 0 / 4 -> 0 / 1. On the engine (2-core AMD EPYC, 100-199): 5 w/s 379 -> 358 ms, the same
-# three sentences stalled before and after; 1.2x three stalled -> one. Through `tts serve`, 0-49 x 3 seeds, quiet
-# (run G): 362 (733) / 200 / 155 / 808 ms at 5 / 10 / 20 w/s / 1.2x, no stall, least margin p5 50-57 ms.
+# Tuned on Harvard 100-199 and checked on 0-49 through `tts serve` (the tuning history: docs/decisions.md).
 SPEECH_UNITS_PER_S = 17.4  # the shipped voices at speed 1: 3.16 words/s, 5.47 units a word (Harvard sentences)
 FAST_START = 1.12  # the start's units counted this much faster than SPEECH_UNITS_PER_S (fast first words)
 UNITS_PER_CHAR = 1.08  # units per character of English text, spaces included (720 Harvard sentences)

@@ -7,7 +7,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_engine():
     """An engine on a tiny random-weight model: real scheduling and audio shapes, noise for sound."""
-    from helpers import tiny_random
+    from testkit import tiny_random
     return tiny_random(max_streams=4)
 
 

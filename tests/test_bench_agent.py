@@ -3,7 +3,7 @@ a real server (tiny engine) whose turn still speaking at the end of the grace is
 from bench import agent
 from bench.agent_load import HostLoad, capacity_streams, client_load, cpu_per_audio_s, limited_by
 from server import ServerThread
-from tests.helpers import tiny_random
+from testkit import tiny_random
 
 QUIET = {"server_thread_cores": {"tts-server": 0.2}, "server_python_cores": 0.5,
          "server_probe_ms": {"p50": 1.0, "p99": 5.0}, "client_process_cores": {"max": 0.3},

@@ -140,7 +140,7 @@ def test_with_an_api_key_and_a_busy_server_the_page_waits_in_the_queue(make_serv
     import threading
 
     import websockets
-    from helpers import tiny_random
+    from testkit import tiny_random
     server = make_server(tiny_random(max_streams=1), api_keys=("sekrit",))
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
 

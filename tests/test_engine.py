@@ -5,9 +5,9 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import held_codec_worker, tiny_model_and_codec, tiny_random, wait_until
+from testkit import held_codec_worker, tiny_model_and_codec, tiny_random, wait_until
 
-from streaming.decode import TEXT_RING, decode_step
+from streaming.step_caches import TEXT_RING, decode_step
 from streaming.engine import Engine, EngineError, SamplingConfig, ServerFull, UnknownVoice
 from tts.api import synthesize, synthesize_stream
 from tts.text import TextError
@@ -558,7 +558,7 @@ def test_text_ring_writes_all_layers_at_once_as_layer_by_layer():
     """`StepCaches.write_text` on the stacked text rings (`empty`) stores exactly what a layer-by-layer write
     (`RingKVCache.update` of each layer's own ring) stores, with holes (``keep``), a subset of rows, and ring
     wrap-around."""
-    from streaming.decode import StepCaches
+    from streaming.step_caches import StepCaches
     from streaming.kv_cache import RingKVCache
     cfg = tiny_model_and_codec()[0].cfg
     g = torch.Generator().manual_seed(0)

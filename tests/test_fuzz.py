@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 
 from streaming.engine import Engine
 from streaming.parking import ParkingConfig
-from streaming.protocol import ERRORS, OUTPUT_RATES, UNCOUNTED, WS_FORMATS
+from serving.protocol import ERRORS, OUTPUT_RATES, UNCOUNTED, WS_FORMATS
 
 EXAMPLES = int(os.environ.get("TTS_FUZZ_EXAMPLES", "10"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=EXAMPLES <= 100,
@@ -53,7 +53,7 @@ SPOKEN_S = 0.3  # after its end, an open utterance speaks this long (or to its d
 
 def fuzz_engine() -> Engine:
     """The tiny random engine, 3 slots and 8 open streams (the rest parked, as `tts serve` runs)."""
-    from helpers import tiny_model_and_codec
+    from testkit import tiny_model_and_codec
     model, codec, voices = tiny_model_and_codec()
     return Engine(model, codec, voices, max_streams=3, max_open=8, parking=PARKING, max_queued_seconds=1.0)
 
@@ -611,8 +611,8 @@ class _LogTap:
 
 @pytest.fixture(scope="module")
 def wyoming_fuzzed():
-    from streaming.limits import Limits
-    from streaming.wyoming import WyomingServer
+    from serving.limits import Limits
+    from serving.wyoming import WyomingServer
     from helpers import tiny_random
     engine = tiny_random(max_streams=3, max_open=8)
     tap = _LogTap()

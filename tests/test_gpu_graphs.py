@@ -10,7 +10,7 @@ import torch
 import kernels
 from streaming.codec_worker import FrameCodec
 from streaming.engine import Engine, SamplingConfig
-from tests.helpers import tiny_model_and_codec
+from testkit import tiny_model_and_codec
 from tts.api import synthesize
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

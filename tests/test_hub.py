@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import websockets
 
-from helpers import tiny_random
+from testkit import tiny_random
 from streaming.engine import EngineError
 from streaming.stream import NOT_YET, LoopWaker
 from tts.text import TextError
@@ -182,7 +182,7 @@ class _Socket:
 def test_a_link_times_out_breaks_and_passes_other_cancellations_on():
     """`Link.race`: a wait past its timeout raises TimeoutError, `cut` ends a wait with LinkBroken, a
     cancellation from elsewhere stays a cancellation, and a wait that gets its message returns it."""
-    from streaming.resume import Link, LinkBroken
+    from serving.resume import Link, LinkBroken
 
     async def go():
         ws = _Socket()

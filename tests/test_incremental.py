@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels.compiled import CompiledStep
-from streaming.decode import TEXT_RING, StepCaches, decode_step
+from streaming.step_caches import TEXT_RING, StepCaches, decode_step
 from tts.alignment import teacher_forcing_batch
 from tts.model import MODEL_PRESETS, TTSModel
 

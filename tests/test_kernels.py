@@ -6,7 +6,7 @@ import torch
 
 from kernels import auto, ort
 from kernels.lean import LeanStep, lean_factory, ring_tensors, write_rings
-from streaming.decode import StepCaches, decode_step
+from streaming.step_caches import StepCaches, decode_step
 from tts.model import MODEL_PRESETS, TTSModel
 
 needs_ort = pytest.mark.skipif(not ort.available(), reason="onnxruntime/onnx not installed or TTS_NO_ORT set")
@@ -265,7 +265,7 @@ def test_no_quant_switch_keeps_the_fp32_step(model, cache_dir, monkeypatch):
 def test_int8_step_swaps_in_while_a_stream_speaks(tmp_path):
     """The engine starts on the lean step; the int8 step is swapped in mid-utterance: the stream goes on to
     its full length, its audio before the swap is the lean step's, and the engine runs the int8 step."""
-    from helpers import tiny_random
+    from testkit import tiny_random
     from streaming.engine import SamplingConfig
     text = "Hello there, this is a somewhat longer sentence. " * 2
     engine = tiny_random(max_streams=2, sampling=SamplingConfig(temperature=0), step_factory=lean_factory)

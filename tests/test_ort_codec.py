@@ -131,7 +131,7 @@ def speak(engine, text, seed):
 def test_engine_with_onnxruntime_decoder_speaks_as_with_torch(codec, step):
     """Same seed, same tokens: the audio through ONNX Runtime equals the torch decoder's within 1e-4, also
     when the decoder is swapped in while streams are speaking."""
-    from helpers import tiny_random
+    from testkit import tiny_random
     text = "The same words, spoken once with each decoder, and once more while the decoder changes."
     reference = tiny_random(max_streams=2)
     want = [speak(reference, text, seed) for seed in (11, 12)]

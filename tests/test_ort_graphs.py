@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import auto, ort, ort_codec, weightless
-from streaming.decode import StepCaches
+from streaming.step_caches import StepCaches
 from test_kernels import EmulatedInt8, one_thread, run_side_by_side  # noqa: F401 (one_thread: autouse)
 from tts.codec import CODEC_PRESETS, Codec
 from tts.model import MODEL_PRESETS, TTSModel

@@ -8,13 +8,13 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import held_codec_worker, tiny_model_and_codec, tiny_random, wait_until
+from testkit import held_codec_worker, tiny_model_and_codec, tiny_random, wait_until
 
 from streaming.codec_worker import AudioOutbox, CodecWorker, FrameCodec
-from streaming.decode import TEXT_RING, StepCaches
+from streaming.step_caches import TEXT_RING, StepCaches
 from streaming.engine import BadState, EngineError, SamplingConfig, ServerFull
 from streaming.parking import Parked, ParkingConfig, ParkingStore, RowPool, pack, unpack
-from streaming.slot_state import SlotMover
+from streaming.slot_mover import SlotMover
 from streaming.slots import CHUNK_SCHEDULE, Slots
 
 GREEDY = SamplingConfig(temperature=0.0)

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_random, wait_until
+from testkit import tiny_random, wait_until
 
 import streaming.parked_file as parked_file
 import streaming.parking as parking

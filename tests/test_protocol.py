@@ -6,7 +6,7 @@ import pytest
 import websockets
 from pydantic import ValidationError
 
-from streaming.protocol import CLIENT_MESSAGE, validation_error
+from serving.protocol import CLIENT_MESSAGE, validation_error
 
 SLOW_WORDS = [w + " " for w in "The birch canoe slid on the".split()]  # 2.5 words/s: slower than speech
 

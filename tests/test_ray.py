@@ -1,4 +1,4 @@
-"""Scale-out on Ray Serve (streaming/ray_serve.py): a real two-replica local Ray cluster on the CPU, each replica
+"""Scale-out on Ray Serve (serving/ray_serve.py): a real two-replica local Ray cluster on the CPU, each replica
 a tiny engine behind the server's own app, reached through Ray Serve's proxy with real clients (websockets, the
 OpenAI SDK). Seeded utterances are bit-identical whatever else runs, so audio through any replica can be compared
 sample for sample."""
@@ -20,10 +20,10 @@ import ray  # noqa: E402
 import websockets  # noqa: E402
 from ray import serve  # noqa: E402
 
-from helpers import tiny_random  # noqa: E402
+from testkit import tiny_random  # noqa: E402
 from server import create_app  # noqa: E402
-from streaming import failover, ray_serve  # noqa: E402
-from streaming.limits import Limits  # noqa: E402
+from serving import failover, ray_serve  # noqa: E402
+from serving.limits import Limits  # noqa: E402
 from tts.client import StreamClient, connect  # noqa: E402
 
 # Ray copies the autoscaling config as it deploys, warning each time about a field it is retiring (see ScaleConfig)

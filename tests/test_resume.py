@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import websockets
 
-from helpers import (SENTENCE, STARTS, Received, assert_same_output, cut_and_resume, open_contexts, send,
+from testkit import (SENTENCE, STARTS, Received, assert_same_output, cut_and_resume, open_contexts, send,
                      uninterrupted, wait_until)
 from tts.client import ServerError, connect
 
@@ -318,7 +318,7 @@ def test_a_client_that_aborts_and_reconnects_is_never_locked_out_by_its_waiting_
     aside from its client's caps, so every new WebSocket and speech request is served; the client keeps at most 2
     waiting (its oldest expires early: resume_expired), the newest still resumes, and 3 live connections are
     still one too many (client_limit)."""
-    from helpers import tiny_random
+    from testkit import tiny_random
     engine = tiny_random(max_streams=2, max_open=16)
     server = make_server(engine, resume_window_s=30, max_connections_per_client=2, max_streams_per_client=2)
     hub = server.hub

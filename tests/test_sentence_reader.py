@@ -2,7 +2,7 @@
 and a broken child falls back to reading here; an engine with ``text_process`` speaks as one without."""
 import numpy as np
 import pytest
-from helpers import tiny_random, wait_until
+from testkit import tiny_random, wait_until
 
 from streaming.sentence_reader import ProcessReader, read_sentence
 from tts.normalize import tokenize

@@ -22,6 +22,7 @@ import pytest
 import soundfile as sf
 import websockets
 
+from testkit import wait_until
 from tts.client import ClientError, ServerError, connect, say_via_server, synthesize_via_server
 
 SR = 24_000
@@ -31,7 +32,7 @@ SENTENCE = "The quick brown fox jumps over the lazy dog. "
 @pytest.fixture(scope="module")
 def one_slot_engine():
     """A tiny engine with one slot: the second utterance has to wait."""
-    from helpers import tiny_random
+    from testkit import tiny_random
     return tiny_random(max_streams=1)
 
 
@@ -81,13 +82,6 @@ async def open_long_utterance(ws, sentences=16) -> None:
     assert json.loads(await ws.recv())["type"] == "ready"
     await send(ws, type="text", text=SENTENCE * sentences)
     await send(ws, type="end")
-
-
-def wait_until(condition, seconds: float = 10) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return condition()
 
 
 def decode(data: bytes) -> tuple[np.ndarray, int]:
@@ -906,7 +900,7 @@ def test_a_dropped_session_gives_its_slot_to_another_client_at_once_and_resumes_
     """While a dropped session waits for its resume its engine stream is held: parked at once (not after the
     grace, an hour here), so another client speaks in the one slot meanwhile; resumed, the audio equals the same
     seeded utterance never interrupted, bit for bit."""
-    from helpers import tiny_random
+    from testkit import tiny_random
     from streaming.parking import ParkingConfig
     engine = tiny_random(max_streams=1, max_open=4, parking=ParkingConfig(park_after_s=3600))
     server = make_server(engine, resume_window_s=30)
@@ -1279,13 +1273,13 @@ def test_the_timeline_log_is_closed_when_the_server_stops(tiny_engine, make_serv
 
 
 def test_admission_sets_a_waiting_session_aside_from_its_clients_caps():
-    """The rule of streaming/server_admission.py, per identity (address and API key), caps of 2: places and slots
+    """The rule of serving/admission.py, per identity (address and API key), caps of 2: places and slots
     set aside (sessions waiting for a resume) count against no client cap but still against max_connections;
     a client keeps 2 set aside, the third makes its oldest expire; put back, a place counts again even past the
     cap; a real excess is client_limit; released, every count is back to zero."""
-    from streaming.limits import Limits
-    from streaming.protocol import ProtocolError
-    from streaming.server_admission import Admission
+    from serving.limits import Limits
+    from serving.protocol import ProtocolError
+    from serving.admission import Admission
     admission = Admission(Limits(max_connections=8, max_connections_per_client=2, max_streams_per_client=2), slots=8)
     me, expired = (("addr", "10.0.0.1"), ("key", "k1")), []
 

@@ -6,9 +6,9 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_random, wait_until
+from testkit import tiny_random, wait_until
 
-from streaming.decode import decode_step
+from streaming.step_caches import decode_step
 from streaming.engine import SamplingConfig
 from streaming.parking import ParkingConfig
 from tts.api import synthesize

@@ -5,7 +5,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_model_and_codec
+from testkit import tiny_model_and_codec
 
 from streaming.engine import Engine, SamplingConfig, UnknownVoice
 from tts.api import synthesize

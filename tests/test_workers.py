@@ -1,4 +1,4 @@
-"""`tts serve --workers N` (streaming/workers.py): real server processes on real sockets, the tiny random-weight
+"""`tts serve --workers N` (serving/workers.py): real server processes on real sockets, the tiny random-weight
 engine on the CPU. Two workers share the public port; a session's resume that lands on the other worker is relayed
 to its owner and gets exactly the rest of the audio; the parent's stop (or death) stops every worker."""
 from __future__ import annotations
@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import websockets
 
-from helpers import STARTS, Received, assert_same_output, cut_and_resume, open_contexts, send, uninterrupted, wait_until
+from testkit import STARTS, Received, assert_same_output, cut_and_resume, open_contexts, send, uninterrupted, wait_until
 
 TESTS = Path(__file__).resolve().parent
 # The real `serve(workers=2)`, with each worker's engine the tiny one (a picklable factory the workers call)
-SERVE = ("import functools, logging, sys; sys.path.insert(0, {tests!r}); import helpers, server; "
+SERVE = ("import functools, logging, sys; sys.path.insert(0, {tests!r}); import testkit, server; "
          "logging.basicConfig(level=logging.INFO); "
-         "server.serve(port=0, workers=2, max_streams=4, engine=functools.partial(helpers.tiny_random), "
+         "server.serve(port=0, workers=2, max_streams=4, engine=functools.partial(testkit.tiny_random), "
          "log_level='warning', resume_window_s=10)")
 
 

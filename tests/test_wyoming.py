@@ -1,4 +1,4 @@
-"""The Wyoming server (streaming/wyoming.py) on a real loopback socket, driven by the `wyoming` package's own
+"""The Wyoming server (serving/wyoming.py) on a real loopback socket, driven by the `wyoming` package's own
 async client, on the tiny random-weight engine with greedy sampling (so the same text gives the same audio)."""
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from wyoming.info import Describe, Info
 from wyoming.tts import (Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped,
                          SynthesizeVoice)
 
-from streaming import wyoming as wyoming_server
-from helpers import tiny_random
+from serving import wyoming as wyoming_server
+from testkit import tiny_random
 from streaming.engine import Engine, SamplingConfig
-from streaming.wyoming import WyomingServer
+from serving.wyoming import WyomingServer
 from tts.api import synthesize
 
 TEXT = "Hello there. How are you today? The ring never grows."
@@ -321,7 +321,7 @@ def test_a_declared_length_past_the_limit_is_refused_before_it_is_read(server, l
 
 
 def test_wyoming_has_the_servers_connection_caps_and_idle_timeout(engine):
-    from streaming.limits import Limits
+    from serving.limits import Limits
     limits = Limits(max_connections=3, max_connections_per_client=2, idle_timeout_s=1.0)
     with WyomingServer(engine, f"tcp://127.0.0.1:{free_port()}", limits=limits) as small:
         async def go():
@@ -371,7 +371,7 @@ def test_unspeakable_streamed_text_is_bad_text_before_any_audio(server):
 
 
 def test_audio_past_the_cap_is_cut_with_a_typed_error(engine):
-    from streaming.limits import Limits
+    from serving.limits import Limits
     with WyomingServer(engine, f"tcp://127.0.0.1:{free_port()}", limits=Limits(max_audio_s=0.5)) as capped:
         async def go():
             async with client(capped) as conn:

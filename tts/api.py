@@ -17,7 +17,7 @@ import torch
 from streaming.engine import Engine
 from tts.text import TextError, validate_text
 
-from tts import SAMPLE_RATE  # noqa: F401  (re-exported: tts.api.SAMPLE_RATE)
+from tts.rates import SAMPLE_RATE  # noqa: F401  (re-exported: tts.api.SAMPLE_RATE)
 
 WAIT_S = 30.0  # how long a call waits for a free engine slot while other threads speak
 log = logging.getLogger("tts")
@@ -73,7 +73,7 @@ def get_engine(max_streams: int | None = None, compile: bool = True, max_open: i
     with _engine_lock:
         if _engine is None:
             from kernels import enabled
-            from kernels.auto import default_step_factory, faster_codec_step
+            from kernels.auto import auto_step_factory, faster_codec_step
             from tts.voices import load_shipped
             from tts.text import phonemize
             started = time.perf_counter()
@@ -82,7 +82,7 @@ def get_engine(max_streams: int | None = None, compile: bool = True, max_open: i
             front_end.start()  # on the other core while the weights load
             model, codec, presets = load_shipped()
             front_end.join()  # before the engine's text thread can use espeak, which is not thread-safe
-            factory = default_step_factory() if compile and enabled("compile") else None
+            factory = auto_step_factory() if compile and enabled("compile") else None
             if factory is not None:
                 factory.prepare(model)  # the shipped graph's step, opened now rather than on the first tick
             _engine = Engine(model, codec, presets, max_streams=max_streams, step_factory=factory,

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tts import SAMPLE_RATE
+from tts.rates import SAMPLE_RATE
 
 EXIT_CODES = """exit codes:
   0    done
@@ -123,7 +123,7 @@ def _interrupt(*_) -> None:
     raise KeyboardInterrupt
 
 
-def speak(source: Iterator, parts: list[str], write, quiet: bool) -> tuple[int, list[dict]]:
+def write_speech(source: Iterator, parts: list[str], write, quiet: bool) -> tuple[int, list[dict]]:
     """Send every chunk of ``source`` to ``write`` as it comes, with a progress bar over ``parts`` (two or
     more utterances, on a terminal). Returns the samples written and the words, each utterance's words
     moved to where its audio starts."""
@@ -168,7 +168,7 @@ def cmd_say(args) -> int:
         local_chunks(parts, args.voice, args.speed, args.seed)
     started = time.perf_counter()
     with contextlib.closing(source), open_sink(args.output, fmt) as write:
-        samples, words = speak(source, parts, write, args.quiet)
+        samples, words = write_speech(source, parts, write, args.quiet)
         if _interrupted.is_set():  # stopped, though the KeyboardInterrupt was lost: the file is discarded
             raise KeyboardInterrupt
     if args.subtitles:
@@ -185,7 +185,7 @@ def cmd_voices(args) -> int:
     from tts.voices import voice_presets
     presets = voice_presets()
     if args.json:  # what GET /v1/voices answers
-        from streaming.http_api import VOICE_KEYS
+        from serving.http_api import VOICE_KEYS
         from tts.voices import voice_aliases
         default = next((n for n, v in presets.items() if v.get("default")), next(iter(presets)))
         listed = [{k: v.get(k) for k in VOICE_KEYS} for v in presets.values()]
@@ -215,9 +215,9 @@ def cmd_serve(args) -> int:
     import logging
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")  # uvicorn's look
     from server import serve
-    from streaming.limits import Limits, limits_from
+    from serving.limits import Limits, limits_from
     from tts.api import get_engine
-    if args.workers > 1:  # each worker loads its own engine (streaming/workers.py): none here
+    if args.workers > 1:  # each worker loads its own engine (serving/workers.py): none here
         if args.wyoming_uri:
             raise InputError("--wyoming-uri is not served with --workers (run `tts wyoming` beside it)")
         serve(host=args.host, port=args.port, api_keys=args.api_key, allow_origins=args.allow_origin,
@@ -227,7 +227,7 @@ def cmd_serve(args) -> int:
     engine = get_engine(max_streams=args.max_streams, compile=not args.no_compile, max_open=args.max_connections)
     with contextlib.ExitStack() as also:
         if args.wyoming_uri:  # one engine for both servers
-            from streaming.wyoming import WyomingServer
+            from serving.wyoming import WyomingServer
             also.enter_context(WyomingServer(engine, args.wyoming_uri, args.zeroconf, Limits(**limits_from(args))))
         serve(host=args.host, port=args.port, engine=engine, api_keys=args.api_key, allow_origins=args.allow_origin,
               **limits_from(args))
@@ -244,14 +244,14 @@ def parking_environment(args) -> None:
 
 
 def serve_on_ray(args) -> int:
-    """`tts serve --ray`: the same server on Ray Serve, one engine per replica (streaming/ray_serve.py)."""
+    """`tts serve --ray`: the same server on Ray Serve, one engine per replica (serving/ray_serve.py)."""
     if args.wyoming_uri:
         raise InputError("--wyoming-uri is not served with --ray (run `tts wyoming` beside it)")
     import logging
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     from server import create_app
-    from streaming import ray_serve
-    from streaming.limits import Limits, limits_from
+    from serving import ray_serve
+    from serving.limits import Limits, limits_from
     from tts.api import get_engine
     autoscale = args.max_replicas is not None
     scale = ray_serve.ScaleConfig(replicas=args.replicas, autoscale=autoscale, min_replicas=args.replicas,
@@ -267,9 +267,9 @@ def serve_on_ray(args) -> int:
 
 
 def cmd_wyoming(args) -> int:
-    from streaming.wyoming import WyomingServer
+    from serving.wyoming import WyomingServer
     from tts.api import get_engine
-    from streaming.limits import Limits, limits_from
+    from serving.limits import Limits, limits_from
     engine = get_engine(compile=not args.no_compile)
     with WyomingServer(engine, args.uri, args.zeroconf, Limits(**limits_from(args))):
         print(f"Wyoming server on {args.uri}; Ctrl-C stops it", file=sys.stderr)
@@ -281,7 +281,7 @@ def cmd_wyoming(args) -> int:
 
 
 def serve_parser(sub) -> None:
-    from streaming.limits import add_arguments
+    from serving.limits import add_arguments
     serve = sub.add_parser("serve", help="run the WebSocket/HTTP server", epilog=EXIT_CODES,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("--host", default="127.0.0.1")
@@ -337,7 +337,7 @@ def wyoming_parser(sub) -> None:
                          help="announce the server on the local network (mDNS), optionally under NAME")
     wyoming.add_argument("--no-compile", action="store_true",
                          help="run the plain eager decode step, no faster one (TTS_NO_COMPILE=1 does the same)")
-    from streaming.limits import add_arguments
+    from serving.limits import add_arguments
     add_arguments(wyoming)  # the server's limits hold on Wyoming too (streaming/wyoming.py)
     wyoming.set_defaults(run=cmd_wyoming)
 

@@ -28,7 +28,7 @@ import numpy as np
 import soundfile as sf
 import websockets
 
-from tts import SAMPLE_RATE
+from tts.rates import SAMPLE_RATE
 from tts.output import PlaybackError, open_device
 
 FILE_FORMATS = {"wav": ("WAV", "PCM_16"), "flac": ("FLAC", "PCM_16"), "ogg": ("OGG", "VORBIS")}

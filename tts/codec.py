@@ -13,12 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tts.decoder_state import DecoderState
+from tts.rates import SAMPLE_RATE
 from tts.spectral_decoder import SPECTRAL_PRESETS, SpectralConfig, SpectralDecoder
 
 
 @dataclass(frozen=True)
 class CodecConfig:
-    sample_rate: int = 24_000
+    sample_rate: int = SAMPLE_RATE
     channels: int = 32  # decoder width; the decoder is what runs at serving time
     encoder_channels: int = 24  # the encoder only tokenises the corpus, so it is kept smaller
     dim: int = 128

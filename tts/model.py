@@ -197,7 +197,7 @@ class TTSModel(nn.Module):
         """Run the transformer over audio steps. tokens (B, K, T) are the step inputs, frame_pos (B, T) their
         frame positions, phoneme (B, T) each step's aligned unit. ``prefix``/``text_kv`` are (keys, values),
         each indexed by layer: (L, B, H, S or N, D) stacks (`voice_prefix`, `text_keys_values`) or lists of
-        their layers' views (`streaming.decode.decode_step`); ``text_phoneme`` (B, N) the unit index of each
+        their layers' views (`streaming.step_caches.decode_step`); ``text_phoneme`` (B, N) the unit index of each
         text slot (-1 empty).
         ``audio_kv_fn(layer, k, v, frame_pos)`` returns (keys, values, key positions) for the audio part;
         by default the steps attend to themselves (teacher forcing). ``window`` overrides the audio window

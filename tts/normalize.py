@@ -30,6 +30,7 @@ import re
 import unicodedata
 from dataclasses import dataclass
 
+from tts.symbols import SYMBOL_ID  # the unit inventory is the phonemiser's fact
 from tts.normalize_rules import Context, clean, first_rule, split_token
 from tts.normalize_tables import BEFORE_NUMBER, CURRENCY_CODES, MONTH_OF, NONFINAL, TITLES
 
@@ -115,7 +116,6 @@ def _words(text: str, start: int, stop: int) -> list[Token]:
 
 
 def _ipa(phonemes: str) -> str:
-    from tts.text import SYMBOL_ID  # the unit inventory is the phonemiser's fact
     units = unicodedata.normalize("NFD", re.sub(r"\s+", "", phonemes))
     bad = sorted({u for u in units if u not in SYMBOL_ID or u in "_^$"})
     if bad or not units:

@@ -3,7 +3,7 @@
 Every sink is a context manager whose ``with`` gives ``write(chunk)`` for float32 mono chunks; leaving it normally
 completes the output (renames the file into place, plays to the end); leaving it by an exception (an error,
 Ctrl-C) discards it (removes the temporary file, stops the sound). Encoding goes through the server's
-encoders (`streaming.containers`), so a file holds exactly what `POST /v1/audio/speech` would send.
+encoders (`tts.containers`), so a file holds exactly what `POST /v1/audio/speech` would send.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from streaming.containers import Encoder
+from tts.containers import AudioEncoder
 
 FORMATS = {".wav": "wav", ".mp3": "mp3", ".ogg": "opus", ".opus": "opus", ".flac": "flac", ".aac": "aac",
            ".pcm": "pcm", ".raw": "pcm"}  # file suffix -> encoder format; pcm is 16-bit little-endian, headerless
@@ -78,7 +78,7 @@ def atomic_file(path: str | Path, mode: str = "wb"):
 @contextlib.contextmanager
 def file_sink(path: str | Path, fmt: str):
     """``write(chunk)`` encodes into a file as chunks arrive; the file appears complete or not at all."""
-    with atomic_file(path) as file, contextlib.closing(Encoder(fmt, file=file)) as encoder:
+    with atomic_file(path) as file, contextlib.closing(AudioEncoder(fmt, file=file)) as encoder:
         yield lambda chunk: file.write(encoder.encode(chunk))  # containers write the (seekable) file, so
         file.write(encoder.finish())  # their headers get completed; raw PCM comes back as bytes
 
@@ -91,7 +91,7 @@ def stdout_sink(fmt: str, out=None):
     def write(chunk: np.ndarray) -> None:
         out.write(encoder.encode(chunk))
         out.flush()
-    with contextlib.closing(Encoder(fmt)) as encoder:
+    with contextlib.closing(AudioEncoder(fmt)) as encoder:
         yield write
         out.write(encoder.finish())
         out.flush()

@@ -14,16 +14,13 @@ import threading
 import unicodedata
 from functools import lru_cache
 
+from tts.symbols import SYMBOL_ID, SYMBOLS
 from tts.normalize import TextError, Token, end_mark, join_spoken, normalize, speak, split_sentences, tokenize
 
 __all__ = ["SYMBOLS", "SYMBOL_ID", "MAX_TEXT_CHARS", "TextError", "normalize", "phonemize", "text_to_sentences",
            "sentence_units", "to_ids", "check_characters", "has_speakable", "validate_text"]
 
 
-# Index 0 is padding. The order is frozen: model checkpoints index into it.
-SYMBOLS = ("_^$ !'(),-.:;?abcdefhijklmnopqrstuvwxyzæçðøħŋœǀǁǂǃɐɑɒɓɔɕɖɗɘəɚɛɜɞɟɠɡɢɣɤɥɦɧɨɪɫɬɭɮɯɰɱɲɳɴɵɶɸ"
-           "ɹɺɻɽɾʀʁʂʃʄʈʉʊʋʌʍʎʏʐʑʒʔʕʘʙʛʜʝʟʡʢʲˈˌːˑ˞βθχᵻⱱ0123456789̧̪̯̩̃ʰˤε↓#")
-SYMBOL_ID = {s: i for i, s in enumerate(SYMBOLS)}
 PAD, BOS, EOS = 0, SYMBOL_ID["^"], SYMBOL_ID["$"]
 MAX_TEXT_CHARS = 20_000
 
