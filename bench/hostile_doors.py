@@ -10,6 +10,7 @@ lives on), wyoming_huge_payload (a declared 1 TB payload: refused before it is r
 (bad_text), wyoming_connections (past max_connections: server_full), say_file_mode (0666 less the umask),
 park_dir (dropped sessions spill under --park-dir).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,7 +29,7 @@ import websockets
 
 from bench.common import ServeProcess
 
-UNSPEAKABLE = ["?", "...", "$", "\U0001F600", "\u200b"]
+UNSPEAKABLE = ["?", "...", "$", "\U0001f600", "\u200b"]
 SPEECH = "Please call me back when you have a moment this afternoon. " * 3
 
 
@@ -61,8 +62,18 @@ async def _resume(url: str, token: str, contexts: list[dict], **connect) -> dict
         await ws.send(json.dumps({"type": "resume", "token": token, "contexts": contexts}))
         answer = json.loads(await asyncio.wait_for(ws.recv(), 10))
         if answer["type"] == "resumed":
-            await ws.send(json.dumps({"type": "cancel", **({"context_id": contexts[0].get("context_id")}
-                                                           if contexts and contexts[0].get("context_id") else {})}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "cancel",
+                        **(
+                            {"context_id": contexts[0].get("context_id")}
+                            if contexts and contexts[0].get("context_id")
+                            else {}
+                        ),
+                    }
+                )
+            )
     return answer
 
 
@@ -80,11 +91,19 @@ async def resume_rows(server: ServeProcess) -> list[dict]:
     partial = await _resume(server.ws_url, token2, _positions({"a": got2["a"]}))
     whole = await _resume(server.ws_url, token2, _positions(got2))
     return [
-        {"row": "resume_other_address", "answer": other.get("code"), "own_after": own["type"],
-         "ok": other.get("code") == "resume_forbidden" and own["type"] == "resumed"},
+        {
+            "row": "resume_other_address",
+            "answer": other.get("code"),
+            "own_after": own["type"],
+            "ok": other.get("code") == "resume_forbidden" and own["type"] == "resumed",
+        },
         {"row": "spent_token_after_end", "answer": spent.get("code"), "ok": spent.get("code") == "resume_used"},
-        {"row": "resume_one_of_two", "answer": partial.get("code"), "full_resume_after": whole["type"],
-         "ok": partial.get("code") == "resume_offset" and whole["type"] == "resumed"},
+        {
+            "row": "resume_one_of_two",
+            "answer": partial.get("code"),
+            "full_resume_after": whole["type"],
+            "ok": partial.get("code") == "resume_offset" and whole["type"] == "resumed",
+        },
     ]
 
 
@@ -114,19 +133,29 @@ async def held_over_cap(count: int = 300) -> dict:
         await asyncio.sleep(1.0)
         fds_after = child.num_fds()
         held = sum(t > 2.0 for t in took)
-    return {"row": "held_over_cap", "connections": count, "held_over_2s": held, "wall_s": round(wall, 1),
-            "server_fds_before": fds_before, "server_fds_after": fds_after, "resumed_after": resumed["type"],
-            "ok": held <= 1 and resumed["type"] == "resumed" and fds_after <= fds_before + 5}
+    return {
+        "row": "held_over_cap",
+        "connections": count,
+        "held_over_2s": held,
+        "wall_s": round(wall, 1),
+        "server_fds_before": fds_before,
+        "server_fds_after": fds_after,
+        "resumed_after": resumed["type"],
+        "ok": held <= 1 and resumed["type"] == "resumed" and fds_after <= fds_before + 5,
+    }
 
 
 async def text_rows(server: ServeProcess) -> list[dict]:
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-        http_answers = [(await http.post("/v1/audio/speech", json={"input": t, "response_format": "pcm"}))
-                        for t in UNSPEAKABLE]
-        speeds = [(await http.post("/v1/audio/speech", json={"input": "Hi.", "speed": s})).status_code
-                  for s in ("2", True)]
-        cap = await http.post("/v1/audio/speech", json={"input": "\ufdfa", "response_format": "pcm",
-                                                        "stream_format": "sse"})
+        http_answers = [
+            (await http.post("/v1/audio/speech", json={"input": t, "response_format": "pcm"})) for t in UNSPEAKABLE
+        ]
+        speeds = [
+            (await http.post("/v1/audio/speech", json={"input": "Hi.", "speed": s})).status_code for s in ("2", True)
+        ]
+        cap = await http.post(
+            "/v1/audio/speech", json={"input": "\ufdfa", "response_format": "pcm", "stream_format": "sse"}
+        )
     ws_answers = []
     for text in UNSPEAKABLE:
         async with websockets.connect(server.ws_url) as ws:
@@ -138,31 +167,48 @@ async def text_rows(server: ServeProcess) -> list[dict]:
                 got.append({"type": "audio"} if isinstance(message, bytes) else json.loads(message))
             ws_answers.append([m.get("code", m["type"]) for m in got])
     codes = [(a.status_code, a.json()["error"]["code"]) for a in http_answers]
-    cap_codes = [json.loads(line[6:]).get("error", {}).get("code") for line in cap.text.splitlines()
-                 if line.startswith("data: ")]
-    cap_audio = sum(len(json.loads(line[6:]).get("audio", "")) * 3 // 4 for line in cap.text.splitlines()
-                    if line.startswith("data: "))
+    cap_codes = [
+        json.loads(line[6:]).get("error", {}).get("code") for line in cap.text.splitlines() if line.startswith("data: ")
+    ]
+    cap_audio = sum(
+        len(json.loads(line[6:]).get("audio", "")) * 3 // 4
+        for line in cap.text.splitlines()
+        if line.startswith("data: ")
+    )
     return [
         {"row": "unspeakable_http", "answers": codes, "ok": all(c == (400, "bad_text") for c in codes)},
-        {"row": "unspeakable_ws", "answers": ws_answers,
-         "ok": all(a == ["ready", "bad_text", "done"] for a in ws_answers)},
+        {
+            "row": "unspeakable_ws",
+            "answers": ws_answers,
+            "ok": all(a == ["ready", "bad_text", "done"] for a in ws_answers),
+        },
         {"row": "speed_strings", "statuses": speeds, "ok": speeds == [400, 400]},
-        {"row": "audio_cap", "input": "\ufdfa", "codes": [c for c in cap_codes if c],
-         "audio_s": round(cap_audio / 48000, 2),
-         "ok": "audio_too_long" in cap_codes and cap_audio <= 10.5 * 48000},
+        {
+            "row": "audio_cap",
+            "input": "\ufdfa",
+            "codes": [c for c in cap_codes if c],
+            "audio_s": round(cap_audio / 48000, 2),
+            "ok": "audio_too_long" in cap_codes and cap_audio <= 10.5 * 48000,
+        },
     ]
 
 
 def body_cut_short(server: ServeProcess) -> dict:
     before = server.tracebacks()
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 1000\r\n\r\n{\"input\": \"Hel")
+        sock.sendall(
+            b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n{\"input\": \"Hel"
+        )
         time.sleep(0.3)
     time.sleep(1.0)
     lines = [line for line in server.log_text().splitlines() if "before its body was read" in line]
-    return {"row": "body_cut_short", "tracebacks": server.tracebacks() - before, "log_lines": len(lines),
-            "ok": server.tracebacks() == before and len(lines) == 1}
+    return {
+        "row": "body_cut_short",
+        "tracebacks": server.tracebacks() - before,
+        "log_lines": len(lines),
+        "ok": server.tracebacks() == before and len(lines) == 1,
+    }
 
 
 async def _wyoming(port: int, data: bytes, answers: int) -> tuple[list[dict], bool]:
@@ -199,8 +245,9 @@ async def wyoming_rows(server: ServeProcess, port: int) -> list[dict]:
         got, closed = await _wyoming(port, line + b'{"type": "describe"}\n', 2)
         answers.append([g["type"] for g in got] + (["closed"] if closed else []))
     rss = child.memory_info().rss
-    huge, huge_closed = await _wyoming(port, b'{"type": "synthesize", "payload_length": 1000000000000}\n'
-                                       + b"x" * (32 << 20), 1)
+    huge, huge_closed = await _wyoming(
+        port, b'{"type": "synthesize", "payload_length": 1000000000000}\n' + b"x" * (32 << 20), 1
+    )
     grown = (child.memory_info().rss - rss) / 2**20
     nul, _ = await _wyoming(port, b'{"type": "synthesize", "data": {"text": "Hello\\u0000 world."}}\n', 1)
     opened = [await asyncio.open_connection("127.0.0.1", port) for _ in range(70)]
@@ -210,13 +257,21 @@ async def wyoming_rows(server: ServeProcess, port: int) -> list[dict]:
         writer.close()
     code = lambda got: got[0].get("data", {}).get("code") if got else None  # noqa: E731
     return [
-        {"row": "wyoming_malformed", "answers": answers,
-         "ok": all(a == ["error", "info"] for a in answers)},
-        {"row": "wyoming_huge_payload", "answer": code(huge), "closed": huge_closed, "rss_growth_mb": round(grown, 1),
-         "ok": code(huge) == "event_too_large" and huge_closed and grown < 20},
+        {"row": "wyoming_malformed", "answers": answers, "ok": all(a == ["error", "info"] for a in answers)},
+        {
+            "row": "wyoming_huge_payload",
+            "answer": code(huge),
+            "closed": huge_closed,
+            "rss_growth_mb": round(grown, 1),
+            "ok": code(huge) == "event_too_large" and huge_closed and grown < 20,
+        },
         {"row": "wyoming_nul", "answer": code(nul), "ok": code(nul) == "bad_text"},
-        {"row": "wyoming_connections", "answer": code(refused), "closed": refused_closed,
-         "ok": code(refused) in ("server_full", "client_limit") and refused_closed},
+        {
+            "row": "wyoming_connections",
+            "answer": code(refused),
+            "closed": refused_closed,
+            "ok": code(refused) in ("server_full", "client_limit") and refused_closed,
+        },
     ]
 
 
@@ -227,11 +282,18 @@ def say_file_mode() -> dict:
         mode = out.stat().st_mode & 0o777 if out.exists() else None
     umask = os.umask(0o022)
     os.umask(umask)
-    return {"row": "say_file_mode", "mode": oct(mode) if mode is not None else None,
-            "ok": done.returncode == 0 and mode == 0o666 & ~umask}
+    return {
+        "row": "say_file_mode",
+        "mode": oct(mode) if mode is not None else None,
+        "ok": done.returncode == 0 and mode == 0o666 & ~umask,
+    }
 
 
 def park_dir(folder: str) -> dict:
     spilled = [p.name for p in Path(folder).iterdir()]
-    return {"row": "park_dir", "folder": folder, "spill_directories": spilled,
-            "ok": any(name.startswith("tts-parked-") for name in spilled)}
+    return {
+        "row": "park_dir",
+        "folder": folder,
+        "spill_directories": spilled,
+        "ok": any(name.startswith("tts-parked-") for name in spilled),
+    }

@@ -1,5 +1,6 @@
 """The ASGI app: routes (the HTTP API, the WebSocket, the demo's files), access and CORS middleware, and what
 runs while it serves (trimming the C heap; ending waiting sessions at shutdown)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,15 @@ class _DemoRoute(Route):
         return super().matches(scope)
 
 
-def build_app(engine=None, limits: Limits | None = None, *, api_keys=(), allow_origins=(),
-               aliases: dict[str, str] | None = None, load_engine=None) -> Starlette:
+def build_app(
+    engine=None,
+    limits: Limits | None = None,
+    *,
+    api_keys=(),
+    allow_origins=(),
+    aliases: dict[str, str] | None = None,
+    load_engine=None,
+) -> Starlette:
     """The ASGI app. `engine=None`: ``load_engine()`` loads one on first use (`server.create_app`: the process-wide engine).
     `api_keys`: when given, every /v1 endpoint wants one. `allow_origins`: browser origins, besides the server's
     own, that may use the API and the WebSocket (and get CORS headers); "*" allows any. `aliases`: OpenAI voice
@@ -43,21 +51,36 @@ def build_app(engine=None, limits: Limits | None = None, *, api_keys=(), allow_o
     hub = Hub(engine, limits or Limits(), aliases, tuple(api_keys), tuple(allow_origins), load_engine)
     demo = StaticFiles(directory=DEMO_DIR, html=True)
     api = http_api
-    routes = [Route("/health", api.health), Route("/v1/voices", api.voices),
-              Route("/v1/audio/voices", api.audio_voices), Route("/v1/models", api.models),
-              Route("/v1/audio/models", api.audio_models),
-              Route("/v1/audio/speech", api.speech, methods=["POST"]), WebSocketRoute("/v1/stream", stream_endpoint),
-              _DemoRoute("/{path:path}", demo, methods=["GET", "HEAD"])]
+    routes = [
+        Route("/health", api.health),
+        Route("/v1/voices", api.voices),
+        Route("/v1/audio/voices", api.audio_voices),
+        Route("/v1/models", api.models),
+        Route("/v1/audio/models", api.audio_models),
+        Route("/v1/audio/speech", api.speech, methods=["POST"]),
+        WebSocketRoute("/v1/stream", stream_endpoint),
+        _DemoRoute("/{path:path}", demo, methods=["GET", "HEAD"]),
+    ]
     middleware = [Middleware(api.AccessMiddleware, hub=hub)]
     if hub.allow_origins:
-        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(hub.allow_origins),
-                                        allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type",
-                                                                                      "X-API-Key"],
-                                        expose_headers=["X-Sample-Rate", "Retry-After"]))
+        middleware.insert(
+            0,
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(hub.allow_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type", "X-API-Key"],
+                expose_headers=["X-Sample-Rate", "Retry-After"],
+            ),
+        )
     if (worker := workers.this_worker()) is not None:
         middleware.append(Middleware(_WorkerHeader, worker=worker))
-    app = Starlette(routes=routes, middleware=middleware, lifespan=functools.partial(_lifespan, hub),
-                    exception_handlers={HTTPException: api.http_exception, Exception: api.server_error})
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        lifespan=functools.partial(_lifespan, hub),
+        exception_handlers={HTTPException: api.http_exception, Exception: api.server_error},
+    )
     app.state.hub = hub
     return app
 
@@ -77,6 +100,7 @@ class _WorkerHeader:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", ()), self.header]}
             await send(message)
+
         await self.app(scope, receive, send_named)
 
 

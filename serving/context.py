@@ -2,6 +2,7 @@
 keys, and a thread pool for the engine's blocking calls (opening a stream; audio is awaited without a thread,
 `Hub.chunks`); and who a connection is (its address, its API key). serving/session.py (the WebSocket) and
 serving/http_api.py (HTTP) use it; it serves no endpoint itself."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,12 +15,12 @@ from urllib.parse import parse_qs, urlsplit
 
 from starlette.datastructures import Headers
 
-from streaming.engine import ServerFull, UnknownVoice
+from serving.admission import Admission
 from serving.limits import Limits
 from serving.protocol import ProtocolError
 from serving.resume import SpentTokens
-from serving.admission import Admission
 from serving.workers import relayed_address
+from streaming.engine import ServerFull, UnknownVoice
 from tts.rates import SAMPLE_RATE
 from tts.text import TextError
 
@@ -28,8 +29,15 @@ class Hub:
     """What every connection shares: the engine, the limits, admission, the voice aliases, the API keys and
     a thread pool for the engine's blocking calls (so no connection waits for another's)."""
 
-    def __init__(self, engine, limits: Limits, aliases: dict[str, str] | None = None,
-                 api_keys: tuple[str, ...] = (), allow_origins: tuple[str, ...] = (), load_engine=None):
+    def __init__(
+        self,
+        engine,
+        limits: Limits,
+        aliases: dict[str, str] | None = None,
+        api_keys: tuple[str, ...] = (),
+        allow_origins: tuple[str, ...] = (),
+        load_engine=None,
+    ):
         self.limits, self._engine, self._aliases = limits, engine, aliases
         self._load_engine = load_engine  # engine None: loads it on first use (the entry point's `tts.api.get_engine`)
         self.api_keys, self.allow_origins = tuple(api_keys), tuple(allow_origins)
@@ -59,6 +67,7 @@ class Hub:
         the engine has)."""
         if self._aliases is None:
             from tts.voices import voice_aliases
+
             self._aliases = voice_aliases()
         return {alias: voice for alias, voice in self._aliases.items() if voice in self._engine.voices}
 
@@ -69,8 +78,11 @@ class Hub:
             return name
         if (voice := self.aliases.get(name.lower())) is not None:
             return voice
-        raise ProtocolError("unknown_voice", f"unknown voice {name!r}; choose one of {sorted(self._engine.voices)} "
-                            f"or an alias {sorted(self.aliases)}", param)
+        raise ProtocolError(
+            "unknown_voice",
+            f"unknown voice {name!r}; choose one of {sorted(self._engine.voices)} or an alias {sorted(self.aliases)}",
+            param,
+        )
 
     @property
     def text_limit(self) -> int:
@@ -86,8 +98,11 @@ class Hub:
         """audio_too_long once an utterance of ``chars`` characters would pass `Limits.audio_cap_s` with
         ``samples`` (at the engine's rate): a text the front end reads far longer than it looks is cut there."""
         if samples > (cap := self.limits.audio_cap_s(chars)) * SAMPLE_RATE:
-            raise ProtocolError("audio_too_long", f"the utterance's audio would pass {cap:g} s, the most "
-                                f"{chars} characters of text may become (max_audio_s, audio_s_per_char)")
+            raise ProtocolError(
+                "audio_too_long",
+                f"the utterance's audio would pass {cap:g} s, the most "
+                f"{chars} characters of text may become (max_audio_s, audio_s_per_char)",
+            )
 
     async def open(self, clients: tuple, voice: str | None, speed: float, seed: int | None, on_queued=None):
         """(ticket, engine stream): a slot from admission (waiting in its queue if need be), then the stream.
@@ -120,10 +135,14 @@ class Hub:
         """One line per stream to TTS_TIMELINE_LOG: its way to the first audio (`Stream.timeline`) and the engine
         ticks from its first step to its first chunk."""
         ticks = stream.ticks
-        self.timeline_log.write({"at": stream.marks.get("request"), "timeline_ms": stream.timeline(),
-                                 "ticks_to_due": ticks["due"] - ticks["stepped"] if {"due", "stepped"} <= set(ticks)
-                                 else None,
-                                 "finished": stream.finished and stream.error is None and not stream.cancelled})
+        self.timeline_log.write(
+            {
+                "at": stream.marks.get("request"),
+                "timeline_ms": stream.timeline(),
+                "ticks_to_due": ticks["due"] - ticks["stepped"] if {"due", "stepped"} <= set(ticks) else None,
+                "finished": stream.finished and stream.error is None and not stream.cancelled,
+            }
+        )
 
     async def _open_stream(self, engine, ticket, voice, speed, seed):
         """The engine stream for a granted ticket; on any failure the ticket is released, but only once the
@@ -131,8 +150,9 @@ class Hub:
         never sends the engine more callers than it has slots)."""
         # The engine's own FIFO wait covers the tick until a just-ended stream's slot is free, and other users
         # of the engine in this process.
-        opening = asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(
-            engine.open, voice, speed, seed=seed, wait_s=self.limits.queue_timeout_s))
+        opening = asyncio.get_running_loop().run_in_executor(
+            self.pool, functools.partial(engine.open, voice, speed, seed=seed, wait_s=self.limits.queue_timeout_s)
+        )
         try:
             return await asyncio.shield(opening)
         except asyncio.CancelledError:  # the client left while the engine was opening: end what it opens
@@ -168,9 +188,14 @@ class Hub:
                 stream.mark("sent")  # the caller asks for the next chunk once this one is sent
 
     def stats(self) -> dict:
-        figures = {"status": "ok", "sample_rate": SAMPLE_RATE, **self.admission.stats(),
-                   "max_connections": self.limits.max_connections, "max_queue": self.limits.max_queue,
-                   "awaiting_resume": sum(session.link is None for session in self.sessions)}
+        figures = {
+            "status": "ok",
+            "sample_rate": SAMPLE_RATE,
+            **self.admission.stats(),
+            "max_connections": self.limits.max_connections,
+            "max_queue": self.limits.max_queue,
+            "awaiting_resume": sum(session.link is None for session in self.sessions),
+        }
         if self._engine is not None:
             figures["slots"] = self._engine.max_streams
             if callable(stats := getattr(self._engine, "stats", None)):

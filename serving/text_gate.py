@@ -9,6 +9,7 @@ ended; meanwhile the engine's queue fills and its generation pauses, so nothing 
 piece costs what its own length does: a client sending "?" a character at a time costs no more than one text.
 Used from one event loop.
 """
+
 from __future__ import annotations
 
 import asyncio

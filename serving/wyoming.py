@@ -28,6 +28,7 @@ non-negative integer, fields of the wrong type) gets an ``error`` event (``bad_e
 on; text is checked as on every front end (`tts.text.validate_text`: NUL and other control characters, nothing
 speakable: ``bad_text``). A client that goes away is one line in the log, never a traceback.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -59,7 +60,7 @@ from tts.text import TextError, validate_text
 from tts.voices import attribution
 
 LANGUAGE = "en_US"
-OPEN_WAIT_S = 5.0   # how long a request waits for a free engine slot before `server_full`
+OPEN_WAIT_S = 5.0  # how long a request waits for a free engine slot before `server_full`
 LINGER_S = 0.5  # after an event it cannot frame, how long the server reads and discards before it closes
 SAMPLE_WIDTH, CHANNELS = 2, 1  # s16le mono
 SERVICE_TYPE = "_wyoming._tcp.local."  # what Home Assistant browses for
@@ -76,17 +77,32 @@ class RequestError(Exception):
 
 def describe(engine) -> Info:
     """The ``info`` answer: one TTS program with every voice of the engine."""
-    voices = [TtsVoice(name=name, attribution=Attribution(name=attribution(preset), url=""), installed=True,
-                       description=preset.get("description"), version=None, languages=[LANGUAGE])
-              for name, preset in engine.voices.items()]
-    program = TtsProgram(name="tts", attribution=Attribution(name="tts (streaming text-to-speech)", url=""),
-                         installed=True, description="Streaming text-to-speech that speaks while text arrives",
-                         version=_version(), voices=voices, supports_synthesize_streaming=True)
+    voices = [
+        TtsVoice(
+            name=name,
+            attribution=Attribution(name=attribution(preset), url=""),
+            installed=True,
+            description=preset.get("description"),
+            version=None,
+            languages=[LANGUAGE],
+        )
+        for name, preset in engine.voices.items()
+    ]
+    program = TtsProgram(
+        name="tts",
+        attribution=Attribution(name="tts (streaming text-to-speech)", url=""),
+        installed=True,
+        description="Streaming text-to-speech that speaks while text arrives",
+        version=_version(),
+        voices=voices,
+        supports_synthesize_streaming=True,
+    )
     return Info(tts=[program])
 
 
 def _version() -> str | None:
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version("tts")
     except PackageNotFoundError:
@@ -97,8 +113,9 @@ class WyomingHandler(AsyncEventHandler):
     """One client connection. ``self.stream`` is the engine stream of the utterance being spoken, if any;
     ``self.pump`` the task that sends its audio; ``self.streaming`` whether a synthesize-start is open."""
 
-    def __init__(self, engine, info: Info, pool: ThreadPoolExecutor, limits: Limits, admission: Admission,
-                 *args, **kwargs):
+    def __init__(
+        self, engine, info: Info, pool: ThreadPoolExecutor, limits: Limits, admission: Admission, *args, **kwargs
+    ):
         super().__init__(*args, **kwargs)
         self.engine, self.info, self.pool, self.limits, self.admission = engine, info, pool, limits, admission
         self.stream = self.pump = self.gate = None
@@ -144,8 +161,9 @@ class WyomingHandler(AsyncEventHandler):
             except TimeoutError:
                 if time.monotonic() - self.last_active < self.limits.idle_timeout_s:
                     continue  # audio went out meanwhile
-                await self._report(RequestError("idle_timeout", f"no event and no audio for "
-                                                f"{self.limits.idle_timeout_s:g} s"))
+                await self._report(
+                    RequestError("idle_timeout", f"no event and no audio for {self.limits.idle_timeout_s:g} s")
+                )
                 return None
             except BadEvent as err:
                 await self._report(RequestError(err.code, str(err)))
@@ -239,8 +257,11 @@ class WyomingHandler(AsyncEventHandler):
             return  # the stream already failed and said so; its synthesize-stop still gets an answer
         if self.chars + len(text) > self.limits.max_text_chars:  # the stream fails, as on a bad chunk
             self.stream.cancel()
-            raise RequestError("text_too_long", f"this chunk would make the text {self.chars + len(text)} "
-                               f"characters; the limit is {self.limits.max_text_chars}")
+            raise RequestError(
+                "text_too_long",
+                f"this chunk would make the text {self.chars + len(text)} "
+                f"characters; the limit is {self.limits.max_text_chars}",
+            )
         try:
             self.stream.push_text(text)  # a control character: TextError, as on every front end
         except TextError as err:
@@ -302,8 +323,10 @@ class WyomingHandler(AsyncEventHandler):
             while (chunk := await stream.next_chunk()) is not None:
                 samples += len(chunk)
                 if samples > (cap := self.limits.audio_cap_s(self.chars)) * self.engine.sample_rate:
-                    raise RequestError("audio_too_long", f"the audio would pass {cap:g} s, the most "
-                                       f"{self.chars} characters of text may become")
+                    raise RequestError(
+                        "audio_too_long",
+                        f"the audio would pass {cap:g} s, the most {self.chars} characters of text may become",
+                    )
                 if not started:
                     await self.write_event(AudioStart(**audio_format).event())
                     started = True
@@ -352,15 +375,16 @@ class WyomingServer:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tts-wyoming", daemon=True)
 
-    def start(self) -> "WyomingServer":
+    def start(self) -> WyomingServer:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
         _LOG.info("Wyoming server listening on %s", self.uri)
         return self
 
     async def _start(self) -> None:
-        await self._server.start(partial(WyomingHandler, self.engine, self.info, self.pool, self.limits,
-                                         self.admission))
+        await self._server.start(
+            partial(WyomingHandler, self.engine, self.info, self.pool, self.limits, self.admission)
+        )
         if self.announcement is not None:
             await self.announcement.start()
 
@@ -376,7 +400,7 @@ class WyomingServer:
             self._thread.join(timeout=10)
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def __enter__(self) -> "WyomingServer":
+    def __enter__(self) -> WyomingServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -392,8 +416,12 @@ class _Announcement:
         if parsed.scheme != "tcp":
             raise ValueError(f"zeroconf needs a tcp:// URI, not {uri!r}")
         host = parsed.hostname if parsed.hostname not in ("0.0.0.0", "::", "") else _lan_address()
-        self.info = AsyncServiceInfo(SERVICE_TYPE, f"{name or 'tts-' + socket.gethostname()}.{SERVICE_TYPE}",
-                                     addresses=[socket.inet_aton(host)], port=parsed.port)
+        self.info = AsyncServiceInfo(
+            SERVICE_TYPE,
+            f"{name or 'tts-' + socket.gethostname()}.{SERVICE_TYPE}",
+            addresses=[socket.inet_aton(host)],
+            port=parsed.port,
+        )
         self._zeroconf: AsyncZeroconf | None = None
 
     async def start(self) -> None:

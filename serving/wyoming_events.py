@@ -11,6 +11,7 @@ then N bytes of JSON (more data, merged into ``data``), then M bytes of payload.
 of 80 bytes declaring data_length 100 and payload_length 65,400 totals 65,580 bytes: refused (fatal: the bytes
 cannot be skipped without reading them).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -80,6 +81,9 @@ def _header(line: bytes, max_bytes: int) -> dict:
             raise BadEvent(f"{name} must be a non-negative integer, not {header.get(name)!r}", fatal=fatal)
         lengths[name] = value
     if (total := len(line) + lengths["data_length"] + lengths["payload_length"]) > max_bytes:
-        raise BadEvent(f"the event is {total} bytes (header, data and payload); the limit is {max_bytes}",
-                       "event_too_large", fatal=True)
+        raise BadEvent(
+            f"the event is {total} bytes (header, data and payload); the limit is {max_bytes}",
+            "event_too_large",
+            fatal=True,
+        )
     return {"type": header["type"], "data": data, **lengths}

@@ -1,6 +1,7 @@
 """Issue 48 door 3: the same seed alone and beside other streams, through `tts serve` (a child process on the
 shipped voices, as a user runs it), compared byte for byte. docs/protocol.md (Seeds) says where this is exact:
 the eager step (`--no-compile`), which this runs; the default ONNX Runtime step is measured there, not promised."""
+
 from __future__ import annotations
 
 import asyncio

@@ -5,15 +5,32 @@ order (the order matters: a date before a range, a unit before a plain number). 
 tokens together ("$5 million" -> "five", "million dollars") returns a form for each, so every token keeps
 its own spoken form (word timings refer to what was written). The facts are in `tts.normalize_tables`.
 """
+
 from __future__ import annotations
 
 import re
 import unicodedata
 
 from tts.normalize_tables import (
-    ABBREVIATIONS, BEFORE_NUMBER, CURRENCIES, CURRENCY_CODES, FRACTION_NAMES, MAGNITUDES, MONTH_OF, MONTHS,
-    NONFINAL, REGNAL_TITLES, ROMAN_CARDINAL_AFTER, SPACED_UNITS, SPELLED, SYMBOL_WORDS, TITLES, TOP_DOMAINS,
-    UNITS, URL_SYMBOLS, VULGAR_FRACTIONS,
+    ABBREVIATIONS,
+    BEFORE_NUMBER,
+    CURRENCIES,
+    CURRENCY_CODES,
+    FRACTION_NAMES,
+    MAGNITUDES,
+    MONTH_OF,
+    MONTHS,
+    NONFINAL,
+    REGNAL_TITLES,
+    ROMAN_CARDINAL_AFTER,
+    SPACED_UNITS,
+    SPELLED,
+    SYMBOL_WORDS,
+    TITLES,
+    TOP_DOMAINS,
+    UNITS,
+    URL_SYMBOLS,
+    VULGAR_FRACTIONS,
 )
 
 LONGEST_NUMBER = 15  # digits; longer runs are read digit by digit (num2words overflows near 10**306)
@@ -41,8 +58,13 @@ def split_token(text: str) -> tuple[str, str, str]:
 
 def _keeps_period(core: str) -> bool:
     low = core.lower()
-    return (low in TITLES or low in ABBREVIATIONS or low in BEFORE_NUMBER or low in NONFINAL
-            or bool(re.fullmatch(r"(?:[A-Za-z]\.)+[A-Za-z]|[A-Za-z]", core)))
+    return (
+        low in TITLES
+        or low in ABBREVIATIONS
+        or low in BEFORE_NUMBER
+        or low in NONFINAL
+        or bool(re.fullmatch(r"(?:[A-Za-z]\.)+[A-Za-z]|[A-Za-z]", core))
+    )
 
 
 _CAPS, _TWO_LETTERS = re.compile(r"[A-Z][A-Z']+"), re.compile(r"[A-Za-z]{2}")
@@ -69,10 +91,10 @@ def clean(text: str) -> str:
     """NFKC (but vulgar fractions and ™ read as themselves), curly quotes straight, controls removed."""
     if text.isascii() and text.isprintable():
         return text  # the common case, already clean: NFKC and the table change nothing in printable ASCII
-    text = "".join(ch if ch in VULGAR_FRACTIONS or ch in "™" else unicodedata.normalize("NFKC", ch)
-                   for ch in text)
-    text = text.translate({0x2018: "'", 0x2019: "'", 0x201C: '"', 0x201D: '"', 0x2212: "-", 0x2013: "-",
-                           0x2014: " - ", 0x2044: "/"})
+    text = "".join(ch if ch in VULGAR_FRACTIONS or ch in "™" else unicodedata.normalize("NFKC", ch) for ch in text)
+    text = text.translate(
+        {0x2018: "'", 0x2019: "'", 0x201C: '"', 0x201D: '"', 0x2212: "-", 0x2013: "-", 0x2014: " - ", 0x2044: "/"}
+    )
     return "".join(ch for ch in text if unicodedata.category(ch)[0] != "C")
 
 
@@ -95,8 +117,13 @@ def by_rules(ctx: Context, i: int) -> list[str]:
 
 # Words of letters that some rule reads: months ("March" 4), titles ("Mr" Li), abbreviations ("vs", "etc"),
 # words before a number, symbol names. A rule that claims a word of letters adds it here.
-_RULE_WORDS = frozenset(MONTH_OF) | frozenset(TITLES) | frozenset(ABBREVIATIONS) | frozenset(BEFORE_NUMBER) \
+_RULE_WORDS = (
+    frozenset(MONTH_OF)
+    | frozenset(TITLES)
+    | frozenset(ABBREVIATIONS)
+    | frozenset(BEFORE_NUMBER)
     | frozenset(SYMBOL_WORDS)
+)
 _LETTERS = re.compile(r"[^\W\d_]+(?:['-][^\W\d_]+)*'?")
 _ROMAN_DIGITS = frozenset("IVXLCDM")
 
@@ -115,6 +142,7 @@ def plain_word(core: str) -> bool:
 # ---- number words ---------------------------------------------------------------------------------
 def _num2words(number: int, **kwargs) -> str:
     from num2words import num2words  # imported on use: training on the GPU needs only the unit table
+
     return re.sub(r",| and\b", "", num2words(number, **kwargs))
 
 
@@ -198,7 +226,8 @@ def _url(ctx: Context, i: int) -> list[str] | None:
     core = ctx.core[i]
     email = re.fullmatch(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+", core)
     web = re.fullmatch(r"(?:https?://|www\.)\S+", core, re.I) or re.fullmatch(
-        r"[\w-]+(?:\.[\w-]+)*\.(?P<tld>[a-z]{2,6})(?:/\S*)?", core, re.I)
+        r"[\w-]+(?:\.[\w-]+)*\.(?P<tld>[a-z]{2,6})(?:/\S*)?", core, re.I
+    )
     if not email and not (web and (web.groupdict().get("tld") is None or web.group("tld").lower() in TOP_DOMAINS)):
         return None
     address = re.sub(r"^https?://", "", core, flags=re.I).rstrip("/")
@@ -221,7 +250,7 @@ def _phone(ctx: Context, i: int) -> list[str] | None:
     if whole and ("-" in core or "." in core):
         groups = [g for g in whole.groups() if g]
         prefix = ["one"] if whole.group(1) else []
-        return [", ".join(prefix + [digits(g, "oh") for g in groups[1 if prefix else 0:]])]
+        return [", ".join(prefix + [digits(g, "oh") for g in groups[1 if prefix else 0 :]])]
     if re.fullmatch(r"\(\d{3}\)", ctx.raw[i]) and re.fullmatch(r"\d{3}-\d{4}", ctx.at(i + 1)):
         return [digits(core, "oh") + ",", ", ".join(digits(g, "oh") for g in ctx.at(i + 1).split("-"))]
     return None
@@ -231,8 +260,9 @@ _AMPM = re.compile(r"(?P<ap>[ap])\.?m\.?", re.I)
 
 
 def _time(ctx: Context, i: int) -> list[str] | None:
-    match = re.fullmatch(r"(\d{1,2}):(\d\d)(?::(\d\d))?(?P<ampm>[ap]\.?m\.?)?", ctx.core[i], re.I) or \
-        re.fullmatch(r"(\d{1,2})(?:\.(\d\d))?()(?P<ampm>[ap]\.?m\.?)", ctx.core[i], re.I)
+    match = re.fullmatch(r"(\d{1,2}):(\d\d)(?::(\d\d))?(?P<ampm>[ap]\.?m\.?)?", ctx.core[i], re.I) or re.fullmatch(
+        r"(\d{1,2})(?:\.(\d\d))?()(?P<ampm>[ap]\.?m\.?)", ctx.core[i], re.I
+    )
     dotted = re.fullmatch(r"\d{1,2}\.\d\d", ctx.core[i])
     if dotted and _AMPM.fullmatch(ctx.at(i + 1)):  # "3.45 pm", as ASR transcripts write it
         match = re.fullmatch(r"(\d{1,2})\.(\d\d)()(?P<ampm>)", ctx.core[i])
@@ -281,16 +311,18 @@ def _written_date(ctx: Context, i: int) -> list[str] | None:
         return [MONTHS[month - 1], ordinal(int(day.group(1)))]
     day = re.fullmatch(r"(\d{1,2})(?:st|nd|rd|th)?", ctx.core[i])
     after = ctx.at(i + 1).rstrip(".")
-    if day and 1 <= int(day.group(1)) <= 31 and after.lower() in MONTH_OF and after[:1].isupper() \
-            and not ctx.trail[i]:
+    if day and 1 <= int(day.group(1)) <= 31 and after.lower() in MONTH_OF and after[:1].isupper() and not ctx.trail[i]:
         return [f"the {ordinal(int(day.group(1)))} of"]
     return None
 
 
 def _money(ctx: Context, i: int) -> list[str] | None:
     core = ctx.core[i]
-    match = re.fullmatch(r"(?P<cur>[$£€¥₹₩])(?P<a>\d[\d,]*(?:\.\d+)?)(?P<mag>[kKmMbBtT]n?|mm)?"
-                         r"(?:-(?P=cur)?(?P<b>\d[\d,]*(?:\.\d+)?)(?P<mag2>[kKmMbBtT]n?)?)?", core)
+    match = re.fullmatch(
+        r"(?P<cur>[$£€¥₹₩])(?P<a>\d[\d,]*(?:\.\d+)?)(?P<mag>[kKmMbBtT]n?|mm)?"
+        r"(?:-(?P=cur)?(?P<b>\d[\d,]*(?:\.\d+)?)(?P<mag2>[kKmMbBtT]n?)?)?",
+        core,
+    )
     code = None
     if not match:
         code = re.fullmatch(r"(?P<a>\d[\d,]*(?:\.\d+)?)", core) and CURRENCY_CODES.get(ctx.at(i + 1).lower())
@@ -298,8 +330,11 @@ def _money(ctx: Context, i: int) -> list[str] | None:
             return None
         return [_money_words(code, core, None), ""]
     cur, mag = match.group("cur"), (match.group("mag") or match.group("mag2") or "").lower()
-    following = MAGNITUDES.get(ctx.at(i + 1).lower()) if not mag and ctx.at(i + 1).lower() in (
-        "thousand", "million", "billion", "trillion") else None
+    following = (
+        MAGNITUDES.get(ctx.at(i + 1).lower())
+        if not mag and ctx.at(i + 1).lower() in ("thousand", "million", "billion", "trillion")
+        else None
+    )
     if following:
         amount = number(match.group("a"))
         return [amount, f"{following} {CURRENCIES[cur][1]}"] if amount else None
@@ -375,8 +410,17 @@ def _decade(ctx: Context, i: int) -> list[str] | None:
     if match.group(1) and tens == 0:
         century = int(match.group(1))
         return [f"{cardinal(century * 100)}s" if century % 10 == 0 else f"{cardinal(century)} hundreds"]
-    plural = {"one": "tens", "two": "twenties", "three": "thirties", "four": "forties", "five": "fifties",
-              "six": "sixties", "seven": "seventies", "eight": "eighties", "nine": "nineties"}
+    plural = {
+        "one": "tens",
+        "two": "twenties",
+        "three": "thirties",
+        "four": "forties",
+        "five": "fifties",
+        "six": "sixties",
+        "seven": "seventies",
+        "eight": "eighties",
+        "nine": "nineties",
+    }
     decade = plural[digits(str(tens))]
     if match.group(1):
         prefix = cardinal(int(match.group(1)))
@@ -509,8 +553,9 @@ def _alnum(text: str) -> str:
         elif run in SYMBOL_WORDS:
             words.append(SYMBOL_WORDS[run])
         elif run[0].isalpha():
-            words.append(".".join(run) + "." if run in SPELLED or (len(run) <= 3 and run.isupper()
-                                                                    and "&" in text) else run)
+            words.append(
+                ".".join(run) + "." if run in SPELLED or (len(run) <= 3 and run.isupper() and "&" in text) else run
+            )
     return " ".join(w for w in words if w)
 
 
@@ -531,13 +576,38 @@ def _dash_words(ctx: Context, i: int) -> list[str] | None:
     """ "word—word" and "and/or": the parts read apart ("-" alone is a pause, see _markup_free)."""
     core = ctx.core[i]
     if " - " in core:
-        return [", ".join(_plain(p.strip()) if not number(p.strip()) else number(p.strip())
-                          for p in core.split(" - ") if p.strip())]
+        return [
+            ", ".join(
+                _plain(p.strip()) if not number(p.strip()) else number(p.strip())
+                for p in core.split(" - ")
+                if p.strip()
+            )
+        ]
     if re.fullmatch(r"[A-Za-z]+/[A-Za-z]+", core):
         return [" ".join(core.split("/"))]
     return None
 
 
-_RULES = (_markup_free, _url, _phone, _date, _time, _money, _percent, _number_sign, _decade, _ordinal,
-          _dimensions, _with_unit, _fraction, _mixed_number, _version, _range, _plain_number, _roman,
-          _abbreviation, _symbol, _dash_words)
+_RULES = (
+    _markup_free,
+    _url,
+    _phone,
+    _date,
+    _time,
+    _money,
+    _percent,
+    _number_sign,
+    _decade,
+    _ordinal,
+    _dimensions,
+    _with_unit,
+    _fraction,
+    _mixed_number,
+    _version,
+    _range,
+    _plain_number,
+    _roman,
+    _abbreviation,
+    _symbol,
+    _dash_words,
+)
