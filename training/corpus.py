@@ -71,8 +71,10 @@ def evaluation_keys() -> set[str]:
     lines = HARVARD.read_text().splitlines() if HARVARD.exists() else []
     for table in sorted(MODERN_DIR.glob("*.tsv")):
         lines += [row.split("\t")[3] for row in table.read_text(encoding="utf-8").splitlines()[1:] if row.strip()]
-    # each sentence of a line, as typed and after ``normalize`` ("$5" -> "five dollars"), the form compared
-    pieces = [p for line in lines if line.strip() for p in (line, *re.split(SENTENCE_END, line))]
+    # Each line, and each sentence of 3 words or more in it ("Dr." alone is no sentence of ours), as typed
+    # and after ``normalize`` ("$5" -> "five dollars"), the form compared.
+    pieces = [p for line in lines if line.strip()
+              for p in (line, *(s for s in re.split(SENTENCE_END, line) if len(s.split()) >= 3))]
     return {key for piece in pieces for key in (_key(piece), _key(normalize(piece)))}
 
 
