@@ -180,13 +180,13 @@ def chosen_texts(args) -> tuple[list[str], Teacher, dict]:
         n = 15 if args.n is None else args.n
         return heldout_texts(n, args.skip), spoken_now, {"set": "corpus", "skip": args.skip, "text": "held-out "
                 "corpus utterances (training.corpus text, far end), the same for every voice"}
-    chosen = modern.sentences(args.split)[:args.n]
+    chosen = modern.sentences(args.split)[args.skip:None if args.n is None else args.skip + args.n]
 
     def cached(voice: str, i: int, text: str) -> tuple[np.ndarray, dict | None]:
         known = modern.teacher_scores(voice, chosen[i]) if "teacher" in args.only else None
         return modern.teacher_audio(voice, chosen[i]), known
     return [s.text for s in chosen], cached, {
-        "set": "modern", "split": args.split, "text": "modern held-out sentences (bench/data/modern, "
+        "set": "modern", "split": args.split, "skip": args.skip, "text": "modern held-out sentences (bench/data/modern, "
         f"{args.split} split, file order), the same for every voice; teacher audio cached in {modern.CACHE}"}
 
 
@@ -196,8 +196,9 @@ def main() -> None:
                         help="held-out corpus utterances, or the modern set (bench.modern)")
     parser.add_argument("--split", choices=SPLITS, default="test", help="--set modern: test (reported) or dev")
     parser.add_argument("--n", type=int, help="sentences per voice (default: 15 of the corpus, all of a modern split)")
-    parser.add_argument("--skip", type=int, default=0, help="--set corpus: start this far into the held-out text: "
-                        "a validation set for choosing settings without looking at the reported sentences")
+    parser.add_argument("--skip", type=int, default=0, help="start this far into the held-out text (--set corpus: "
+                        "a validation set for choosing settings without looking at the reported sentences; --set "
+                        "modern: a share of the split, to run it in parts)")
     parser.add_argument("--voices", nargs="*", help="default: every voice the engine lists")
     parser.add_argument("--only", nargs="+", choices=("teacher", "codec", "ours"), default=["teacher", "codec", "ours"])
     parser.add_argument("--temperature", type=float, help="sample every voice at this temperature (default: its preset's)")
