@@ -100,23 +100,32 @@ def spoken_now(voice: str, index: int, text: str) -> tuple[np.ndarray, None]:
 
 
 def measure_voice(engine, codec, voice: str, texts: list[str], parts: list[str],
-                  teacher_audio: Teacher = spoken_now) -> tuple[dict, dict]:
+                  teacher_audio: Teacher = spoken_now, log: Path | None = None) -> tuple[dict, dict]:
     """(scores per part and the gaps between parts, speaker centroid per part). ``teacher_audio(voice, i,
-    text)`` gives the teacher's clip of ``texts[i]`` (24 kHz, corpus form) and its DNSMOS and WER if known."""
+    text)`` gives the teacher's clip of ``texts[i]`` (24 kHz, corpus form) and its DNSMOS and WER if known.
+    ``log``: each sentence's scores are appended there as one JSON line per part, as they come (a run cut
+    short still leaves what it measured)."""
     from tts.api import synthesize
     rows: dict[str, list] = {part: [] for part in parts}
     has_teacher = voice in TEACHERS
+
+    def keep(part: str, index: int, scores: dict) -> None:
+        rows[part].append(scores)
+        if log:
+            with log.open("a") as f:
+                f.write(json.dumps({"voice": voice, "index": index, "part": part,
+                                    **{k: v for k, v in scores.items() if k != "embedding"}}) + "\n")
     for index, text in enumerate(texts):
         if has_teacher and {"teacher", "codec"} & set(parts):
             teacher, known = teacher_audio(voice, index, text)
             if "teacher" in parts:
-                rows["teacher"].append(score(text, teacher, known))
+                keep("teacher", index, score(text, teacher, known))
             if "codec" in parts:
                 with torch.inference_mode():
                     decoded = codec.decode(codec.encode(torch.from_numpy(teacher)[None]))[0].numpy()[:len(teacher)]
-                rows["codec"].append(score(text, decoded))
+                keep("codec", index, score(text, decoded))
         if "ours" in parts:
-            rows["ours"].append(score(text, corpus_form(synthesize(text, voice=voice, engine=engine), SAMPLE_RATE)))
+            keep("ours", index, score(text, corpus_form(synthesize(text, voice=voice, engine=engine), SAMPLE_RATE)))
     report = {part: summarise(r) for part, r in rows.items() if r}
     if "teacher" in report and "codec" in report:
         report["codec_gap_ovrl"] = round(report["codec"]["ovrl"] - report["teacher"]["ovrl"], 4)
@@ -204,6 +213,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, help="sample every voice at this temperature (default: its preset's)")
     parser.add_argument("--top-k", type=int, help="sample from this many tokens (default: the engine's)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "quality.json")
+    parser.add_argument("--log", type=Path, help="append each sentence's scores here (JSON lines) as they come")
     parser.add_argument("--samples", type=Path, help="instead: write one short clip per voice into this folder")
     args = parser.parse_args()
     torch.set_flush_denormal(True)
@@ -220,7 +230,8 @@ def main() -> None:
     texts, teacher_audio, about = chosen_texts(args)
     voices, centroids = {}, {}
     for voice in args.voices or list(engine.voices):
-        voices[voice], centroids[voice] = measure_voice(engine, engine.codec, voice, texts, args.only, teacher_audio)
+        voices[voice], centroids[voice] = measure_voice(engine, engine.codec, voice, texts, args.only, teacher_audio,
+                                                        args.log)
     for voice, similarity in speaker_similarity(centroids).items():
         voices[voice]["speaker"] = similarity
     report = {"sentences": len(texts), **about, "sampling": {"top_k": engine.sampling.top_k,
