@@ -305,7 +305,8 @@ class TextStream:
             read_upto = sentence[-1].end if closed or self._done >= len(sentence) else sentence[self._done].start
             consumed = sentence[-1].end if closed else self._forget_spoken(sentence, consumed)
         self._unread = len(text) - read_upto if spans else len(text)  # text come but not read (`_may_start`)
-        self._text = "" if closes and not text[consumed:].strip() else text[consumed:]
+        # closed: every token was read, and what follows the last one says nothing (a closing tag, "</speak>")
+        self._text = "" if closes else text[consumed:]
         self._dirty = usable < ready or later  # the rest comes in the next takes
         self._final = final and not closes
         return self._start([SYMBOL_ID[u] for u in units], closes)
