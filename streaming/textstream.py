@@ -197,6 +197,7 @@ class TextStream:
         self._pieces = 0
         self._lock = threading.Lock()
         self.spoken_any = False
+        self._silent: list[int] = []  # units taken before any speech (`_once_speech`)
         self._timings = _WordTimings()
         # When (`clock`) the start went through its stages, the first time each happened (a stats-only timeline,
         # `bench.incremental --timeline`): "read" units first read, "enough" the units held first covered the
@@ -263,7 +264,19 @@ class TextStream:
             ids, closes = self._take()
             while not ids and self._held is not None and self._dirty:  # held: read on now, as a take that
                 ids, closes = self._take()  # returned nothing is not taken again before new text
+            return self._once_speech(ids, closes)
+
+    def _once_speech(self, ids: list[int], closes: bool) -> tuple[list[int], bool]:
+        """Units go on only once something among them is speech (a word or a pause): text that turns out to say
+        nothing ("...", "<b>-</b>") then reaches the engine as no units at all, which it refuses before any audio
+        (over HTTP a 400, not a 200 whose body breaks off). Example: "..." then "Hi." -> [] then "... Hi." 's units."""
+        if self.spoken_any and not self._silent:
             return ids, closes
+        self._silent += ids
+        if not self.spoken_any:
+            return [], closes
+        ids, self._silent = self._silent, []
+        return ids, closes
 
     def release_at(self) -> float | None:
         """When (`clock` seconds) the held first units go on if no more text comes before the next piece is due:
@@ -443,7 +456,9 @@ class TextStream:
                 self._done, self._partial = (last + 1, 0) if whole else (last, taken_words.count(last))
                 self._read_alone = self._done == len(tokens)  # read before any next word (`_swallowed`)
             self._timings.complete(self._done)
-        self.spoken_any = self.spoken_any or any(u.isalpha() for u in taken)
+        # a pause is something to say too: "<speak><break time='1s'/></speak>" is a second of silence, not an error
+        self.spoken_any = self.spoken_any or any(u.isalpha() for u in taken) or any(
+            tokens[o].kind == "pause" and tokens[o].pause_ms > 0 for o in owners[start:cut] if o >= 0)
         return taken
 
     def _swallowed(self, tokens: list[Token], owners: list[int], ready: int) -> bool:

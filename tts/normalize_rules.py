@@ -53,7 +53,8 @@ class Context:
 
     def __init__(self, tokens: list):
         self.tokens = tokens
-        parts = [split_token(clean(t.text)) if t.kind == "word" else ("", "", "") for t in tokens]
+        parts = [split_token(clean(t.text)) if t.kind == "word" and not t.text.startswith("<") else ("", "", "")
+                 for t in tokens]  # an element's words are its own (`tts.ssml`)
         self.raw = [t.text for t in tokens]
         self.core = [p[1] for p in parts]
         self.trail = [p[2] for p in parts]

@@ -151,7 +151,7 @@ def sentence_units(tokens: list[Token], spoken: list[str], closed: bool) -> tupl
         owners.extend(more_owners)
 
     for index, (token, said) in enumerate(zip(tokens, spoken)):
-        if token.kind == "word":
+        if token.kind == "word" and not token.phonemes:
             if said:
                 run.append((index, said))
             continue
