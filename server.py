@@ -48,6 +48,7 @@ from streaming.protocol import (CLIENT_MESSAGE, UNCOUNTED, Ack, Cancel, End, Flu
                                 Text, check_text, validation_error)
 from streaming.resume import Link, LinkBroken, ReplayLog, dropped
 from tts import SAMPLE_RATE
+from tts.lexicon import Lexicon
 from tts.text import TextError
 
 __all__ = ["Limits", "ServerThread", "create_app", "serve"]
@@ -359,7 +360,7 @@ class Session:
                                 f"the most one may have; end one first")
         await self.hub.engine()
         voice = self.hub.resolve_voice(msg.voice)
-        self.utterances[msg.context_id] = Utterance(self, msg, voice)
+        self.utterances[msg.context_id] = Utterance(self, msg, voice, self.hub.lexicon_for(msg.lexicon))
 
     async def _on_text(self, msg: Text) -> None:
         utterance = self._utterance(msg.context_id, "text")
@@ -414,14 +415,14 @@ class Utterance:
     task sends those, so a cancel never cuts one in half: a cancel ends the wait or the engine stream, and the
     task then says `done`."""
 
-    def __init__(self, session: Session, start: Start, voice: str | None):
+    def __init__(self, session: Session, start: Start, voice: str | None, lexicon=None):
         self.session, self.start, self.voice, self.context_id = session, start, voice, start.context_id
         self.state, self.ticket, self.stream, self.pending = "queued", None, None, []
         self.chars, self.samples, self.cancelled = 0, 0, False
         self.first_text_at = self.first_audio_at = None
         self.encoder = Encoder(start.format, start.sample_rate)
         self.opening = asyncio.ensure_future(session.hub.open(session.clients, voice, start.speed, start.seed,
-                                                              self._queued))
+                                                              self._queued, lexicon))
         self.task = asyncio.create_task(self._run())
 
     def push(self, kind: str, text: str = "") -> None:
@@ -621,12 +622,13 @@ class _DemoRoute(Route):
 
 
 def create_app(engine=None, limits: Limits | None = None, *, api_keys=(), allow_origins=(),
-               aliases: dict[str, str] | None = None) -> Starlette:
+               aliases: dict[str, str] | None = None, lexicon=None) -> Starlette:
     """The ASGI app. `engine=None` uses the process-wide engine on the shipped voices, loaded on first use.
     `api_keys`: when given, every /v1 endpoint wants one. `allow_origins`: browser origins, besides the server's
     own, that may use the API and the WebSocket (and get CORS headers); "*" allows any. `aliases`: OpenAI voice
-    names -> voices (default: voices/voices.json)."""
+    names -> voices (default: voices/voices.json). `lexicon`: the server's pronunciations (`tts.lexicon`)."""
     hub = Hub(engine, limits or Limits(), aliases, tuple(api_keys), tuple(allow_origins))
+    hub.lexicon = Lexicon.of(lexicon)
     demo = StaticFiles(directory=DEMO_DIR, html=True)
     api = http_api
     routes = [Route("/health", api.health), Route("/v1/voices", api.voices),
@@ -715,21 +717,23 @@ def _server(app: Starlette, limits: Limits, log_level: str) -> uvicorn.Server:
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, engine=None, log_level: str = "info", compile: bool = True,
-          api_keys=(), allow_origins=(), workers: int = 1, max_streams: int | None = None, **limits) -> None:
+          api_keys=(), allow_origins=(), workers: int = 1, max_streams: int | None = None, lexicon=None,
+          **limits) -> None:
     """Serve until interrupted. `limits` are the fields of `Limits` (max_connections=..., ...); `api_keys` and
-    `allow_origins` as in `create_app`. The engine loads, and compiles its step unless ``compile`` is false (or
+    `allow_origins` and `lexicon` as in `create_app`. The engine loads, and compiles its step unless ``compile`` is false (or
     TTS_NO_COMPILE=1), before the socket opens, so missing weights fail here and the first client waits for neither.
     ``workers`` > 1: that many server processes behind the one port (`serve_workers`); ``engine`` is then None
     or a picklable ``factory(max_streams=, max_open=) -> Engine`` that each worker calls."""
     lim = Limits(**limits)
     if workers > 1:
         return serve_workers(workers, host, port, engine, max_streams, compile, log_level, lim,
-                             {"api_keys": tuple(api_keys), "allow_origins": tuple(allow_origins)})
+                             {"api_keys": tuple(api_keys), "allow_origins": tuple(allow_origins),
+                              "lexicon": lexicon})
     if engine is None:
         from tts.api import get_engine
         engine = get_engine(max_streams=max_streams, compile=compile, max_open=lim.max_connections)
     sock = _bind(host, port, lim)
-    app = create_app(engine, lim, api_keys=api_keys, allow_origins=allow_origins)
+    app = create_app(engine, lim, api_keys=api_keys, allow_origins=allow_origins, lexicon=lexicon)
     _freeze_heap()
     _server(app, lim, log_level).run(sockets=[sock])
 
@@ -822,9 +826,10 @@ class ServerThread(_Addresses):
     """
 
     def __init__(self, engine=None, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 api_keys=(), allow_origins=(), aliases: dict[str, str] | None = None, **limits):
+                 api_keys=(), allow_origins=(), aliases: dict[str, str] | None = None, lexicon=None, **limits):
         self.limits = Limits(**limits)
-        self.app = create_app(engine, self.limits, api_keys=api_keys, allow_origins=allow_origins, aliases=aliases)
+        self.app = create_app(engine, self.limits, api_keys=api_keys, allow_origins=allow_origins, aliases=aliases,
+                              lexicon=lexicon)
         self._sock = _bind(host, port, self.limits)
         self.host, self.port = self._sock.getsockname()[:2]
         self._server = _server(self.app, self.limits, log_level)

@@ -94,6 +94,7 @@ async def _speech_request(request: Request, hub: Hub) -> SpeechRequest:
     except ValidationError as err:
         raise validation_error(err) from None
     req.voice = hub.resolve_voice(req.voice_name)
+    req.lexicon = hub.lexicon_for(req.lexicon)
     check_text(req.input, "input")
     hub.check_length(len(req.input), "input is", "input")
     if not req.input.strip():
@@ -207,7 +208,8 @@ async def speech(request: Request):
         return error_response(err)
     opened = chunks = first = None
     try:
-        opened = await _until_disconnect(request, hub.open(clients, req.voice, req.speed, req.seed))
+        opened = await _until_disconnect(request, hub.open(clients, req.voice, req.speed, req.seed,
+                                                                 lexicon=req.lexicon))
         if opened is not GONE:
             opened[1].push_text(req.input)
             opened[1].end()

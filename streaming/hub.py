@@ -19,6 +19,7 @@ from streaming.limits import Limits
 from streaming.protocol import ProtocolError
 from streaming.server_admission import Admission
 from tts import SAMPLE_RATE
+from tts.lexicon import Lexicon, LexiconError
 from tts.text import TextError
 
 
@@ -35,6 +36,7 @@ class Hub:
         self.sessions: set = set()  # the WebSocket sessions (server.Session), those waiting for a resume too
         self.resume_tokens: dict = {}  # resume token -> its session, or None once spent (resume_used)
         self.streams: set = set()  # engine streams open for clients, WebSocket and HTTP
+        self.lexicon = Lexicon()  # the server's (`tts serve --lexicon`); a request's entries win over it
         path = os.environ.get("TTS_TIMELINE_LOG")
         self.timeline_log = None if not path else TimelineLog(path)
 
@@ -67,19 +69,28 @@ class Hub:
         raise ProtocolError("unknown_voice", f"unknown voice {name!r}; choose one of {sorted(self._engine.voices)} "
                             f"or an alias {sorted(self.aliases)}", param)
 
+    def lexicon_for(self, entries: dict[str, str] | None) -> Lexicon:
+        """The server's lexicon with a request's entries; bad_value naming a bad entry."""
+        try:
+            return self.lexicon.merged(entries)
+        except LexiconError as err:
+            raise ProtocolError("bad_value", str(err), "lexicon") from None
+
     def check_length(self, chars: int, what: str, param: str = "text") -> None:
         """text_too_long past max_text_chars, or past the engine's own limit if that is lower."""
         limit = min(self.limits.max_text_chars, getattr(self._engine, "max_chars", self.limits.max_text_chars))
         if chars > limit:
             raise ProtocolError("text_too_long", f"{what} {chars} characters; the limit is {limit}", param)
 
-    async def open(self, clients: tuple, voice: str | None, speed: float, seed: int | None, on_queued=None):
-        """(ticket, engine stream): a slot from admission (waiting in its queue if need be), then the stream.
-        The caller hands both back to `close`."""
+    async def open(self, clients: tuple, voice: str | None, speed: float, seed: int | None, on_queued=None,
+                   lexicon: Lexicon | None = None):
+        """(ticket, engine stream): a slot from admission (waiting in its queue if need be), then the stream,
+        its words said as ``lexicon`` says (default: the server's). The caller hands both back to `close`."""
         engine = await self.engine()
         asked = time.perf_counter()
         ticket = await self.admission.stream(clients, on_queued)
         stream = await self._open_stream(engine, ticket, voice, speed, seed)
+        stream.text.lexicon = self.lexicon if lexicon is None else lexicon  # before any text is pushed
         stream.mark("request", asked)
         self.streams.add(stream)
         return ticket, stream

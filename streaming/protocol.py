@@ -14,6 +14,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from tts.lexicon import MAX_ENTRIES
+
 # code -> HTTP status. Over WebSocket the same codes come as {"type": "error", "code": ...}.
 ERRORS = {
     "bad_json": 400, "bad_message": 400, "unknown_type": 400, "unknown_key": 400, "unsupported_format": 400,
@@ -53,6 +55,7 @@ HTTP_FORMATS = ("wav", "pcm", "mp3", "opus", "aac", "flac")
 ContextId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
 Seed = Annotated[int, Field(ge=0, lt=2**63)]
 SampleRate = Literal[OUTPUT_RATES]
+LexiconEntries = Annotated[dict[str, str], Field(max_length=MAX_ENTRIES)]  # checked entry by entry: `Hub.lexicon_for`
 
 
 class _Strict(BaseModel):
@@ -74,6 +77,7 @@ class Start(_Strict):
     # (the earliest first audio, but word-by-word text then stalls more: measured idle without the hold, 37 and
     # 9.6 stalls/min at 5 and 10 words/s, 44 at 1.2x the speaking rate).
     hold: bool = True
+    lexicon: LexiconEntries | None = None  # {"word": "/IPA/" or "respelling"}: tts/lexicon.py
 
 
 class Text(_Strict):
@@ -140,6 +144,7 @@ class SpeechRequest(BaseModel):
     stream_format: Literal["audio", "sse"] = "audio"
     seed: Seed | None = None
     sample_rate: SampleRate = 24_000
+    lexicon: LexiconEntries | None = None  # this server's extension, as the WebSocket's start
 
     @property
     def voice_name(self) -> str | None:
@@ -149,7 +154,7 @@ class SpeechRequest(BaseModel):
 _ERROR_CODES = {"json_invalid": "bad_json", "union_tag_invalid": "unknown_type", "extra_forbidden": "unknown_key",
                 "literal_error": "unsupported_format", "greater_than_equal": "bad_value",
                 "less_than_equal": "bad_value", "less_than": "bad_value", "finite_number": "bad_value",
-                "string_too_short": "bad_value", "string_too_long": "bad_value", "string_pattern_mismatch": "bad_value"}
+                "string_too_short": "bad_value", "string_too_long": "bad_value", "too_long": "bad_value", "string_pattern_mismatch": "bad_value"}
 _MESSAGE_TYPES = ("start", "text", "flush", "end", "cancel", "ack", "resume")
 
 

@@ -36,6 +36,7 @@ from streaming.sentence_reader import _TO_COME, read_sentence
 from streaming.slots import CHUNK_SCHEDULE, PACE_STRETCH, pace_factor
 from tts.normalize import Token, complete_length, reads_by_next, sentence_end, split_sentences, tokenize
 from tts.codec import CodecConfig
+from tts.lexicon import Lexicon
 from tts.model import ModelConfig
 from tts.text import MAX_TEXT_CHARS, SYMBOL_ID, TextError
 
@@ -162,6 +163,7 @@ class TextStream:
     reader: Callable[[list[Token], int, bool], tuple[list[str], list[int]]] = staticmethod(read_sentence)
     TRANSIENT = ("reader",)  # not part of a stream's state (`streaming.stream.object_state`)
     clock: Callable[[], float] = staticmethod(time.perf_counter)  # when text arrives (`_may_start`)
+    lexicon: Lexicon | None = None  # how its words are said (`tts.lexicon`; set before the first text)
 
     def __init__(self, max_chars: int = MAX_TEXT_CHARS, lookahead_words: int | str | None = None,
                  hold_start: bool | ModelConfig = False):
@@ -307,6 +309,8 @@ class TextStream:
         usable = usable or ready  # one token longer than TAKE_CHARS: all of it
         closes = final and usable == len(text)
         tokens = tokenize(text[:usable])
+        if self.lexicon:
+            tokens = self.lexicon.apply(tokens)
         spans = split_sentences(tokens, closes)
         later = not self.spoken_any and len(spans) > 1  # a first take reads the first sentence alone
         if later:

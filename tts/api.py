@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from streaming.engine import Engine
+from tts.lexicon import Lexicon
 from tts.text import TextError
 
 from tts import SAMPLE_RATE  # noqa: F401  (re-exported: tts.api.SAMPLE_RATE)
@@ -152,7 +153,7 @@ def _chunks(stream) -> Iterator[Chunk]:
 
 def synthesize_stream(text: str | Iterable[str], voice: str | None = None, speed: float = 1.0,
                       engine: Engine | None = None, *, seed: int | None = None,
-                      wait_s: float = WAIT_S, hold: bool = True) -> Iterator[Chunk]:
+                      wait_s: float = WAIT_S, hold: bool = True, lexicon=None) -> Iterator[Chunk]:
     """Yield `Chunk`s (float32 mono numpy arrays with ``sample_rate``, ``start`` and ``words``) as they are
     decoded.
 
@@ -161,8 +162,9 @@ def synthesize_stream(text: str | Iterable[str], voice: str | None = None, speed
     text give the same audio). When every engine slot is busy (other threads speaking), the call waits up to
     ``wait_s`` seconds for one, first come first served. ``hold=False`` starts speaking as soon as the engine can,
     without waiting until the text's pace so far would keep the audio from running dry (earlier first audio, more
-    stalls when text comes slower than speech). Raises ``TextError`` for empty, unspeakable or too
-    long text, ``UnknownVoice`` for a voice that is not shipped, ``ValueError`` for a bad speed or seed,
+    stalls when text comes slower than speech). ``lexicon``: how words are said, ``{"word": "/IPA/" or
+    "respelling"}`` or a `tts.lexicon.Lexicon` (its case rules there). Raises ``TextError`` for empty, unspeakable
+    or too long text or a bad lexicon entry (`LexiconError`, naming it), ``UnknownVoice`` for a voice that is not shipped, ``ValueError`` for a bad speed or seed,
     ``ServerFull`` when no slot freed in time.
     """
     engine = engine or get_engine()
@@ -174,7 +176,9 @@ def synthesize_stream(text: str | Iterable[str], voice: str | None = None, speed
         pieces: Iterable[str] = [text]
     else:
         pieces = text
+    lexicon = Lexicon.of(lexicon)
     stream = engine.open(voice, speed, seed=seed, wait_s=wait_s)
+    stream.text.lexicon = lexicon
     if not hold:
         stream.text.hold_off()
     feeder = threading.Thread(target=_feed, args=(stream, pieces), daemon=True)
@@ -187,7 +191,8 @@ def synthesize_stream(text: str | Iterable[str], voice: str | None = None, speed
 
 
 def synthesize(text: str | Iterable[str], voice: str | None = None, speed: float = 1.0,
-               engine: Engine | None = None, *, seed: int | None = None, wait_s: float = WAIT_S) -> np.ndarray:
+               engine: Engine | None = None, *, seed: int | None = None, wait_s: float = WAIT_S,
+               lexicon=None) -> np.ndarray:
     """The whole utterance as one float32 array (the arguments as for `synthesize_stream`)."""
-    chunks = list(synthesize_stream(text, voice, speed, engine, seed=seed, wait_s=wait_s))
+    chunks = list(synthesize_stream(text, voice, speed, engine, seed=seed, wait_s=wait_s, lexicon=lexicon))
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)

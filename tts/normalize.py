@@ -104,7 +104,7 @@ def _tokenize(text: str) -> list[Token]:
         whole, start, end = match.group(0), match.start(), match.end()
         if match.group("ipa") is not None or match.group("ph") is not None:
             ipa = match.group("ipa") if match.group("ipa") is not None else match.group("ph")
-            tokens.append(Token(whole, start, end, "phonemes", _ipa(ipa)))
+            tokens.append(Token(whole, start, end, "phonemes", ipa_units(ipa)))
         elif whole.startswith("<break"):
             tokens.append(Token(whole, start, end, "pause", pause_ms=ssml.pause_ms(match.group("attrs") or "")))
         elif match.group("el"):
@@ -135,7 +135,7 @@ def _words(text: str, start: int, stop: int) -> list[Token]:
             for m in re.compile(r"\S+").finditer(text, start, stop)]
 
 
-def _ipa(phonemes: str) -> str:
+def ipa_units(phonemes: str) -> str:
     from tts.text import SYMBOL_ID  # the unit inventory is the phonemiser's fact
     units = unicodedata.normalize("NFD", re.sub(r"\s+", "", phonemes))
     bad = sorted({u for u in units if u not in SYMBOL_ID or u in "_^$"})
@@ -183,7 +183,7 @@ def reads_by_next(token: Token) -> bool:
     month ("March" 4), a title or abbreviation ("St." Mark or Main St.)."""
     core = split_token(clean(token.text))[1]
     key = core.rstrip(".").lower()
-    return token.kind == "word" and not token.said and (any(c.isdigit() for c in core) or key in MONTH_OF or key in TITLES
+    return token.kind == "word" and not token.fixed and (any(c.isdigit() for c in core) or key in MONTH_OF or key in TITLES
                                      or key in BEFORE_NUMBER or core.upper() in CURRENCY_CODES)
 
 
@@ -255,8 +255,9 @@ def _end_mark(tokens: list[Token], spoken: list[str]) -> None:
     After trailing markup the phonemiser adds the mark (`tts.text.sentence_units`)."""
     mark = end_mark(tokens)
     last = next((k for k in range(len(spoken) - 1, -1, -1)
-                 if spoken[k].strip(",;:.!? ") or tokens[k].kind != "word"), None)
-    if mark and last is not None and tokens[last].kind == "word" and not spoken[last].endswith((".", "!", "?")):
+                 if spoken[k].strip(",;:.!? ") or tokens[k].kind != "word" or tokens[k].phonemes), None)
+    if mark and last is not None and tokens[last].kind == "word" and not tokens[last].phonemes \
+            and not spoken[last].endswith((".", "!", "?")):
         spoken[last] = spoken[last].rstrip(",;:") + mark
         for k in range(last + 1, len(spoken)):
             spoken[k] = ""

@@ -158,7 +158,7 @@ def sentence_units(tokens: list[Token], spoken: list[str], closed: bool) -> tupl
         if run:
             add(*_run_units(run))
             run = []
-        more = list(token.phonemes) if token.kind == "phonemes" else pause_units(token.pause_ms)
+        more = list(token.phonemes) if token.phonemes else pause_units(token.pause_ms)
         add(more, [index] * len(more))
     if run:
         add(*_run_units(run))
