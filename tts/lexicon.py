@@ -37,7 +37,7 @@ class LexiconError(TextError):
     """A lexicon entry that cannot be used; the message names it."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a stream's exported state carries it as one value
 class Lexicon:
     """Entries by key: exact spellings (a capital in them) and lower-case ones (any case)."""
     exact: dict[str, tuple[str, str]] = field(default_factory=dict)  # word -> ("phonemes", units) / ("said", words)

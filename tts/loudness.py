@@ -1,0 +1,63 @@
+"""Loudness: ITU-R BS.1770 integrated loudness (pyloudnorm's meter) and true peak, per-voice gains, and
+`tts say --loudness LUFS` for files.
+
+Every shipped voice carries ``gain_db`` in voices/voices.json (`python -m bench.loudness --write` measures it on
+Harvard sentences), so that each comes out at about TARGET_LUFS with its true peak at or below PEAK_DBTP; a
+blend's gain is the weighted mean of its voices' (`tts.voices.blend_preset`), and the engine applies it to every
+chunk it delivers (`streaming.stream.Stream.deliver`). pyloudnorm (``pip install "tts[loudness]"``) is needed
+only to measure, not to apply a gain.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import soxr
+
+TARGET_LUFS = -16.0  # what podcast and voice platforms normalise speech to
+PEAK_DBTP = -1.0  # true-peak ceiling (EBU R128 / ITU-R BS.1770's inter-sample peaks)
+OVERSAMPLE = 4  # true peak: the signal's peak after 4x oversampling (BS.1770-4 Annex 2)
+
+
+def gain(db: float) -> float:
+    """Decibels -> a linear factor. Example: -6.02 -> 0.5."""
+    return float(10 ** (db / 20))
+
+
+def integrated_lufs(audio: np.ndarray, sample_rate: int) -> float:
+    """Integrated loudness (LUFS, gated, K-weighted) of mono float audio."""
+    try:
+        import pyloudnorm
+    except ImportError as err:
+        raise ImportError('measuring loudness needs pyloudnorm: pip install "tts[loudness]"') from err
+    return float(pyloudnorm.Meter(sample_rate).integrated_loudness(np.asarray(audio, dtype=np.float64)))
+
+
+def true_peak_dbtp(audio: np.ndarray, sample_rate: int) -> float:
+    """The true peak in dBTP: the largest magnitude after OVERSAMPLE x oversampling."""
+    up = soxr.resample(np.asarray(audio, dtype=np.float32), sample_rate, sample_rate * OVERSAMPLE, quality="VHQ")
+    peak = max(float(np.max(np.abs(up))) if len(up) else 0.0, float(np.max(np.abs(audio))) if len(audio) else 0.0)
+    return 20 * np.log10(max(peak, 1e-9))
+
+
+def gain_to(audio: np.ndarray, sample_rate: int, lufs: float = TARGET_LUFS, peak_dbtp: float = PEAK_DBTP) -> float:
+    """The gain in dB that brings ``audio`` to ``lufs``, lowered if its true peak would pass ``peak_dbtp``."""
+    return min(lufs - integrated_lufs(audio, sample_rate), peak_dbtp - true_peak_dbtp(audio, sample_rate))
+
+
+def normalized(chunks: Iterable, sample_rate: int, lufs: float) -> Iterator:
+    """The chunks (``None`` markers passed through) brought to ``lufs`` as a whole, true peak at most PEAK_DBTP:
+    all are read first (a whole file's loudness is known only at its end), then given again scaled. For files."""
+    held = list(chunks)
+    audio = [c for c in held if c is not None]
+    if not audio or not sum(map(len, audio)):
+        yield from held
+        return
+    factor = gain(gain_to(np.concatenate(audio), sample_rate, lufs))
+    for chunk in held:
+        if chunk is None:
+            yield chunk
+            continue
+        scaled = chunk.copy()  # a Chunk's copy keeps its words and times
+        scaled *= factor
+        yield scaled
