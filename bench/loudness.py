@@ -1,6 +1,6 @@
 """Each shipped voice's loudness gain (``gain_db`` in voices/voices.json): measured so that every voice comes
 out at about -16 LUFS (ITU-R BS.1770 integrated loudness, pyloudnorm's meter) with its true peak at or below
--1 dBTP. One JSON object: per voice, the loudness and true peak before (no gain) and after (the gain), on the
+-1 dBTP (the gain, then `tts.loudness.limited`). One JSON object: per voice, the loudness and true peak before (no gain) and after (the gain), on the
 sentences the gain was fitted on and on held-out ones.
 
     nice python -m bench.loudness --fit 30 --check 30            # the table (pip install "tts[loudness]")
@@ -20,19 +20,26 @@ import torch
 from bench.common import harvard
 from tts import SAMPLE_RATE
 from tts.api import get_engine, synthesize
-from tts.loudness import PEAK_DBTP, TARGET_LUFS, gain, gain_to, integrated_lufs, true_peak_dbtp
+from tts.loudness import CEILING_DBFS, KNEE_DB, TARGET_LUFS, gain, gain_to, integrated_lufs, level, true_peak_dbtp
 from tts.voices import VOICES_DIR
 
 
 def spoken(engine, voice: str, texts: list[str], first: int) -> np.ndarray:
-    """The voice's speech of ``texts`` without its gain (the engine applies the stored one: undone here)."""
-    undo = 1 / gain(engine.voice_preset(voice).get("gain_db", 0.0))
-    return np.concatenate([synthesize(t, voice=voice, engine=engine, seed=first + i) for i, t in enumerate(texts)]) * undo
+    """The voice's speech of ``texts`` as the model makes it (its stored gain and the limiter off)."""
+    stored = engine.voices[voice].pop("gain_db", None)
+    try:
+        return np.concatenate([synthesize(t, voice=voice, engine=engine, seed=first + i) for i, t in enumerate(texts)])
+    finally:
+        if stored is not None:
+            engine.voices[voice]["gain_db"] = stored
 
 
-def measure(audio: np.ndarray, db: float) -> dict:
-    scaled = audio * gain(db)
-    return {"lufs": round(integrated_lufs(scaled, SAMPLE_RATE), 2), "true_peak_dbtp": round(true_peak_dbtp(scaled, SAMPLE_RATE), 2)}
+def measure(audio: np.ndarray, db: float | None) -> dict:
+    """Loudness and true peak of the raw audio (None) or of the voice's output at gain ``db`` (`level`)."""
+    out = audio if db is None else level(audio, db)
+    share = float(np.mean(np.abs(audio * gain(db or 0.0)) > gain(CEILING_DBFS - KNEE_DB)))
+    return {"lufs": round(integrated_lufs(out, SAMPLE_RATE), 2), "true_peak_dbtp": round(true_peak_dbtp(out, SAMPLE_RATE), 2),
+            "limited_samples_pct": round(100 * share, 3)}
 
 
 def main() -> None:
@@ -47,9 +54,9 @@ def main() -> None:
     table = {}
     for voice in engine.voices:
         fit, check = spoken(engine, voice, texts[:args.fit], 0), spoken(engine, voice, texts[args.fit:], args.fit)
-        db = round(gain_to(fit, SAMPLE_RATE, TARGET_LUFS, PEAK_DBTP), 2)
-        table[voice] = {"gain_db": db, "fit_before": measure(fit, 0.0), "fit_after": measure(fit, db),
-                        "heldout_before": measure(check, 0.0), "heldout_after": measure(check, db)}
+        db = round(gain_to(fit, SAMPLE_RATE, TARGET_LUFS), 2)
+        table[voice] = {"gain_db": db, "fit_before": measure(fit, None), "fit_after": measure(fit, db),
+                        "heldout_before": measure(check, None), "heldout_after": measure(check, db)}
     after = [row["heldout_after"]["lufs"] for row in table.values()]
     before = [row["heldout_before"]["lufs"] for row in table.values()]
     print(json.dumps({"voices": table, "heldout_spread_lu_before": round(max(before) - min(before), 2),

@@ -60,7 +60,6 @@ from streaming.text_worker import TextWorker
 from streaming.textstream import StartLatency, engine_lookahead
 from tts.alignment import predicted_frames
 from tts.codec import Codec
-from tts.loudness import gain
 from tts.model import TTSModel
 from tts.text import MAX_TEXT_CHARS, TextError
 from tts.voices import blend_preset
@@ -290,7 +289,7 @@ class Engine:
         if self.text_reader is not None:
             stream.text.reader = self.text_reader
         stream.decode_alone = seeded  # bit-identical audio whatever else runs (see CodecWorker.decode)
-        stream.gain = gain(preset.get("gain_db", 0.0))  # every voice at the same loudness (`tts.loudness`)
+        stream.gain_db = preset.get("gain_db", 0.0)  # every voice at the same loudness (`tts.loudness.level`)
         stream.text.start_latency_s = self.start_latency.estimate()
         if not self.speculative or self.slots.stretch_max != PACE_STRETCH:  # the start hold counts as the engine
             stream.text.set_engine_lookahead(*engine_lookahead(self.cfg, self.speculative), self.slots.stretch_max)

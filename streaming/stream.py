@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from streaming.textstream import TextStream
+from tts.loudness import level
 from tts.text import SYMBOLS
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ class Stream:
         self._waker: Callable[[], None] | None = None  # `poll`'s, called once when there may be more to read
         self._closed = False  # no audio comes after what is queued (finished or cancelled)
         self.queued_samples = 0
-        self.gain = 1.0  # its voice's loudness gain (`tts.loudness`), applied to every chunk delivered
+        self.gain_db = 0.0  # its voice's loudness gain (`tts.loudness.level`), applied to every chunk delivered
         self.max_queued_samples = int(engine.max_queued * engine.sample_rate)
         self.resume_samples = self.max_queued_samples  # a paused stream resumes once the reader is down to this
         self.cancelled = self.finished = False
@@ -239,8 +240,8 @@ class Stream:
                 self.engine.start_latency.record(now - self.text.paced_release)
         self.last_audio_at = now
         self.samples += len(chunk)
-        if self.gain != 1.0:
-            chunk = chunk * np.float32(self.gain)
+        if self.gain_db:
+            chunk = level(chunk, self.gain_db)
         with self._audio:
             if self.cancelled or self.moved:  # a chunk decoded as the reader left: it is not theirs any more
                 return
@@ -286,7 +287,7 @@ class Stream:
                        "schedules": copy.deepcopy(self._schedules)}
         return {"voice": self.voice, "speed": self.speed, "seed": self.seed, "decode_alone": self.decode_alone,
                 "max_chars": self.text.max_chars, "lookahead_words": self.text.lookahead_words,
-                "text": object_state(self.text), "samples": self.samples, "gain": self.gain, **timings}
+                "text": object_state(self.text), "samples": self.samples, "gain_db": self.gain_db, **timings}
 
     @classmethod
     def from_state(cls, engine: "Engine", state: dict, unread: list[np.ndarray]) -> "Stream":
@@ -299,7 +300,7 @@ class Stream:
         stream._schedules = copy.deepcopy(state["schedules"])
         for chunk in unread:
             stream.deliver(chunk)  # already at its gain
-        stream.gain = state.get("gain", 1.0)
+        stream.gain_db = state.get("gain_db", 0.0)
         stream.samples = state["samples"]  # counts the unread audio too
         stream.first_audio_at = stream.first_audio_at or (time.perf_counter() if state["samples"] else None)
         return stream

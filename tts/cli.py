@@ -151,6 +151,8 @@ def cmd_say(args) -> int:
     fmt = format_for(args.output, args.format) if args.output else None
     if args.subtitles:
         subtitles.subtitle_format(args.subtitles)
+    if args.loudness is not None and (args.output is None or not -70 <= args.loudness <= 0):
+        raise InputError("--loudness is for files (-o), a loudness from -70 to 0 LUFS (e.g. -16)")
     if args.server and (args.subtitles or args.seed is not None):
         raise InputError("--subtitles and --seed work with local synthesis only (drop --server)")
     lexicon = read_lexicon(args.lexicon)
@@ -160,6 +162,9 @@ def cmd_say(args) -> int:
         raise TextError("text is empty")
     source = server_chunks(args.server, parts, args.voice, args.speed, lexicon) if args.server else \
         local_chunks(parts, args.voice, args.speed, args.seed, lexicon)
+    if args.loudness is not None:
+        from tts.loudness import normalized
+        source = normalized(source, SAMPLE_RATE, args.loudness)
     started = time.perf_counter()
     with contextlib.closing(source), open_sink(args.output, fmt) as write:
         samples, words = speak(source, parts, write, args.quiet)
@@ -350,6 +355,8 @@ def parser() -> argparse.ArgumentParser:
     say.add_argument("--seed", type=int, help="repeatable speech: the same seed and text give the same audio")
     say.add_argument("--subtitles", metavar="FILE", help="also write subtitles from word timings (.srt or .vtt)")
     say.add_argument("--server", help="stream from a running server, e.g. ws://127.0.0.1:8000")
+    say.add_argument("--loudness", type=float, metavar="LUFS", help="bring the file to this integrated loudness "
+                     "(ITU-R BS.1770), true peak at most -1 dBTP, e.g. -16 (needs pip install \"tts[loudness]\")")
     say.add_argument("--lexicon", metavar="FILE", help="pronunciations: JSON or TSV of word -> /IPA/ or respelling "
                      "(docs/agents.md, tts/lexicon.py)")
     say.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")

@@ -99,10 +99,10 @@ class _ContextsService(TTSService):
 
     async def on_audio_context_interrupted(self, context_id: str):
         """Stop the utterance at once: cancelled where it is generated (its slot freed), its reader stopped."""
-        await self._stop(context_id)
+        await self._end_context(context_id)
         await super().on_audio_context_interrupted(context_id)
 
-    async def _stop(self, context_id: str) -> None:
+    async def _end_context(self, context_id: str) -> None:
         context, reader = self._speaking.pop(context_id, None), self._readers.pop(context_id, None)
         if context is not None:
             await context.cancel()
@@ -111,7 +111,7 @@ class _ContextsService(TTSService):
 
     async def cancel(self, frame):
         for context_id in list(self._speaking):
-            await self._stop(context_id)
+            await self._end_context(context_id)
         await super().cancel(frame)
 
 
