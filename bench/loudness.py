@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import numpy as np
 import torch
@@ -63,13 +64,20 @@ def main() -> None:
                       "heldout_spread_lu_after": round(max(after) - min(after), 2),
                       "sentences": {"fit": args.fit, "check": args.check}}, indent=2))
     if args.write:
-        path = VOICES_DIR / "voices.json"
-        data = json.loads(path.read_text())
-        for preset in data["voices"]:
-            if preset["name"] in table:
-                preset["gain_db"] = table[preset["name"]]["gain_db"]
-        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        write_gains({voice: row["gain_db"] for voice, row in table.items()})
 
+
+def write_gains(gains: dict[str, float]) -> None:
+    """Each voice's ``gain_db`` into voices/voices.json, beside its ``pace`` (the file's layout kept)."""
+    path = VOICES_DIR / "voices.json"
+    text = path.read_text()
+    for voice, db in gains.items():
+        block = re.search(rf'"name": "{re.escape(voice)}",.*?\n(\s*)"pace": [\d.]+,\n(?:\s*"gain_db": [-\d.]+,\n)?',
+                          text, re.S)
+        pace = block.group(0)[:block.group(0).index('"pace"')] + re.search(r'"pace": [\d.]+,\n', block.group(0)).group(0)
+        text = text[:block.start()] + pace + f'{block.group(1)}"gain_db": {db},\n' + text[block.end():]
+    json.loads(text)  # still JSON
+    path.write_text(text)
 
 if __name__ == "__main__":
     main()

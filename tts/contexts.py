@@ -32,7 +32,6 @@ from collections.abc import AsyncIterator
 import numpy as np
 import websockets
 
-from tts import SAMPLE_RATE
 from tts.client import ClientError, ServerError, stream_url
 from tts.lexicon import Lexicon, LexiconError
 from tts.text import TextError
@@ -44,7 +43,7 @@ _ids = itertools.count()
 class SpeechContext:
     """One utterance: text in, audio and word timings out (`ContextPool.open`, `LocalContexts.open`)."""
     context_id: str
-    sample_rate: int = SAMPLE_RATE
+    sample_rate: int = 24_000  # the engine's (`tts.SAMPLE_RATE`); a context asked for another has its own
 
     async def push(self, text: str) -> None:
         raise NotImplementedError
@@ -158,7 +157,7 @@ class ContextPool:
     ``sample_rate``: of the audio asked for (16000, 22050, 24000 or 44100)."""
 
     def __init__(self, url: str, *, api_key: str | None = None, contexts_per_connection: int = 4,
-                 sample_rate: int = SAMPLE_RATE, **connect_kwargs):
+                 sample_rate: int = 24_000, **connect_kwargs):
         self.url, self.sample_rate = stream_url(url), sample_rate
         self.contexts_per_connection = contexts_per_connection
         if api_key := api_key or os.environ.get("TTS_API_KEY"):

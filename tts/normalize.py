@@ -32,7 +32,8 @@ import re
 import unicodedata
 from dataclasses import dataclass, replace
 
-from tts import ssml
+from tts.ssml import (ELEMENTS, NEEDS_CLOSING, OPEN_ELEMENT, SENTENCE_TAGS, MarkupError, element_words, pause_ms,
+                      prosody_rate)
 from tts.normalize_rules import Context, clean, first_rule, split_token
 from tts.normalize_tables import BEFORE_NUMBER, CURRENCY_CODES, MONTH_OF, NONFINAL, TITLES
 
@@ -72,10 +73,10 @@ _MARKUP = re.compile(
     r"\[\[(?P<ipa>[^\[\]]*)\]\]"
     r"|<phoneme\b[^>]*?\bph\s*=\s*(?P<q>[\"'])(?P<ph>.*?)(?P=q)[^>]*>(?P<word>.*?)</phoneme\s*>"
     r"|<break\b(?P<attrs>[^>]*?)/?>"
-    rf"|{ssml.ELEMENTS}"
+    rf"|{ELEMENTS}"
     r"|<(?P<end>/?)(?P<tag>[A-Za-z][\w:-]*)(?P<tag_attrs>(?:\s[^<>]*)?)/?>", re.S)
 _OPEN_MARKUP = re.compile(r"\[\[(?![^\]]*\]\])|<(?=[A-Za-z/])[^>]*$|<phoneme\b(?![\s\S]*</phoneme\s*>)"
-                          rf"|{ssml.OPEN_ELEMENT}")
+                          rf"|{OPEN_ELEMENT}")
 
 
 def complete_length(text: str) -> int:
@@ -92,7 +93,7 @@ def tokenize(text: str) -> list[Token]:
     markup."""
     try:
         return _tokenize(text)
-    except ssml.MarkupError as err:
+    except MarkupError as err:
         raise TextError(str(err)) from None
 
 
@@ -106,9 +107,9 @@ def _tokenize(text: str) -> list[Token]:
             ipa = match.group("ipa") if match.group("ipa") is not None else match.group("ph")
             tokens.append(Token(whole, start, end, "phonemes", ipa_units(ipa)))
         elif whole.startswith("<break"):
-            tokens.append(Token(whole, start, end, "pause", pause_ms=ssml.pause_ms(match.group("attrs") or "")))
+            tokens.append(Token(whole, start, end, "pause", pause_ms=pause_ms(match.group("attrs") or "")))
         elif match.group("el"):
-            said = ssml.element_words(match.group("el"), match.group("el_attrs"), match.group("el_inner"))
+            said = element_words(match.group("el"), match.group("el_attrs"), match.group("el_inner"))
             tokens.append(Token(whole, start, end, said=said))
         else:
             _tag(match, tokens)
@@ -120,12 +121,12 @@ def _tag(match: re.Match, tokens: list[Token]) -> None:
     """A tag without content of its own: ``</p>`` or ``<s>`` ends the sentence before it; ``<prosody>``'s
     rate is checked; a lone ``<say-as>`` or ``</sub>`` is malformed; other tags say nothing."""
     tag = match.group("tag").lower()
-    if tag in ssml.NEEDS_CLOSING:
-        raise ssml.MarkupError(f"{match.group(0)} at offset {match.start()} has no "
+    if tag in NEEDS_CLOSING:
+        raise MarkupError(f"{match.group(0)} at offset {match.start()} has no "
                                f"{'start' if match.group('end') else 'end'} tag (or holds markup)")
     if tag == "prosody" and not match.group("end"):
-        ssml.prosody_rate(match.group("tag_attrs"))
-    if tag in ssml.SENTENCE_TAGS and tokens and tokens[-1].kind == "word":
+        prosody_rate(match.group("tag_attrs"))
+    if tag in SENTENCE_TAGS and tokens and tokens[-1].kind == "word":
         tokens[-1] = replace(tokens[-1], para_end=True)
 
 
