@@ -21,8 +21,10 @@ OVERSAMPLE = 4  # true peak: the signal's peak after 4x oversampling (BS.1770-4 
 # The shipped voices' speech is peaky (joe: true peak +0.25 dBTP at -21 LUFS, a 21 dB peak-to-loudness ratio), so a
 # gain alone cannot give -16 LUFS under -1 dBTP: a soft limiter follows the gain. Memoryless (no look-ahead, no
 # state: no latency, chunk boundaries do not matter): samples above KNEE_DB below CEILING_DBFS bend smoothly
-# (tanh) towards the ceiling, which leaves room for the peaks between samples.
-CEILING_DBFS, KNEE_DB = -1.5, 6.0
+# (tanh) towards the ceiling, which leaves room for the peaks between samples. Why a 2 dB knee: Whisper tiny.en WER
+# on Harvard 60-89, slt at its gain alone (peaks unbounded) 8.60 %, with a 6 dB knee 11.46 %, 2 dB 10.03 %; a
+# block limiter (2 ms blocks, gain down at once, 0.5 dB a block back up) 11.46 %; rms 12.49 % alone and with 6 dB.
+CEILING_DBFS, KNEE_DB = -1.5, 2.0
 
 
 def gain(db: float) -> float:
@@ -32,7 +34,7 @@ def gain(db: float) -> float:
 
 def limited(audio: np.ndarray) -> np.ndarray:
     """``audio`` (float32) with its peaks bent under CEILING_DBFS (`CEILING_DBFS`'s comment). Example, ceiling
-    -1.5 dBFS (0.841), knee 6 dB (from 0.422): 0.3 -> 0.3; 0.6 -> 0.580; 2.0 -> 0.841."""
+    -1.5 dBFS (0.841), knee 2 dB (from 0.668): 0.5 -> 0.5; 0.75 -> 0.744; 2.0 -> 0.841."""
     ceiling = gain(CEILING_DBFS)
     knee = ceiling * gain(-KNEE_DB)
     magnitude = np.abs(audio)
