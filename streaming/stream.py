@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from streaming.textstream import TextStream
+from tts.lexicon import Lexicon
 from tts.loudness import level
 from tts.text import SYMBOLS
 
@@ -287,7 +288,8 @@ class Stream:
                        "schedules": copy.deepcopy(self._schedules)}
         return {"voice": self.voice, "speed": self.speed, "seed": self.seed, "decode_alone": self.decode_alone,
                 "max_chars": self.text.max_chars, "lookahead_words": self.text.lookahead_words,
-                "text": object_state(self.text), "samples": self.samples, "gain_db": self.gain_db, **timings}
+                "text": object_state(self.text), "samples": self.samples, "gain_db": self.gain_db,
+                "lexicon": None if self.text.lexicon is None else self.text.lexicon.state(), **timings}
 
     @classmethod
     def from_state(cls, engine: "Engine", state: dict, unread: list[np.ndarray]) -> "Stream":
@@ -296,6 +298,7 @@ class Stream:
                      state["lookahead_words"])
         stream.decode_alone = state["decode_alone"]
         set_object_state(stream.text, state["text"])
+        stream.text.lexicon = Lexicon(*state["lexicon"]) if state.get("lexicon") else None
         stream._unscheduled, stream._timings = list(state["unscheduled"]), list(state["timings"])
         stream._schedules = copy.deepcopy(state["schedules"])
         for chunk in unread:

@@ -161,7 +161,7 @@ def engine_lookahead(cfg: ModelConfig, speculative: bool = True) -> tuple[int, i
 class TextStream:
     # How a sentence is read: `read_sentence` here, or in a process of its own (`ProcessReader`, set per stream)
     reader: Callable[[list[Token], int, bool], tuple[list[str], list[int]]] = staticmethod(read_sentence)
-    TRANSIENT = ("reader",)  # not part of a stream's state (`streaming.stream.object_state`)
+    TRANSIENT = ("reader", "lexicon")  # not in `streaming.stream.object_state` (the lexicon: `Stream.export_state`)
     clock: Callable[[], float] = staticmethod(time.perf_counter)  # when text arrives (`_may_start`)
     lexicon: Lexicon | None = None  # how its words are said (`tts.lexicon`; set before the first text)
 

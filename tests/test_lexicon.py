@@ -129,3 +129,18 @@ def test_tts_say_lexicon(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"Zorblax": "/h@llo/"}))
     failed, _ = say(TEXT, "--lexicon", str(tmp_path / "bad.json"))
     assert failed.returncode == 2 and b"'Zorblax'" in failed.stderr
+
+
+def test_a_moved_stream_keeps_its_lexicon(tiny_engine):
+    """A stream's exported state (failover, parking to disk, detach) is plain data that `torch.load(weights_only)`
+    reads back, lexicon included."""
+    from streaming.parking import pack, unpack
+    from streaming.stream import Stream
+    stream = tiny_engine.open("joe", seed=7)
+    try:
+        stream.text.lexicon = Lexicon.of({"Zorblax": "tomato", "nginx": "/ˈɛ n dʒ ɪ n/"})
+        host, _, _ = unpack(pack({"stream": stream.export_state()}, {}, [], "w"), "w")
+        moved = Stream.from_state(tiny_engine, host["stream"], [])
+        assert moved.text.lexicon == stream.text.lexicon and moved.gain_db == stream.gain_db
+    finally:
+        stream.cancel()

@@ -37,7 +37,7 @@ class LexiconError(TextError):
     """A lexicon entry that cannot be used; the message names it."""
 
 
-@dataclass(frozen=True, slots=True)  # slots: a stream's exported state carries it as one value
+@dataclass(frozen=True)
 class Lexicon:
     """Entries by key: exact spellings (a capital in them) and lower-case ones (any case)."""
     exact: dict[str, tuple[str, str]] = field(default_factory=dict)  # word -> ("phonemes", units) / ("said", words)
@@ -73,6 +73,10 @@ class Lexicon:
         if not other:
             return self
         return Lexicon({**self.exact, **other.exact}, {**self.folded, **other.folded})
+
+    def state(self) -> tuple[dict, dict]:
+        """Plain data (a stream's exported state): ``Lexicon(*lexicon.state())`` is the same lexicon."""
+        return dict(self.exact), dict(self.folded)
 
     def __bool__(self) -> bool:
         return bool(self.exact or self.folded)
