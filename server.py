@@ -17,6 +17,7 @@ Here: the entry point only. The WebSocket sessions are `serving.session`; the ap
 `serving.admission`; what connections share, `serving.context`; the HTTP endpoints and the access checks,
 `serving.http_api`.
 """
+
 from __future__ import annotations
 
 from serving.app import build_app
@@ -30,6 +31,7 @@ def create_app(engine=None, limits: Limits | None = None, **options):
     """The ASGI app (`serving.app.build_app`); ``engine`` None: the process-wide engine on the shipped voices,
     loaded on first use."""
     from tts.api import get_engine
+
     return build_app(engine, limits, load_engine=get_engine, **options)
 
 
@@ -37,4 +39,5 @@ def serve(host: str = "127.0.0.1", port: int = 8000, engine=None, **options) -> 
     """Serve until interrupted (`serving.launch.run_server`; its options and `Limits`' fields); ``engine`` None:
     the process-wide engine on the shipped voices, loaded and compiled before the socket opens."""
     from tts.api import get_engine
+
     run_server(host, port, engine, load_engine=get_engine, **options)

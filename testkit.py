@@ -1,5 +1,6 @@
 """Test helpers: a tiny random-weight engine for fast tests of everything around the model, and a WebSocket
 client's side of a resumed session (tests/test_resume.py, tests/test_workers.py)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,17 @@ def tiny_model_and_codec() -> tuple[TTSModel, Codec, dict[str, dict]]:
     codec.quantizer.codebooks.normal_()
     model = TTSModel(MODEL_PRESETS["tiny"])
     torch.nn.init.constant_(model.text.duration[-1].bias, 1.4)  # about 3 frames a unit, like speech
-    voices = {n: {"name": n, "index": i, "description": "tiny random test voice", "teacher": "none",
-                  "sample_rate": codec.cfg.sample_rate, "default": i == 0} for i, n in enumerate(VOICE_NAMES)}
+    voices = {
+        n: {
+            "name": n,
+            "index": i,
+            "description": "tiny random test voice",
+            "teacher": "none",
+            "sample_rate": codec.cfg.sample_rate,
+            "default": i == 0,
+        }
+        for i, n in enumerate(VOICE_NAMES)
+    }
     return model, codec, voices
 
 
@@ -54,6 +64,7 @@ def held_codec_worker(codec: Codec, slots: int):
     """A CPU `CodecWorker` whose first decode waits until the test sets the returned gate (so the test can queue
     jobs behind it): (worker, gate, lengths of the decodes run so far)."""
     from streaming.codec_worker import CodecWorker
+
     gate, lengths = threading.Event(), []
 
     def held(codes, state):
@@ -107,8 +118,10 @@ class Received:
                 self.take(await ws.recv())
 
 
-STARTS = {None: {"format": "f32le", "seed": 11, "word_timings": True},
-          "b": {"format": "pcm_s16le", "seed": 22, "word_timings": True, "voice": "slt"}}
+STARTS = {
+    None: {"format": "f32le", "seed": 11, "word_timings": True},
+    "b": {"format": "pcm_s16le", "seed": 22, "word_timings": True, "voice": "slt"},
+}
 
 
 async def open_contexts(ws, got: Received, sentences: int = 3) -> str:

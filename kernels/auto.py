@@ -16,6 +16,7 @@ of the ONNX Runtime decode step, at once from the shipped graph or the disk cach
 export, for `Engine.set_codec_step`; meanwhile, and whenever it cannot be had, the torch decoder decodes.
 Measured choices (2-core machine, one thread): see ``python -m bench.steps`` (``--codec-only``: the decoder).
 """
+
 from __future__ import annotations
 
 import threading
@@ -25,7 +26,6 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import kernels.ort as ort
-
 import kernels.weightless as weightless
 from kernels.lean import EagerLeanStep
 
@@ -39,7 +39,7 @@ class DefaultStepFactory:
         self.kind = "lean"
         self._lock = threading.Lock()
         self._building = False
-        self._shipped_steps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> factory or None
+        self._shipped_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> factory or None
 
     def prepare(self, model) -> None:
         """Open ``model``'s shipped graph now, while the engine loads, rather than on its first tick (about
@@ -90,20 +90,25 @@ class DefaultStepFactory:
 
     def _cuda(self, model, caches, batch, device):
         from streaming.codec_worker import fast_path_enabled as enabled
+
         if enabled("graph"):
             from kernels.cuda_graph import GraphedStep
+
             self.kind = "cuda_graph"
             return GraphedStep(model, caches, batch, device)
         from streaming.step_caches import decode_step
+
         self.kind = "eager"
         return decode_step
 
     def when_faster(self, callback) -> None:
         """Call ``callback(factory)`` when a faster factory is ready (at once if it already is; never if
         none will be). Typical: ``factory.when_faster(engine.set_step_factory)``."""
+
         def hand_over(done: Future):
             if done.result() is not None:
                 callback(done.result())
+
         self.faster.add_done_callback(hand_over)
 
     def _resolve(self, value) -> None:
@@ -118,8 +123,14 @@ class DefaultStepFactory:
                 return
             self._building = True
         paths = [ort.onnx_path(model)] + ([ort.onnx_path(model, int8=True)] if int8 else [])
-        build_in_background(model, paths, "kernels.ort", ort.factory, self._resolve,
-                            "ONNX Runtime step unavailable, staying on the step in use")
+        build_in_background(
+            model,
+            paths,
+            "kernels.ort",
+            ort.factory,
+            self._resolve,
+            "ONNX Runtime step unavailable, staying on the step in use",
+        )
 
 
 def shipped_session(module, kind: str, what: str):
@@ -172,6 +183,7 @@ def faster_codec_step(codec, device="cpu") -> Future:
         faster_codec_step(codec).add_done_callback(lambda done: engine.set_codec_step(done.result()))
     """
     import kernels.ort_codec as ort_codec
+
     faster: Future = Future()
     if str(device).startswith("cuda") or not ort.available():
         faster.set_result(None)
@@ -184,6 +196,7 @@ def faster_codec_step(codec, device="cpu") -> Future:
     def resolve(value) -> None:
         if not faster.done():
             faster.set_result(value)
+
     failure = "ONNX Runtime codec decoder unavailable, staying on the torch decoder"
     shared = shipped_session(codec, "codec", "codec decoder")
     if shared is not None:

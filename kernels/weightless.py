@@ -27,6 +27,7 @@ finds no graph here: `kernels.auto` then builds in the background as before (sti
 start), and tests/test_ort_graphs.py fails until ``python -m kernels.weightless`` (run by a developer)
 rewrites them from fresh exports.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -40,14 +41,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import tts.codec
 import kernels.lean as lean
 import kernels.ort as ort
+import tts.codec
 from kernels.lean import lean_module
 from streaming.step_caches import StepCaches
 
 GRAPHS = Path(__file__).resolve().with_name("graphs")
-_sessions: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, object]]" = weakref.WeakKeyDictionary()
+_sessions: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, object]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -60,13 +61,21 @@ def key(module: torch.nn.Module, kind: str) -> str:
     """What graph ``kind`` ("step", "step-int8", "codec") of ``module`` (a `TTSModel` or a `Codec`) depends
     on (see the module docstring), hashed."""
     import kernels.ort_codec as ort_codec
+
     if kind == "codec":
         parts = [repr(module.cfg), inspect.getsource(tts.codec), inspect.getsource(ort_codec)]
     else:
         rings = StepCaches.empty(module.cfg, 1)
-        parts = [repr(module.cfg), f"rings {rings.text[0].capacity} {rings.audio[0].capacity}",
-                 inspect.getsource(lean), inspect.getsource(ort.export), inspect.getsource(ort.input_names),
-                 repr(ort.INPUTS), repr(ort.OUTPUTS), *([repr(ort.INT8)] if kind == "step-int8" else [])]
+        parts = [
+            repr(module.cfg),
+            f"rings {rings.text[0].capacity} {rings.audio[0].capacity}",
+            inspect.getsource(lean),
+            inspect.getsource(ort.export),
+            inspect.getsource(ort.input_names),
+            repr(ort.INPUTS),
+            repr(ort.OUTPUTS),
+            *([repr(ort.INT8)] if kind == "step-int8" else []),
+        ]
     return hashlib.sha256("\n".join([kind, *parts]).encode()).hexdigest()[:24]
 
 
@@ -81,6 +90,7 @@ def sources(module: torch.nn.Module, kind: str) -> dict[str, torch.Tensor]:
     `CodecStep`'s state (names as the export saw them, e.g. ``codec.decoder.out.weight``) for the codec."""
     if kind == "codec":
         from kernels.ort_codec import CodecStep
+
         return CodecStep(module).state_dict()
     return dict(lean_module(module).named_buffers())
 
@@ -91,6 +101,7 @@ def quantize8(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     (packed (N, blocks, block_size) uint8, scales (N, blocks) fp32), by the C++ kernel that ONNX Runtime's
     `MatMulNBitsQuantizer` calls. Example: K = 256, block 128, N = 768: packed (768, 2, 128), scales (768, 2)."""
     from onnxruntime.capi.onnxruntime_pybind11_state import quantize_matmul_8bits
+
     rows, cols = weight.shape
     block = ort.INT8["block_size"]
     blocks = -(-rows // block)
@@ -138,6 +149,7 @@ def session(module: torch.nn.Module, kind: str, folder: Path | None = None):
     per module and kind; None when no graph ships for its key. Raises if the graph does not load or does not
     fit the weights."""
     import onnxruntime
+
     with _lock:
         made = _sessions.setdefault(module, {})
         if kind not in made:
@@ -191,6 +203,7 @@ def recipe(name: str, weight: np.ndarray, arrays: dict[str, np.ndarray], quantiz
 def export(module: torch.nn.Module, kind: str, path: Path) -> None:
     """Export graph ``kind`` of ``module`` to ``path`` as `kernels.auto` would build it."""
     import kernels.ort_codec as ort_codec
+
     if kind == "codec":
         ort_codec.export(module, path)
         return
@@ -207,6 +220,7 @@ def write(module: torch.nn.Module, kind: str, folder: Path | None = None, keep_b
     the graph if it is at most ``keep_bytes`` (a constant), else this raises."""
     import onnx
     from onnx import TensorProto, numpy_helper
+
     with tempfile.TemporaryDirectory() as tmp:
         exported = Path(tmp) / "graph.onnx"
         export(module, kind, exported)
@@ -238,6 +252,7 @@ def write(module: torch.nn.Module, kind: str, folder: Path | None = None, keep_b
 
 if __name__ == "__main__":  # python -m kernels.weightless: rewrite the shipped model's graphs after a change
     from tts.voices import load_shipped
+
     model, codec, _ = load_shipped()
     for module, kind in ((model, "step"), (model, "step-int8"), (codec, "codec")):
         print(write(module, kind))

@@ -20,6 +20,7 @@ Pure asyncio and no engine: the server asks `Admission` first, then opens the en
 admission, streaming/reservations.py, also serves callers outside the server, in threads). Here the waiting costs
 no thread, a WebSocket is told its place, a client that leaves leaves the queue, and caps count per client.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,7 +37,7 @@ class Ticket:
     `set_aside()` / `put_back()` (idempotent): while its session waits for a resume it keeps the slot but counts
     against no client cap."""
 
-    def __init__(self, admission: "Admission", clients: tuple):
+    def __init__(self, admission: Admission, clients: tuple):
         self._admission, self._clients, self._held, self._aside = admission, clients, True, False
 
     def release(self) -> None:
@@ -60,7 +61,7 @@ class Place:
     session waits for a resume (its clients' caps no longer count it; ``expire()`` ends the session early should
     its client set aside too many); `put_back()`: resumed, it counts again."""
 
-    def __init__(self, admission: "Admission", clients: tuple):
+    def __init__(self, admission: Admission, clients: tuple):
         self._admission, self.clients = admission, clients
         self.held, self.aside = True, False
         self.expire = None
@@ -111,8 +112,11 @@ class Admission:
     def connect(self, clients: tuple) -> Place:
         """Count a connection against the server's and each client's cap, or raise server_full/client_limit."""
         if self.connections >= self.limits.max_connections:
-            raise ProtocolError("server_full", f"the server has {self.limits.max_connections} connections; "
-                                "try again shortly", retry_after=self.retry_after_s)
+            raise ProtocolError(
+                "server_full",
+                f"the server has {self.limits.max_connections} connections; try again shortly",
+                retry_after=self.retry_after_s,
+            )
         self._check(clients, self._connections_of, self.limits.max_connections_per_client, "connections")
         self.connections += 1
         self._connections_of.update(clients)
@@ -163,8 +167,11 @@ class Admission:
             self._take(clients)
             return Ticket(self, clients)
         if len(self._queue) >= self.limits.max_queue:
-            raise ProtocolError("server_full", f"all {self._slots} streams are busy and {len(self._queue)} "
-                                "utterances are queued; try again shortly", retry_after=self.retry_after_s)
+            raise ProtocolError(
+                "server_full",
+                f"all {self._slots} streams are busy and {len(self._queue)} utterances are queued; try again shortly",
+                retry_after=self.retry_after_s,
+            )
         waiter = _Waiter(clients)
         self._queue.append(waiter)
         self._streams_of.update(clients)  # a queued utterance counts against its client's cap
@@ -190,9 +197,12 @@ class Admission:
             waiter.moved.clear()
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ProtocolError("server_full", f"no stream slot came free within {self.limits.queue_timeout_s:g} s "
-                                    f"(position {position} of {len(self._queue)}); try again shortly",
-                                    retry_after=self.retry_after_s)
+                raise ProtocolError(
+                    "server_full",
+                    f"no stream slot came free within {self.limits.queue_timeout_s:g} s "
+                    f"(position {position} of {len(self._queue)}); try again shortly",
+                    retry_after=self.retry_after_s,
+                )
             try:
                 await asyncio.wait_for(waiter.moved.wait(), left)
             except TimeoutError:
@@ -232,13 +242,20 @@ class Admission:
     def _check(self, clients: tuple, counts: Counter, cap: int, what: str) -> None:
         for client in clients:
             if counts[client] >= cap:
-                raise ProtocolError("client_limit", f"{_describe(client)} already has {counts[client]} {what} "
-                                    f"open, the most one client may have; try again when one ends",
-                                    retry_after=self.retry_after_s)
+                raise ProtocolError(
+                    "client_limit",
+                    f"{_describe(client)} already has {counts[client]} {what} "
+                    f"open, the most one client may have; try again when one ends",
+                    retry_after=self.retry_after_s,
+                )
 
     def stats(self) -> dict:
-        return {"connections": self.connections, "streams": self.active, "queued": len(self._queue),
-                "clients": len(self._connections_of)}
+        return {
+            "connections": self.connections,
+            "streams": self.active,
+            "queued": len(self._queue),
+            "clients": len(self._connections_of),
+        }
 
 
 def _uncount(counts: Counter, clients: tuple) -> None:

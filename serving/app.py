@@ -1,27 +1,74 @@
 """The ASGI app: routes (the HTTP API, the WebSocket, the demo's files), access and CORS middleware, and what
 runs while it serves (trimming the C heap; ending waiting sessions at shutdown)."""
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import ctypes
 import functools
+import json
+import logging
 from pathlib import Path
 
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
 from serving import http_api, workers
-from serving.context import Hub
+from serving.context import Hub, clients_of
 from serving.limits import Limits
-from serving.session import stream_endpoint
+from serving.protocol import CLIENT_MESSAGE, ProtocolError, Resume
+from serving.session import Session, error_message
 
+log = logging.getLogger("tts.server")
 DEMO_DIR = Path(__file__).resolve().parent.parent / "demo"
+RESUME_GRACE_S = 5.0  # how long a connection over the caps has to say it resumes a waiting session
 TRIM_EVERY_S = 60.0  # how often the C heap's free pages go back to the system (`_trim_heap`)
+
+
+async def stream_endpoint(ws: WebSocket) -> None:
+    hub: Hub = ws.app.state.hub
+    clients = clients_of(ws.scope, hub)
+    await ws.accept()
+    step: tuple | None  # (the session, a resume or None)
+    try:
+        step = (Session(hub, clients, hub.admission.connect(clients)), None)
+    except ProtocolError as err:
+        step = await _resume_past_caps(ws, hub, err)
+    while step is not None:  # a resume moves the socket to the session it names
+        session, resume = step
+        try:
+            step = await session.serve(ws, resume)
+        except Exception:  # a bug must cost one connection, never the server
+            log.exception("WebSocket session failed")
+            await session.close()
+            step = None
+
+
+async def _resume_past_caps(ws: WebSocket, hub: Hub, refusal: ProtocolError) -> tuple | None:
+    """A connection over the connection caps may still resume a session that waits for it: that session's own
+    place in the caps is what it takes (else a client whose every connection dropped at once could not come back,
+    its waiting sessions filling its cap). (session, resume) when its first message resumes one; else the
+    refusal (or why the resume failed) is sent, the socket closed (1013: try again later), and None returned."""
+    if any(session.link is None for session in hub.sessions):
+        with contextlib.suppress(TimeoutError, ValidationError, TypeError, KeyError):
+            async with asyncio.timeout(RESUME_GRACE_S):
+                message = await ws.receive()
+            if isinstance(msg := CLIENT_MESSAGE.validate_json(message["text"]), Resume):
+                try:
+                    return Session.claim(hub, msg)
+                except ProtocolError as err:
+                    refusal = err
+    with contextlib.suppress(WebSocketDisconnect, WebSocketDisconnected, OSError):
+        await ws.send_text(json.dumps(error_message(refusal)))
+        await ws.close(1013, refusal.code)
+    return None
 
 
 class _DemoRoute(Route):
@@ -34,30 +81,53 @@ class _DemoRoute(Route):
         return super().matches(scope)
 
 
-def build_app(engine=None, limits: Limits | None = None, *, api_keys=(), allow_origins=(),
-               aliases: dict[str, str] | None = None, load_engine=None) -> Starlette:
-    """The ASGI app. `engine=None`: ``load_engine()`` loads one on first use (`server.create_app`: the process-wide engine).
+def build_app(
+    engine=None,
+    limits: Limits | None = None,
+    *,
+    api_keys=(),
+    allow_origins=(),
+    aliases: dict[str, str] | None = None,
+    load_engine=None,
+) -> Starlette:
+    """The ASGI app. `engine=None`: ``load_engine()`` loads one on first use (`server.create_app`: the process-wide
+    engine).
     `api_keys`: when given, every /v1 endpoint wants one. `allow_origins`: browser origins, besides the server's
     own, that may use the API and the WebSocket (and get CORS headers); "*" allows any. `aliases`: OpenAI voice
     names -> voices (default: voices/voices.json)."""
     hub = Hub(engine, limits or Limits(), aliases, tuple(api_keys), tuple(allow_origins), load_engine)
     demo = StaticFiles(directory=DEMO_DIR, html=True)
     api = http_api
-    routes = [Route("/health", api.health), Route("/v1/voices", api.voices),
-              Route("/v1/audio/voices", api.audio_voices), Route("/v1/models", api.models),
-              Route("/v1/audio/models", api.audio_models),
-              Route("/v1/audio/speech", api.speech, methods=["POST"]), WebSocketRoute("/v1/stream", stream_endpoint),
-              _DemoRoute("/{path:path}", demo, methods=["GET", "HEAD"])]
+    routes = [
+        Route("/health", api.health),
+        Route("/v1/voices", api.voices),
+        Route("/v1/audio/voices", api.audio_voices),
+        Route("/v1/models", api.models),
+        Route("/v1/audio/models", api.audio_models),
+        Route("/v1/audio/speech", api.speech, methods=["POST"]),
+        WebSocketRoute("/v1/stream", stream_endpoint),
+        _DemoRoute("/{path:path}", demo, methods=["GET", "HEAD"]),
+    ]
     middleware = [Middleware(api.AccessMiddleware, hub=hub)]
     if hub.allow_origins:
-        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(hub.allow_origins),
-                                        allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type",
-                                                                                      "X-API-Key"],
-                                        expose_headers=["X-Sample-Rate", "Retry-After"]))
+        middleware.insert(
+            0,
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(hub.allow_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type", "X-API-Key"],
+                expose_headers=["X-Sample-Rate", "Retry-After"],
+            ),
+        )
     if (worker := workers.this_worker()) is not None:
         middleware.append(Middleware(_WorkerHeader, worker=worker))
-    app = Starlette(routes=routes, middleware=middleware, lifespan=functools.partial(_lifespan, hub),
-                    exception_handlers={HTTPException: api.http_exception, Exception: api.server_error})
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        lifespan=functools.partial(_lifespan, hub),
+        exception_handlers={HTTPException: api.http_exception, Exception: api.server_error},
+    )
     app.state.hub = hub
     return app
 
@@ -77,6 +147,7 @@ class _WorkerHeader:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", ()), self.header]}
             await send(message)
+
         await self.app(scope, receive, send_named)
 
 

@@ -2,6 +2,7 @@
 keys, and a thread pool for the engine's blocking calls (opening a stream; audio is awaited without a thread,
 `Hub.chunks`); and who a connection is (its address, its API key). serving/session.py (the WebSocket) and
 serving/http_api.py (HTTP) use it; it serves no endpoint itself."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,10 +15,10 @@ from urllib.parse import parse_qs, urlsplit
 
 from starlette.datastructures import Headers
 
-from streaming.engine import ServerFull, UnknownVoice
+from serving.admission import Admission
 from serving.limits import Limits
 from serving.protocol import ProtocolError
-from serving.admission import Admission
+from streaming.engine import ServerFull, UnknownVoice
 from tts.rates import SAMPLE_RATE
 from tts.text import TextError
 
@@ -26,8 +27,15 @@ class Hub:
     """What every connection shares: the engine, the limits, admission, the voice aliases, the API keys and
     a thread pool for the engine's blocking calls (so no connection waits for another's)."""
 
-    def __init__(self, engine, limits: Limits, aliases: dict[str, str] | None = None,
-                 api_keys: tuple[str, ...] = (), allow_origins: tuple[str, ...] = (), load_engine=None):
+    def __init__(
+        self,
+        engine,
+        limits: Limits,
+        aliases: dict[str, str] | None = None,
+        api_keys: tuple[str, ...] = (),
+        allow_origins: tuple[str, ...] = (),
+        load_engine=None,
+    ):
         self.limits, self._engine, self._aliases = limits, engine, aliases
         self._load_engine = load_engine  # engine None: loads it on first use (the entry point's `tts.api.get_engine`)
         self.api_keys, self.allow_origins = tuple(api_keys), tuple(allow_origins)
@@ -56,6 +64,7 @@ class Hub:
         the engine has)."""
         if self._aliases is None:
             from tts.voices import voice_aliases
+
             self._aliases = voice_aliases()
         return {alias: voice for alias, voice in self._aliases.items() if voice in self._engine.voices}
 
@@ -66,8 +75,11 @@ class Hub:
             return name
         if (voice := self.aliases.get(name.lower())) is not None:
             return voice
-        raise ProtocolError("unknown_voice", f"unknown voice {name!r}; choose one of {sorted(self._engine.voices)} "
-                            f"or an alias {sorted(self.aliases)}", param)
+        raise ProtocolError(
+            "unknown_voice",
+            f"unknown voice {name!r}; choose one of {sorted(self._engine.voices)} or an alias {sorted(self.aliases)}",
+            param,
+        )
 
     def check_length(self, chars: int, what: str, param: str = "text") -> None:
         """text_too_long past max_text_chars, or past the engine's own limit if that is lower."""
@@ -106,10 +118,14 @@ class Hub:
         """One line per stream to TTS_TIMELINE_LOG: its way to the first audio (`Stream.timeline`) and the engine
         ticks from its first step to its first chunk."""
         ticks = stream.ticks
-        self.timeline_log.write({"at": stream.marks.get("request"), "timeline_ms": stream.timeline(),
-                                 "ticks_to_due": ticks["due"] - ticks["stepped"] if {"due", "stepped"} <= set(ticks)
-                                 else None,
-                                 "finished": stream.finished and stream.error is None and not stream.cancelled})
+        self.timeline_log.write(
+            {
+                "at": stream.marks.get("request"),
+                "timeline_ms": stream.timeline(),
+                "ticks_to_due": ticks["due"] - ticks["stepped"] if {"due", "stepped"} <= set(ticks) else None,
+                "finished": stream.finished and stream.error is None and not stream.cancelled,
+            }
+        )
 
     async def _open_stream(self, engine, ticket, voice, speed, seed):
         """The engine stream for a granted ticket; on any failure the ticket is released, but only once the
@@ -117,8 +133,9 @@ class Hub:
         never sends the engine more callers than it has slots)."""
         # The engine's own FIFO wait covers the tick until a just-ended stream's slot is free, and other users
         # of the engine in this process.
-        opening = asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(
-            engine.open, voice, speed, seed=seed, wait_s=self.limits.queue_timeout_s))
+        opening = asyncio.get_running_loop().run_in_executor(
+            self.pool, functools.partial(engine.open, voice, speed, seed=seed, wait_s=self.limits.queue_timeout_s)
+        )
         try:
             return await asyncio.shield(opening)
         except asyncio.CancelledError:  # the client left while the engine was opening: end what it opens
@@ -154,9 +171,14 @@ class Hub:
                 stream.mark("sent")  # the caller asks for the next chunk once this one is sent
 
     def stats(self) -> dict:
-        figures = {"status": "ok", "sample_rate": SAMPLE_RATE, **self.admission.stats(),
-                   "max_connections": self.limits.max_connections, "max_queue": self.limits.max_queue,
-                   "awaiting_resume": sum(session.link is None for session in self.sessions)}
+        figures = {
+            "status": "ok",
+            "sample_rate": SAMPLE_RATE,
+            **self.admission.stats(),
+            "max_connections": self.limits.max_connections,
+            "max_queue": self.limits.max_queue,
+            "awaiting_resume": sum(session.link is None for session in self.sessions),
+        }
         if self._engine is not None:
             figures["slots"] = self._engine.max_streams
             if callable(stats := getattr(self._engine, "stats", None)):

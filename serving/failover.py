@@ -41,6 +41,7 @@ falls in the audio depends on timing), and so, measured on the shipped voices, d
 (the text front end's output depends on when words come; a replay feeds them all at once): such an utterance goes
 on with no byte lost or repeated, but its samples after the checkpoint (or the flush) may differ.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,8 +51,16 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from serving.journals import (CHECKPOINTS_KEPT, JOURNALS_ACTOR, MAX_JOURNAL_BYTES, Checkpoint, JournalEntry,  # noqa: F401
-                              Journals, journals, stop_journals)
+from serving.journals import (  # noqa: F401
+    CHECKPOINTS_KEPT,
+    JOURNALS_ACTOR,
+    MAX_JOURNAL_BYTES,
+    Checkpoint,
+    JournalEntry,
+    Journals,
+    journals,
+    stop_journals,
+)
 from serving.protocol import UNCOUNTED
 from serving.replay import Replay, Shift, compact, outgoing, parsed_message, shifted_message  # noqa: F401
 
@@ -78,11 +87,11 @@ class Journaler:
         self.tracks: dict[str, Track] = {}  # journal id -> its journal's length and utterances (for checkpoints)
         self.standins: dict[str, list[int]] = {}  # journal id -> seeds its replay here stood in for checkpoints
         self.engine: Checkpointing | None = None
-        self.live: dict[str, "Socket"] = {}  # journal id -> its socket here (the latest)
+        self.live: dict[str, Socket] = {}  # journal id -> its socket here (the latest)
         self.resting: dict[str, str] = {}  # journal id -> its session's token, once its socket has gone
         self.local: dict[str, str] = {}  # token (the server's, or one a replay gave) -> journal id
         self.latest: dict[str, str] = {}  # journal id -> the server's latest token for the session
-        self.shifts: dict[str, "Shift"] = {}  # journal id -> its shift, for sessions replayed here
+        self.shifts: dict[str, Shift] = {}  # journal id -> its shift, for sessions replayed here
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
 
@@ -106,7 +115,7 @@ class Journaler:
                 except Exception:  # the journals are unreachable: serving goes on, without failover
                     log.exception("could not write the session journals")
 
-    def follow(self, jid: str, entries: list[JournalEntry], replay: "Replay") -> None:
+    def follow(self, jid: str, entries: list[JournalEntry], replay: Replay) -> None:
         """A session replayed here: follow its journal from ``entries`` on; an utterance continued from a
         checkpoint has the stand-in seed its server got, and its audio starts at the checkpoint's sample."""
         track = self.tracks[jid] = Track()
@@ -115,7 +124,7 @@ class Journaler:
             track.contexts[context_id].seed, track.contexts[context_id].samples = seed, samples
         self.standins[jid] = [seed for seed, _ in replay.standins.values()]
 
-    def replayed(self, replay: "Replay") -> None:
+    def replayed(self, replay: Replay) -> None:
         """Count a replay in the journals' figures (`Journals.stats`), without waiting for it."""
         try:
             self.actor.replayed.remote(replay.starts, len(replay.standins))
@@ -165,11 +174,11 @@ class Journaler:
         except Exception:
             log.exception("could not update the session journals")
 
-    def socket_started(self, socket: "Socket") -> None:
+    def socket_started(self, socket: Socket) -> None:
         self.live[socket.jid] = socket
         self.resting.pop(socket.jid, None)
 
-    def socket_ended(self, socket: "Socket") -> None:
+    def socket_ended(self, socket: Socket) -> None:
         if socket.jid is not None and self.live.get(socket.jid) is socket:
             del self.live[socket.jid]
             self.resting[socket.jid] = socket.token
@@ -188,6 +197,7 @@ class Journaler:
 class Current:
     """A context's latest utterance in a session's journal: where its start is, its seed (as its server has it),
     whether a checkpoint continues it exactly (no flush, no error so far), and its latest checkpoint's sample."""
+
     start: int
     seed: int | None
     exact: bool = True
@@ -197,6 +207,7 @@ class Current:
 @dataclass
 class Track:
     """What a replica follows of a session's journal: its length, and each context's latest utterance."""
+
     length: int = 0
     contexts: dict = field(default_factory=dict)  # context id -> Current
 
@@ -268,17 +279,26 @@ class Checkpointer:
         for context_id, utterance in list(session.utterances.items()):
             current, stream, start = track.contexts.get(context_id), utterance.stream, utterance.start
             width = RAW_WIDTHS.get(start.format)
-            if current is None or stream is None or not current.exact or start.seed != current.seed \
-                    or width is None or start.sample_rate != rate or start.timings or start.word_timings:
+            if (
+                current is None
+                or stream is None
+                or not current.exact
+                or start.seed != current.seed
+                or width is None
+                or start.sample_rate != rate
+                or start.timings
+                or start.word_timings
+            ):
                 continue
             if stream.samples - current.samples >= self.every_s * rate:
                 due.append((context_id, current, stream, width))
         return due
 
-    async def _checkpoint(self, jid: str, sock: "Socket") -> None:
+    async def _checkpoint(self, jid: str, sock: Socket) -> None:
         """Snapshot the session's due utterances while its server waits for the next message (none is handed
         to it until they are done: every message journaled has been taken in, and nothing after)."""
         from streaming.errors import EngineError  # here: the journals actor imports this module without torch
+
         due = self._due(jid)
         if not due or not sock.receiving:
             return
@@ -291,8 +311,11 @@ class Checkpointer:
                     state, samples = await known.hub.call(self.engine.snapshot, stream)
                 except EngineError:  # parked, ending or moving just now: the next poll tries again
                     continue
-                taken.append(Checkpoint(context_id, current.start, after, samples, samples * width,
-                                        self.engine.fingerprint, state))
+                taken.append(
+                    Checkpoint(
+                        context_id, current.start, after, samples, samples * width, self.engine.fingerprint, state
+                    )
+                )
                 current.samples = samples
         finally:
             sock.free.set()
@@ -306,11 +329,12 @@ class Checkpointer:
 class Socket:
     """One WebSocket's bookkeeping: its session's journal id, the session's current token, and per context the
     audio bytes and events sent (in the session's own count, which a resume continues)."""
+
     jid: str | None = None
     token: str | None = None
     sent: dict = field(default_factory=dict)  # context id -> [bytes, events]
     early: list = field(default_factory=list)  # journal entries from before the session's journal id was known
-    replay: "Replay | None" = None
+    replay: Replay | None = None
     shift: Shift = field(default_factory=Shift)
     untracked: bool = False  # a resumed session this replica has no journal of
     receiving: bool = False  # its server waits for the next message (it has taken in every one before)
@@ -324,8 +348,9 @@ class Failover:
     """ASGI middleware: journal each WebSocket session's messages (`Journaler`); resume one whose token this
     replica does not know from its journal (`Replay`). HTTP passes through untouched."""
 
-    def __init__(self, app, hub, actor, engine: Checkpointing | None = None,
-                 checkpoint_audio_s: float = CHECKPOINT_AUDIO_S):
+    def __init__(
+        self, app, hub, actor, engine: Checkpointing | None = None, checkpoint_audio_s: float = CHECKPOINT_AUDIO_S
+    ):
         """``engine``: the server's engine, wrapped (`Checkpointing`), checkpointed every ``checkpoint_audio_s``
         of an utterance's audio; None (or 0 s): replays regenerate each current utterance from its start. An
         engine on a frame codec (a GPU) takes no snapshots."""
@@ -389,8 +414,11 @@ class Failover:
         """A resume: for the server here (the message, translated) if it knows the session or nobody does; else
         a replay of the session's journal is set up here (None)."""
         token = parsed.get("token")
-        have = {p.get("context_id"): [p.get("bytes", 0), p.get("events", 0)]
-                for p in parsed.get("contexts") or () if isinstance(p, dict)}
+        have = {
+            p.get("context_id"): [p.get("bytes", 0), p.get("events", 0)]
+            for p in parsed.get("contexts") or ()
+            if isinstance(p, dict)
+        }
         known = self.journaler
         if isinstance(token, str) and token not in self.hub.resume_tokens and token in known.local:
             token = known.latest.get(known.local[token], token)  # a token a replay here gave: the server's own
@@ -406,8 +434,9 @@ class Failover:
             return message  # the server answers resume_expired
         sock.jid, entries, checkpoints = claimed
         engine = self.engine
-        sock.replay = Replay(entries, have, checkpoints if engine else (), engine and engine.fingerprint,
-                             engine and engine.expect)
+        sock.replay = Replay(
+            entries, have, checkpoints if engine else (), engine and engine.fingerprint, engine and engine.expect
+        )
         known.follow(sock.jid, entries, sock.replay)
         known.replayed(sock.replay)
         sock.shift = known.shifts[sock.jid] = sock.replay.shift
@@ -416,11 +445,26 @@ class Failover:
         known.local[answer] = sock.jid
         known.socket_started(sock)
         known.add(sock.jid, tokens=[answer])
-        await send({"type": "websocket.send", "text": json.dumps(
-            {"type": "resumed", "resume_token": answer, "resume_window_s": self.hub.limits.resume_window_s,
-             "received": sock.replay.received})})
-        log.info("session %s… resumed from its journal: %d of its %d messages again, %d checkpoints", sock.jid[:6],
-                 len(sock.replay.feed), sock.replay.received, len(sock.replay.standins))
+        await send(
+            {
+                "type": "websocket.send",
+                "text": json.dumps(
+                    {
+                        "type": "resumed",
+                        "resume_token": answer,
+                        "resume_window_s": self.hub.limits.resume_window_s,
+                        "received": sock.replay.received,
+                    }
+                ),
+            }
+        )
+        log.info(
+            "session %s… resumed from its journal: %d of its %d messages again, %d checkpoints",
+            sock.jid[:6],
+            len(sock.replay.feed),
+            sock.replay.received,
+            len(sock.replay.standins),
+        )
         return None
 
     def _journal(self, sock: Socket, entry) -> None:
@@ -441,8 +485,7 @@ class Failover:
             if (token := (event or {}).get("resume_token")) and kind in ("ready", "resumed"):
                 self._token(sock, token)
             if kind == "resumed" and sock.shift.dropped:
-                message = {**message, "text": json.dumps({**event, "received": event["received"] +
-                                                          sock.shift.dropped})}
+                message = {**message, "text": json.dumps({**event, "received": event["received"] + sock.shift.dropped})}
             if kind == "error" and sock.jid is not None:  # its audio no longer follows from its messages alone
                 self.journaler.spoil(sock.jid, context_id)
             position = sock.position(context_id)
@@ -471,5 +514,3 @@ class Failover:
         known.socket_started(sock)
         known.add(sock.jid, sock.early, [token])
         sock.early = []
-
-

@@ -1,6 +1,7 @@
 """The HTTP side of the server: OpenAI's speech API (raw audio or SSE, streamed as it is generated), the model
 and voice listings, /health, errors in OpenAI's shape, and the access checks (Origin, API key) in front of the
 API and the WebSocket. docs/protocol.md specifies it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,11 +17,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from serving.admission import retry_after_header
-from tts.containers import MEDIA_TYPES, AudioEncoder
 from serving.context import Hub, api_key, clients_of, origin_allowed
 from serving.protocol import ProtocolError, SpeechRequest, check_text, validation_error
-from tts.rates import SAMPLE_RATE
 from tts.codec import CodecConfig
+from tts.containers import MEDIA_TYPES, AudioEncoder
+from tts.rates import SAMPLE_RATE
 from tts.text import TextError
 
 log = logging.getLogger("tts.server")
@@ -44,12 +45,18 @@ class AccessMiddleware:
         headers = Headers(scope=scope)
         refusal = None
         if not origin_allowed(headers.get("origin"), headers.get("host"), self.hub.allow_origins):
-            refusal = ProtocolError("origin_not_allowed", f"origin {headers.get('origin')!r} may not use this "
-                                    "server; start it with --allow-origin to allow it")
-        elif self.hub.api_keys and not any(hmac.compare_digest((api_key(scope) or "").encode(), k.encode())
-                                           for k in self.hub.api_keys):
-            refusal = ProtocolError("invalid_api_key", "a valid API key is required: Authorization: Bearer KEY "
-                                    "(or X-API-Key: KEY; on the WebSocket also ?api_key=KEY)")
+            refusal = ProtocolError(
+                "origin_not_allowed",
+                f"origin {headers.get('origin')!r} may not use this server; start it with --allow-origin to allow it",
+            )
+        elif self.hub.api_keys and not any(
+            hmac.compare_digest((api_key(scope) or "").encode(), k.encode()) for k in self.hub.api_keys
+        ):
+            refusal = ProtocolError(
+                "invalid_api_key",
+                "a valid API key is required: Authorization: Bearer KEY "
+                "(or X-API-Key: KEY; on the WebSocket also ?api_key=KEY)",
+            )
         if refusal is None:
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
@@ -139,8 +146,9 @@ class SpeechResponse(StreamingResponse):
     def __init__(self, hub: Hub, req: SpeechRequest, ticket, stream, clients: tuple, chunks, first):
         self._hub, self._req, self._ticket, self._stream, self._clients = hub, req, ticket, stream, clients
         self._chunks, self._first = chunks, first
-        self._encoder = AudioEncoder("pcm_s16le" if req.response_format == "pcm" else req.response_format,
-                                req.sample_rate)
+        self._encoder = AudioEncoder(
+            "pcm_s16le" if req.response_format == "pcm" else req.response_format, req.sample_rate
+        )
         self._failed = False
         sse = req.stream_format == "sse"
         media = "text/event-stream" if sse else MEDIA_TYPES[req.response_format]
@@ -176,8 +184,12 @@ class SpeechResponse(StreamingResponse):
             yield event({"type": "error", **err.openai()})
             return
         chars, frames = len(self._req.input), round(self._stream.stats["audio_seconds"] * FRAME_RATE)
-        yield event({"type": "speech.audio.done",
-                     "usage": {"input_tokens": chars, "output_tokens": frames, "total_tokens": chars + frames}})
+        yield event(
+            {
+                "type": "speech.audio.done",
+                "usage": {"input_tokens": chars, "output_tokens": frames, "total_tokens": chars + frames},
+            }
+        )
 
     async def stream_response(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -243,24 +255,42 @@ async def voices(request: Request) -> JSONResponse:
     hub: Hub = request.app.state.hub
     engine = await hub.engine()
     listed = [{k: v.get(k) for k in VOICE_KEYS} for v in engine.voices.values()]
-    return JSONResponse({"default": engine.default_voice, "sample_rate": SAMPLE_RATE, "voices": listed,
-                         "aliases": hub.aliases})
+    return JSONResponse(
+        {"default": engine.default_voice, "sample_rate": SAMPLE_RATE, "voices": listed, "aliases": hub.aliases}
+    )
 
 
 async def audio_voices(request: Request) -> JSONResponse:
     """{"voices": [{"id", "name", ...}]}: the voices, then the aliases, as Open WebUI reads them."""
     hub: Hub = request.app.state.hub
     engine = await hub.engine()
-    own = [{"id": name, "name": name, "description": v.get("description"), "default": bool(v.get("default")),
-            "alias_of": None} for name, v in engine.voices.items()]
-    aliases = [{"id": alias, "name": alias, "description": f"OpenAI voice name for {voice}", "default": False,
-                "alias_of": voice} for alias, voice in hub.aliases.items()]
+    own = [
+        {
+            "id": name,
+            "name": name,
+            "description": v.get("description"),
+            "default": bool(v.get("default")),
+            "alias_of": None,
+        }
+        for name, v in engine.voices.items()
+    ]
+    aliases = [
+        {
+            "id": alias,
+            "name": alias,
+            "description": f"OpenAI voice name for {voice}",
+            "default": False,
+            "alias_of": voice,
+        }
+        for alias, voice in hub.aliases.items()
+    ]
     return JSONResponse({"voices": own + aliases})
 
 
 async def models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "tts"}
-                                                    for m in MODELS]})
+    return JSONResponse(
+        {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "tts"} for m in MODELS]}
+    )
 
 
 async def audio_models(request: Request) -> JSONResponse:

@@ -1,6 +1,7 @@
 """The journals: a Ray actor that keeps every live session's journal (the client messages its server took) and
 its utterances' checkpoints, so that another replica can take a session over (`serving.failover`). Imported
 without torch (the actor's process has none)."""
+
 from __future__ import annotations
 
 import time
@@ -16,6 +17,7 @@ class Checkpoint:
     """A live utterance's engine state (`Engine.snapshot`) at a place in its session's journal: the state has
     taken in the journal's first ``after`` entries (its context's later ones are not in it), and continues the
     utterance's audio from its byte ``nbytes`` (sample ``samples``) on."""
+
     context: str | None
     start: int  # the journal index of the utterance's start
     after: int
@@ -23,7 +25,6 @@ class Checkpoint:
     nbytes: int
     fingerprint: str  # of the weights it needs (`Engine.fingerprint`)
     state: bytes
-
 
 
 # A journal entry: a client message the server took (its text, or its binary data), or, where the server sent an
@@ -60,7 +61,7 @@ class Journals:
             self.expires[jid] = now + ttl_s
         self._expire(now)
 
-    def checkpoint(self, jid: str, taken: list["Checkpoint"]) -> None:
+    def checkpoint(self, jid: str, taken: list[Checkpoint]) -> None:
         """Keep a replica's new checkpoints of a session's utterances: the latest CHECKPOINTS_KEPT of each
         context's current utterance (one of a new utterance replaces its context's older ones)."""
         if jid not in self.entries or self.sizes.get(jid, 0) < 0:
@@ -68,9 +69,9 @@ class Journals:
         kept = self.checkpoints.setdefault(jid, {})
         for checkpoint in taken:
             same = [c for c in kept.get(checkpoint.context, ()) if c.start == checkpoint.start]
-            kept[checkpoint.context] = same[len(same) + 1 - CHECKPOINTS_KEPT:] + [checkpoint]
+            kept[checkpoint.context] = same[len(same) + 1 - CHECKPOINTS_KEPT :] + [checkpoint]
 
-    def claim(self, token: str) -> tuple[str, list[JournalEntry], list["Checkpoint"]] | None:
+    def claim(self, token: str) -> tuple[str, list[JournalEntry], list[Checkpoint]] | None:
         """(journal id, its entries, its checkpoints) for a resume with ``token``, which is then spent; None when
         no journal has it."""
         jid = self.tokens.get(token)
@@ -87,8 +88,12 @@ class Journals:
     def stats(self) -> dict:
         """Journals and checkpoints held (their bytes), and the replays so far."""
         held = [c for kept in self.checkpoints.values() for cs in kept.values() for c in cs]
-        return {"journals": len(self.entries), "checkpoints": len(held),
-                "checkpoint_bytes": sum(len(c.state) for c in held), **self.replays}
+        return {
+            "journals": len(self.entries),
+            "checkpoints": len(held),
+            "checkpoint_bytes": sum(len(c.state) for c in held),
+            **self.replays,
+        }
 
     def forget(self, ended: list[tuple[str, str]]) -> None:
         """(journal id, its session's last token) of sessions that ended; one that a resume took elsewhere since
@@ -114,13 +119,25 @@ class Journals:
 def journals():
     """The cluster's `Journals` actor, started on first use. Detached: it outlives the replica that started it."""
     import ray
-    return ray.remote(Journals).options(name=JOURNALS_ACTOR, namespace="serve", lifetime="detached",
-                                        get_if_exists=True, num_cpus=0, max_concurrency=1).remote()
+
+    return (
+        ray.remote(Journals)
+        .options(
+            name=JOURNALS_ACTOR,
+            namespace="serve",
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_concurrency=1,
+        )
+        .remote()
+    )
 
 
 def stop_journals() -> None:
     """End the journals actor, if there is one (it is detached: nothing else ends it but the cluster's end)."""
     import ray
+
     try:
         ray.kill(ray.get_actor(JOURNALS_ACTOR, namespace="serve"))
     except ValueError:

@@ -1,5 +1,6 @@
 """The server's limits, one definition: keywords of `serve()` / `ServerThread()` and flags of `tts serve`.
 Standard library only, so the command line can build its flags without loading the server."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,7 @@ def _limit(default, help: str):
 @dataclass(frozen=True)
 class Limits:
     """The server's limits (docs/protocol.md, Limits): what each bounds, and its default."""
+
     max_connections: int = _limit(64, "open WebSockets plus speech requests in flight, together")
     max_connections_per_client: int = _limit(16, "the same, for one remote address (or API key, when keys are set)")
     max_streams_per_client: int = _limit(16, "utterances one client has speaking or queued, together")
@@ -23,18 +25,23 @@ class Limits:
     idle_timeout_s: float = _limit(30.0, "a WebSocket that sends no text and receives no audio this long is closed")
     send_buffer_bytes: int = _limit(65536, "kernel send buffer of each connection; audio beyond it waits in the engine")
     max_message_bytes: int = _limit(65536, "largest client message or request body")
-    resume_window_s: float = _limit(30.0, "how long a WebSocket session whose connection dropped waits for its "
-                                    "client to resume it, holding its streams and its place in max_connections "
-                                    "but not in its client's caps (0: no resume)")
-    resume_buffer_bytes: int = _limit(1 << 20, "output of one context kept for a resume until the client "
-                                      "acknowledges it")
+    resume_window_s: float = _limit(
+        30.0,
+        "how long a WebSocket session whose connection dropped waits for its "
+        "client to resume it, holding its streams and its place in max_connections "
+        "but not in its client's caps (0: no resume)",
+    )
+    resume_buffer_bytes: int = _limit(
+        1 << 20, "output of one context kept for a resume until the client acknowledges it"
+    )
 
     def __post_init__(self):
         for name, value in vars(self).items():
             least = 0 if name in _MAY_BE_ZERO else 1e-9
             if not (isinstance(value, (int, float)) and value >= least):
-                raise ValueError(f"limit {name} must be a {'non-negative' if least == 0 else 'positive'} number, "
-                                 f"not {value!r}")
+                raise ValueError(
+                    f"limit {name} must be a {'non-negative' if least == 0 else 'positive'} number, not {value!r}"
+                )
 
 
 _MAY_BE_ZERO = ("resume_window_s",)
@@ -43,9 +50,13 @@ _MAY_BE_ZERO = ("resume_window_s",)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per limit, named after it: --max-connections, --queue-timeout-s, ..."""
     for f in fields(Limits):
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
-                            metavar=type(f.default).__name__.upper(),
-                            help=f"{f.metadata['help']} (default {f.default})")
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=type(f.default),
+            default=f.default,
+            metavar=type(f.default).__name__.upper(),
+            help=f"{f.metadata['help']} (default {f.default})",
+        )
 
 
 def limits_from(args: argparse.Namespace) -> dict:

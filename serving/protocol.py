@@ -7,26 +7,54 @@ each optionally naming a ``context_id`` (several utterances on one socket); an O
 codes (`ERRORS`), e.g. an unknown key -> ``unknown_key``; over HTTP the code also picks the status and OpenAI's
 error type.
 """
+
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 # code -> HTTP status. Over WebSocket the same codes come as {"type": "error", "code": ...}.
 ERRORS = {
-    "bad_json": 400, "bad_message": 400, "unknown_type": 400, "unknown_key": 400, "unsupported_format": 400,
-    "bad_value": 400, "unknown_voice": 400, "bad_text": 400, "text_too_long": 400, "bad_state": 400,
-    "too_many_contexts": 400, "body_too_large": 413, "invalid_api_key": 401, "origin_not_allowed": 403,
-    "not_found": 404, "method_not_allowed": 405, "client_limit": 429, "server_full": 503,
-    "engine_error": 500, "internal": 500, "idle_timeout": 408,
-    "resume_expired": 410, "resume_used": 409, "resume_offset": 416,
+    "bad_json": 400,
+    "bad_message": 400,
+    "unknown_type": 400,
+    "unknown_key": 400,
+    "unsupported_format": 400,
+    "bad_value": 400,
+    "unknown_voice": 400,
+    "bad_text": 400,
+    "text_too_long": 400,
+    "bad_state": 400,
+    "too_many_contexts": 400,
+    "body_too_large": 413,
+    "invalid_api_key": 401,
+    "origin_not_allowed": 403,
+    "not_found": 404,
+    "method_not_allowed": 405,
+    "client_limit": 429,
+    "server_full": 503,
+    "engine_error": 500,
+    "internal": 500,
+    "idle_timeout": 408,
+    "resume_expired": 410,
+    "resume_used": 409,
+    "resume_offset": 416,
 }
-OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
-                409: "invalid_request_error", 410: "invalid_request_error", 413: "invalid_request_error",
-                416: "invalid_request_error", 429: "rate_limit_error"}  # any 5xx: server_error
+OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    409: "invalid_request_error",
+    410: "invalid_request_error",
+    413: "invalid_request_error",
+    416: "invalid_request_error",
+    429: "rate_limit_error",
+}  # any 5xx: server_error
 
 
 class ProtocolError(Exception):
@@ -98,6 +126,7 @@ Count = Annotated[int, Field(ge=0, lt=2**63)]
 
 class Ack(_Strict):
     """The client holds the context's output up to here: the server may drop it from its replay log."""
+
     type: Literal["ack"]
     bytes: Count  # audio bytes received on the context since the session began
     events: Count  # events received on it (not queued, audio, or the answers to a resume)
@@ -105,24 +134,26 @@ class Ack(_Strict):
 
 class Position(_Strict):
     """What the client has received of one context, in a resume."""
+
     bytes: Count
     events: Count
 
 
 class Resume(_Strict):
     """Take over a session whose connection dropped: the rest of each context's output follows."""
+
     type: Literal["resume"]
     token: str = Field(min_length=1, max_length=64)
     contexts: list[Position] = Field(default=[], max_length=64)
 
 
-CLIENT_MESSAGE = TypeAdapter(Annotated[Union[Start, Text, Flush, End, Cancel, Ack, Resume],
-                                       Field(discriminator="type")])
+CLIENT_MESSAGE = TypeAdapter(Annotated[Start | Text | Flush | End | Cancel | Ack | Resume, Field(discriminator="type")])
 UNCOUNTED = ("ack", "resume")  # client messages a resume's `received` does not count
 
 
 class VoiceRef(BaseModel):
     """OpenAI's custom-voice form, ``{"id": "voice_1234"}``: here the id is a voice name or alias."""
+
     model_config = ConfigDict(extra="forbid")
     id: str
 
@@ -130,6 +161,7 @@ class VoiceRef(BaseModel):
 class SpeechRequest(BaseModel):
     """OpenAI's POST /v1/audio/speech body. `model` and `instructions` are accepted and ignored; `seed` and
     `sample_rate` are this server's extensions."""
+
     model_config = ConfigDict(extra="forbid")
     model: str = "tts"
     input: str
@@ -146,10 +178,19 @@ class SpeechRequest(BaseModel):
         return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
 
 
-_ERROR_CODES = {"json_invalid": "bad_json", "union_tag_invalid": "unknown_type", "extra_forbidden": "unknown_key",
-                "literal_error": "unsupported_format", "greater_than_equal": "bad_value",
-                "less_than_equal": "bad_value", "less_than": "bad_value", "finite_number": "bad_value",
-                "string_too_short": "bad_value", "string_too_long": "bad_value", "string_pattern_mismatch": "bad_value"}
+_ERROR_CODES = {
+    "json_invalid": "bad_json",
+    "union_tag_invalid": "unknown_type",
+    "extra_forbidden": "unknown_key",
+    "literal_error": "unsupported_format",
+    "greater_than_equal": "bad_value",
+    "less_than_equal": "bad_value",
+    "less_than": "bad_value",
+    "finite_number": "bad_value",
+    "string_too_short": "bad_value",
+    "string_too_long": "bad_value",
+    "string_pattern_mismatch": "bad_value",
+}
 _MESSAGE_TYPES = ("start", "text", "flush", "end", "cancel", "ack", "resume")
 
 
@@ -175,7 +216,11 @@ _FORBIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
 def check_text(text: str, param: str = "text") -> None:
     """Refuse control characters (bad_text): they are never speech, and an escape or a NUL in an LLM's output
     is a bug upstream that should be seen, not silently dropped. Tab, newline and carriage return are spaces.
-    Example: "Hello\\u0000 world." -> bad_text "... U+0000 at offset 5 ...". """
+    Example: "Hello\\u0000 world." -> bad_text "... U+0000 at offset 5 ..."."""
     if found := _FORBIDDEN.search(text):
-        raise ProtocolError("bad_text", f"{param} contains the control character U+{ord(found.group()):04X} at "
-                            f"offset {found.start()}; only tab, newline and carriage return are allowed", param)
+        raise ProtocolError(
+            "bad_text",
+            f"{param} contains the control character U+{ord(found.group()):04X} at "
+            f"offset {found.start()}; only tab, newline and carriage return are allowed",
+            param,
+        )

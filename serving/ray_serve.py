@@ -23,6 +23,7 @@ very code `tts serve` runs. Ray's proxy holds the client's socket and relays it 
 
 Ray is imported by this module; nothing on the default path imports it (`tts serve --ray` does).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -54,6 +55,7 @@ class ScaleConfig:
     ``max_replicas`` on ``target_streams`` active streams per replica when ``autoscale`` is set.
     ``num_cpus`` per replica (None: the machine's cores shared evenly by the replicas), ``num_gpus`` per
     replica (fractions allowed: 0.5 puts two replicas on a GPU)."""
+
     replicas: int = 2
     autoscale: bool = False
     min_replicas: int = 1
@@ -73,22 +75,31 @@ class ScaleConfig:
         cpus = self.num_cpus
         if cpus is None:
             cpus = max(0.1, (os.cpu_count() or 1) / (self.max_replicas if self.autoscale else self.replicas))
-        options = {"ray_actor_options": {"num_cpus": cpus, "num_gpus": self.num_gpus},
-                   "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
-                   "graceful_shutdown_wait_loop_s": 0.2,
-                   "max_ongoing_requests": 10_000,  # admission is the server's own (limits), per replica
-                   "request_router_config": RequestRouterConfig(request_router_class=StreamRouter,
-                                                                request_routing_stats_period_s=STATS_PERIOD_S,
-                                                                request_routing_stats_timeout_s=5.0)}
+        options = {
+            "ray_actor_options": {"num_cpus": cpus, "num_gpus": self.num_gpus},
+            "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
+            "graceful_shutdown_wait_loop_s": 0.2,
+            "max_ongoing_requests": 10_000,  # admission is the server's own (limits), per replica
+            "request_router_config": RequestRouterConfig(
+                request_router_class=StreamRouter,
+                request_routing_stats_period_s=STATS_PERIOD_S,
+                request_routing_stats_timeout_s=5.0,
+            ),
+        }
         if self.autoscale:
             with warnings.catch_warnings():  # metrics_interval_s is to move to an environment variable; until
                 warnings.simplefilter("ignore", DeprecationWarning)  # then it is how the replicas report often
                 options["autoscaling_config"] = AutoscalingConfig(
-                    min_replicas=self.min_replicas, max_replicas=self.max_replicas,
+                    min_replicas=self.min_replicas,
+                    max_replicas=self.max_replicas,
                     initial_replicas=min(max(self.replicas, self.min_replicas), self.max_replicas),
-                    target_ongoing_requests=self.target_streams, metrics_interval_s=STATS_PERIOD_S,
-                    look_back_period_s=2.0, upscale_delay_s=1.0, downscale_delay_s=10.0,
-                    policy=AutoscalingPolicy(policy_function=streams_policy))
+                    target_ongoing_requests=self.target_streams,
+                    metrics_interval_s=STATS_PERIOD_S,
+                    look_back_period_s=2.0,
+                    upscale_delay_s=1.0,
+                    downscale_delay_s=10.0,
+                    policy=AutoscalingPolicy(policy_function=streams_policy),
+                )
         else:
             options["num_replicas"] = self.replicas
         return options
@@ -102,8 +113,15 @@ class EngineServer:
     the engine (`tts.api.get_engine`; tests pass the tiny engine's); ``app_factory(engine, **app_kwargs)`` the
     ASGI app (`server.create_app`), whose ``state.hub`` is the `serving.context.Hub` it serves from."""
 
-    def __init__(self, engine_factory, engine_kwargs: dict, app_factory, app_kwargs: dict, failover: bool = True,
-                 checkpoint_audio_s: float = CHECKPOINT_AUDIO_S):
+    def __init__(
+        self,
+        engine_factory,
+        engine_kwargs: dict,
+        app_factory,
+        app_kwargs: dict,
+        failover: bool = True,
+        checkpoint_audio_s: float = CHECKPOINT_AUDIO_S,
+    ):
         self.engine = engine_factory(**engine_kwargs)
         if failover:  # a replay feeds the text after a checkpoint at once: the audio must depend on the text alone,
             self.engine.speculative = False  # not on when its pieces came (what speculative encoding reads)
@@ -112,8 +130,7 @@ class EngineServer:
         self.server_app = app_factory(served, **app_kwargs)
         self.hub = self.server_app.state.hub
         counted = OpenUtterances(self.server_app)  # inside Failover: it sees replayed starts, and sends end there
-        self.outer_app = (Failover(counted, self.hub, journals(), served, checkpoint_audio_s) if failover
-                          else counted)
+        self.outer_app = Failover(counted, self.hub, journals(), served, checkpoint_audio_s) if failover else counted
         context = serve.get_replica_context()
         self.replica, self.deployment, self.app_name = context.replica_tag, context.deployment, context.app_name
         self.draining = False
@@ -149,8 +166,12 @@ class EngineServer:
             seen = seen or self.replica in offered
             self.draining = seen and self.replica not in offered
             await asyncio.sleep(DRAIN_POLL_S)
-        log.info("replica %s is draining: %d streams, %d connections", self.replica, self.active_streams(),
-                 len(self.hub.sessions))
+        log.info(
+            "replica %s is draining: %d streams, %d connections",
+            self.replica,
+            self.active_streams(),
+            len(self.hub.sessions),
+        )
         while True:
             for session in list(self.hub.sessions):
                 ws = _socket(session)
@@ -195,6 +216,7 @@ class OpenUtterances:
     utterance's context before its done goes out, and Failover journals before passing the done on, so a socket
     closed as soon as its session showed no utterance could lose that done (seen under load). Inside Failover, it
     sees a replay's events too. Example: queued (b), ready (a), error (b), audio.., done (a): {b} {a, b} {a} {}."""
+
     SCOPE_KEY = "tts.open_utterances"
 
     def __init__(self, app):
@@ -260,13 +282,13 @@ class StreamRouter(RequestRouter):
 
     Example: a (2 streams, 1 connection), b (0, 3), c (0, 1), d (0, 0, draining) -> [[c], [b], [a], [d]]."""
 
-
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         offered_replicas()[self._deployment_id.name] = {r.replica_id.unique_id for r in replicas}
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         ranks: dict[tuple, list[RunningReplica]] = {}
         for replica in candidate_replicas:
             stats = replica.routing_stats or {}
@@ -285,23 +307,40 @@ def streams_policy(ctx) -> tuple[int, dict]:
 
 
 # ---- building and running it ---------------------------------------------------------------------------
-def application(engine_factory, app_factory, scale: ScaleConfig = ScaleConfig(), engine_kwargs: dict | None = None,
-                app_kwargs: dict | None = None):
+def application(
+    engine_factory,
+    app_factory,
+    scale: ScaleConfig = ScaleConfig(),
+    engine_kwargs: dict | None = None,
+    app_kwargs: dict | None = None,
+):
     """The Ray Serve application: `EngineServer` replicas as ``scale`` says."""
-    return EngineServer.options(**scale.deployment_options()).bind(engine_factory, engine_kwargs or {},
-                                                                   app_factory, app_kwargs or {}, scale.failover,
-                                                                   scale.checkpoint_audio_s)
+    return EngineServer.options(**scale.deployment_options()).bind(
+        engine_factory, engine_kwargs or {}, app_factory, app_kwargs or {}, scale.failover, scale.checkpoint_audio_s
+    )
 
 
-def start(app, host: str = "127.0.0.1", port: int = 8000, address: str | None = None, name: str = "tts",
-          num_cpus: float | None = None):
+def start(
+    app,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    address: str | None = None,
+    name: str = "tts",
+    num_cpus: float | None = None,
+):
     """Deploy ``app`` on the Ray cluster at ``address`` (None: a local one started here, or the one this
     process is already connected to) with Serve's HTTP proxy on host:port. Returns the deployment's handle
     once every replica is up."""
     import ray
+
     if not ray.is_initialized():  # replicas import this checkout's code, as this process does
-        ray.init(address=address, num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+        ray.init(
+            address=address,
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}},
+        )
     serve.start(http_options={"host": host, "port": port})
     return serve.run(app, name=name, route_prefix="/")
 
@@ -311,17 +350,24 @@ def run(app, host: str = "127.0.0.1", port: int = 8000, address: str | None = No
     --ray`)."""
     import signal
     import time
+
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         start(app, host, port, address)
-        log.info("Ray Serve is serving on http://%s:%d (WebSocket ws://%s:%d/v1/stream); Ctrl-C stops it",
-                 host, port, host, port)
+        log.info(
+            "Ray Serve is serving on http://%s:%d (WebSocket ws://%s:%d/v1/stream); Ctrl-C stops it",
+            host,
+            port,
+            host,
+            port,
+        )
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
         import ray
+
         if ray.is_initialized():
             serve.shutdown()
             stop_journals()

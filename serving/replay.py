@@ -1,6 +1,7 @@
 """Replaying a journal on the replica that takes a session over: which of its messages go to the server again
 (`compact`, with the checkpoints that let an utterance continue), and which of the server's output the client
 lacks (`Replay.filter`); `Shift` translates the client's counts into the new server's."""
+
 from __future__ import annotations
 
 import base64
@@ -16,9 +17,9 @@ class Shift:
     """A session replayed here without its finished utterances (`compact`): per context, where the server's count
     of bytes and events starts in the session's; and how many client messages were left out. Acks, resumes and
     `resumed.received` are translated by it."""
+
     offsets: dict = field(default_factory=dict)  # context id -> [bytes, events]
     dropped: int = 0
-
 
 
 class Replay:
@@ -122,9 +123,13 @@ def _checkpoints(entries: list, have: dict, cuts: dict, checkpoints, fingerprint
         context_id = checkpoint.context
         base = cuts[context_id][1] if context_id in cuts else (0, 0)
         held_bytes, held_events = have.get(context_id, (0, 0))
-        if first.get(context_id) == checkpoint.start and checkpoint.after <= len(entries) \
-                and checkpoint.fingerprint == fingerprint and held_bytes >= base[0] + checkpoint.nbytes \
-                and held_events > base[1]:
+        if (
+            first.get(context_id) == checkpoint.start
+            and checkpoint.after <= len(entries)
+            and checkpoint.fingerprint == fingerprint
+            and held_bytes >= base[0] + checkpoint.nbytes
+            and held_events > base[1]
+        ):
             chosen[context_id] = checkpoint
     return chosen
 
@@ -138,10 +143,15 @@ def shifted_message(message: dict, parsed: dict, shift: Shift) -> dict:
     """An ack or resume with its positions in the server's count (`Shift`)."""
     if not shift.offsets:
         return message
+
     def moved(position: dict) -> dict:
         bytes_at, events_at = shift.offsets.get(position.get("context_id"), (0, 0))
-        return {**position, "bytes": max(0, position.get("bytes", 0) - bytes_at),
-                "events": max(0, position.get("events", 0) - events_at)}
+        return {
+            **position,
+            "bytes": max(0, position.get("bytes", 0) - bytes_at),
+            "events": max(0, position.get("events", 0) - events_at),
+        }
+
     if parsed.get("type") == "ack":
         parsed = moved(parsed)
     else:

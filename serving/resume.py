@@ -7,6 +7,7 @@ sends exactly the rest from the replay log, and the utterances go on. The log ho
 client's last `ack`, bounded by `resume_buffer_bytes` per context: a resume from before what it still holds gets
 `resume_offset`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,6 +26,7 @@ class LinkBroken(ConnectionError):
 @dataclass
 class LogEntry:
     """One thing sent on a context, at its position: audio bytes, or one JSON event."""
+
     seq: int  # order among everything the session has logged
     at_bytes: int  # audio bytes sent on the context before this entry
     at_events: int  # events sent on the context before this entry
@@ -73,11 +75,15 @@ class ReplayLog:
         """Raise ValueError unless (nbytes, events) lies within what is held, start .. end."""
         first_bytes, first_events = self.start
         if nbytes > self.end_bytes or events > self.end_events:
-            raise ValueError(f"({nbytes} bytes, {events} events) is past what was sent ({self.end_bytes} bytes, "
-                             f"{self.end_events} events)")
+            raise ValueError(
+                f"({nbytes} bytes, {events} events) is past what was sent ({self.end_bytes} bytes, "
+                f"{self.end_events} events)"
+            )
         if nbytes < first_bytes or events < first_events:
-            raise ValueError(f"({nbytes} bytes, {events} events) is no longer held: the server holds from "
-                             f"({first_bytes} bytes, {first_events} events); acknowledge more often")
+            raise ValueError(
+                f"({nbytes} bytes, {events} events) is no longer held: the server holds from "
+                f"({first_bytes} bytes, {first_events} events); acknowledge more often"
+            )
 
     def ack(self, nbytes: int, events: int) -> None:
         """The client holds everything up to (nbytes, events): drop the entries wholly before it. Raises
@@ -92,7 +98,7 @@ class ReplayLog:
         missing = []
         for entry in self.entries:
             if entry.audio is not None and entry.at_bytes + len(entry.audio) > nbytes:
-                tail = entry.audio[max(0, nbytes - entry.at_bytes):]
+                tail = entry.audio[max(0, nbytes - entry.at_bytes) :]
                 missing.append(LogEntry(entry.seq, entry.at_bytes, entry.at_events, audio=tail, size=len(tail)))
             elif entry.event is not None and entry.at_events >= events:
                 missing.append(entry)
@@ -136,8 +142,9 @@ class Link:
         if context_id is None:
             await self.race(self.ws.send_bytes(data), self.timeout_s)
         else:
-            await self.send_text(json.dumps({"type": "audio", "context_id": context_id,
-                                             "audio": base64.b64encode(data).decode("ascii")}))
+            await self.send_text(
+                json.dumps({"type": "audio", "context_id": context_id, "audio": base64.b64encode(data).decode("ascii")})
+            )
 
     async def race(self, work, timeout_s: float):
         """Await `work` for at most `timeout_s` (TimeoutError), or until the link breaks (LinkBroken). In the

@@ -1,5 +1,5 @@
-"""WebSocket sessions (/v1/stream): one client's session, its utterances (contexts) and their audio pumps, and
-the endpoint that admits a connection or resumes a session past the connection caps (docs/protocol.md)."""
+"""WebSocket sessions (/v1/stream, docs/protocol.md): a client's session, its utterances and their audio pumps."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,16 +12,27 @@ from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
 from serving import workers
-from serving.context import Hub, clients_of
-from serving.protocol import (CLIENT_MESSAGE, UNCOUNTED, Ack, Cancel, End, Flush, ProtocolError, Resume, Start,
-                              Text, check_text, validation_error)
+from serving.context import Hub
+from serving.protocol import (
+    CLIENT_MESSAGE,
+    UNCOUNTED,
+    Ack,
+    Cancel,
+    End,
+    Flush,
+    ProtocolError,
+    Resume,
+    Start,
+    Text,
+    check_text,
+    validation_error,
+)
 from serving.resume import Link, LinkBroken, ReplayLog, dropped
-from tts.rates import SAMPLE_RATE
 from tts.containers import AudioEncoder
+from tts.rates import SAMPLE_RATE
 from tts.text import TextError
 
 log = logging.getLogger("tts.server")
-RESUME_GRACE_S = 5.0  # how long a connection over the caps has to say it resumes a waiting session
 
 
 class Session:
@@ -71,7 +82,7 @@ class Session:
         token it used); the rest of each context's output is sent first. Returns (session, resume) when the
         client resumed another session on this socket, else None."""
         if self.closed:  # expired just as a resume named it
-            await ws.send_text(json.dumps(_error(ProtocolError("resume_expired", "the session has expired"))))
+            await ws.send_text(json.dumps(error_message(ProtocolError("resume_expired", "the session has expired"))))
             return None
         if self.link is not None:
             self.link.cut(replaced=True)  # the server still thought the old socket alive: it is half-open
@@ -127,8 +138,15 @@ class Session:
         self.hub.sessions.discard(self)
         self.place.release()
 
-    async def transmit(self, context_id: str | None, *, event: dict | None = None, audio: bytes | None = None,
-                       keep: bool = True, wait: bool = True) -> None:
+    async def transmit(
+        self,
+        context_id: str | None,
+        *,
+        event: dict | None = None,
+        audio: bytes | None = None,
+        keep: bool = True,
+        wait: bool = True,
+    ) -> None:
         """Send an event or audio on a context. `keep`: log it for a resume (all but `queued` and the answers to
         a resume). While there is no socket: a pump (`wait`) waits for the resume (meanwhile its engine stream
         fills and pauses); the others leave a kept message to the resume's replay."""
@@ -158,7 +176,7 @@ class Session:
                     self._unlink(link)
 
     async def send_error(self, err: ProtocolError, context_id: str | None = None, **how) -> None:
-        await self.transmit(context_id, event=_error(err), **how)
+        await self.transmit(context_id, event=error_message(err), **how)
 
     async def _send(self, link: Link, context_id: str | None, event: dict | None, audio: bytes | None) -> None:
         if audio is None:
@@ -208,7 +226,7 @@ class Session:
 
     # ---- resuming --------------------------------------------------------------------------------
     @staticmethod
-    def claim(hub: Hub, msg: Resume) -> tuple["Session", tuple]:
+    def claim(hub: Hub, msg: Resume) -> tuple[Session, tuple]:
         """(the session `msg.token` names, (where each of its contexts resumes, the token)), or resume_expired /
         resume_used / resume_offset. Claiming spends the token (synchronously: of two resumes racing with one
         token, one wins)."""
@@ -216,15 +234,23 @@ class Session:
             return relay, None
         tokens = hub.resume_tokens
         if msg.token in tokens and tokens[msg.token] is None:
-            raise ProtocolError("resume_used", "this resume token has been used; a resumed session's token is the "
-                                "one its `resumed` event gave")
+            raise ProtocolError(
+                "resume_used",
+                "this resume token has been used; a resumed session's token is the one its `resumed` event gave",
+            )
         target = tokens.get(msg.token)
         if target is None or target.closed:
-            window = (f"{hub.limits.resume_window_s:g} s, and a client keeps at most "
-                      f"{hub.limits.max_connections_per_client} sessions waiting, the oldest expiring first"
-                      if hub.limits.resume_window_s else "off on this server")
-            raise ProtocolError("resume_expired", f"no session to resume: the token is unknown, or its session "
-                                f"has ended or expired (the resume window is {window})")
+            window = (
+                f"{hub.limits.resume_window_s:g} s, and a client keeps at most "
+                f"{hub.limits.max_connections_per_client} sessions waiting, the oldest expiring first"
+                if hub.limits.resume_window_s
+                else "off on this server"
+            )
+            raise ProtocolError(
+                "resume_expired",
+                f"no session to resume: the token is unknown, or its session "
+                f"has ended or expired (the resume window is {window})",
+            )
         positions = {p.context_id: (p.bytes, p.events) for p in msg.contexts}
         for context_id, (nbytes, events) in positions.items():
             try:
@@ -242,8 +268,16 @@ class Session:
     async def _replay(self, link: Link, positions: dict) -> None:
         """`resumed`, then what each context's client lacks, in order. Only entries logged before this socket:
         later ones are their senders' to send."""
-        await link.send_text(json.dumps({"type": "resumed", "resume_token": self.token,
-                                         "resume_window_s": self.limits.resume_window_s, "received": self.received}))
+        await link.send_text(
+            json.dumps(
+                {
+                    "type": "resumed",
+                    "resume_token": self.token,
+                    "resume_window_s": self.limits.resume_window_s,
+                    "received": self.received,
+                }
+            )
+        )
         for context_id, (nbytes, events) in positions.items():
             for entry in self._log_or_empty(context_id).since(nbytes, events):
                 if entry.seq < link.first_seq:
@@ -272,8 +306,15 @@ class Session:
                 await self.close()
                 with contextlib.suppress(WebSocketDisconnect, WebSocketDisconnected, OSError, TimeoutError):
                     async with asyncio.timeout(1.0):  # a client that reads nothing gets no goodbye
-                        await link.send_text(json.dumps(_error(ProtocolError(
-                            "idle_timeout", f"no text and no audio for {self.limits.idle_timeout_s:g} s"))))
+                        await link.send_text(
+                            json.dumps(
+                                error_message(
+                                    ProtocolError(
+                                        "idle_timeout", f"no text and no audio for {self.limits.idle_timeout_s:g} s"
+                                    )
+                                )
+                            )
+                        )
                         await link.ws.close(1000, "idle_timeout")
                 return None
             try:
@@ -308,7 +349,7 @@ class Session:
             err.keep = parsed.type != "resume"
             raise
 
-    def _utterance(self, context_id: str | None, what: str) -> "ContextUtterance":
+    def _utterance(self, context_id: str | None, what: str) -> ContextUtterance:
         utterance = self.utterances.get(context_id)
         if utterance is None:
             raise ProtocolError("bad_state", f"{what} is not allowed now: send start first")
@@ -318,11 +359,15 @@ class Session:
 
     async def _on_start(self, msg: Start) -> None:
         if (current := self.utterances.get(msg.context_id)) is not None:
-            raise ProtocolError("bad_state", f"an utterance is {current.state} here: end or cancel it and wait "
-                                "for done, or use another context_id")
+            raise ProtocolError(
+                "bad_state",
+                f"an utterance is {current.state} here: end or cancel it and wait for done, or use another context_id",
+            )
         if len(self.utterances) >= self.limits.max_contexts:
-            raise ProtocolError("too_many_contexts", f"{len(self.utterances)} utterances are open on this socket, "
-                                f"the most one may have; end one first")
+            raise ProtocolError(
+                "too_many_contexts",
+                f"{len(self.utterances)} utterances are open on this socket, the most one may have; end one first",
+            )
         await self.hub.engine()
         voice = self.hub.resolve_voice(msg.voice)
         self.utterances[msg.context_id] = ContextUtterance(self, msg, voice)
@@ -362,7 +407,7 @@ class _Resumed(Exception):
     """The client resumed another session on this socket: args (session, (positions, token))."""
 
 
-def _error(err: ProtocolError) -> dict:
+def error_message(err: ProtocolError) -> dict:
     return {"type": "error", "code": err.code, "message": err.message}
 
 
@@ -386,8 +431,9 @@ class ContextUtterance:
         self.chars, self.samples, self.cancelled = 0, 0, False
         self.first_text_at = self.first_audio_at = None
         self.encoder = AudioEncoder(start.format, start.sample_rate)
-        self.opening = asyncio.ensure_future(session.hub.open(session.clients, voice, start.speed, start.seed,
-                                                              self._queued))
+        self.opening = asyncio.ensure_future(
+            session.hub.open(session.clients, voice, start.speed, start.seed, self._queued)
+        )
         self.task = asyncio.create_task(self._run())
 
     def push(self, kind: str, text: str = "") -> None:
@@ -471,9 +517,17 @@ class ContextUtterance:
                 self._apply(kind, text)
             self.pending = []
             seed = {} if self.start.seed is None else {"seed": self.start.seed}
-            await self._event({"type": "ready", "sample_rate": self.encoder.rate, "format": self.start.format,
-                               "voice": self.stream.voice, "speed": self.start.speed, **seed,
-                               **self.session.offer_resume()})
+            await self._event(
+                {
+                    "type": "ready",
+                    "sample_rate": self.encoder.rate,
+                    "format": self.start.format,
+                    "voice": self.stream.voice,
+                    "speed": self.start.speed,
+                    **seed,
+                    **self.session.offer_resume(),
+                }
+            )
             await self._pump()
         except ProtocolError as err:
             if self.stream is None:  # refused before ready: no utterance was opened
@@ -490,8 +544,9 @@ class ContextUtterance:
             await self._finish(failed=True)
 
     async def _queued(self, position: int) -> None:
-        await self.session.transmit(self.context_id, event={"type": "queued", "position": position}, keep=False,
-                                    wait=False)  # a place in the queue is news only while it holds
+        await self.session.transmit(
+            self.context_id, event={"type": "queued", "position": position}, keep=False, wait=False
+        )  # a place in the queue is news only while it holds
 
     async def _pump(self) -> None:
         """Engine -> socket. Each send waits while the socket is backed up, and no read happens meanwhile,
@@ -533,44 +588,13 @@ class ContextUtterance:
         if self.first_text_at is not None and self.first_audio_at is not None:
             ttfa = round((self.first_audio_at - self.first_text_at) * 1000, 1)
         stats = self.stream.stats if self.stream is not None else {"rtf": None, "ttfa_ms": None}
-        await self._event({"type": "done", "cancelled": self.cancelled or failed,
-                           "audio_seconds": round(self.samples / SAMPLE_RATE, 3), "ttfa_ms": ttfa,
-                           "rtf": stats["rtf"], "engine_ttfa_ms": stats["ttfa_ms"]})
-
-
-async def stream_endpoint(ws: WebSocket) -> None:
-    hub: Hub = ws.app.state.hub
-    clients = clients_of(ws.scope, hub)
-    await ws.accept()
-    try:
-        step = (Session(hub, clients, hub.admission.connect(clients)), None)
-    except ProtocolError as err:
-        step = await _resume_past_caps(ws, hub, err)
-    while step is not None:  # a resume moves the socket to the session it names
-        session, resume = step
-        try:
-            step = await session.serve(ws, resume)
-        except Exception:  # a bug must cost one connection, never the server
-            log.exception("WebSocket session failed")
-            await session.close()
-            step = None
-
-
-async def _resume_past_caps(ws: WebSocket, hub: Hub, refusal: ProtocolError) -> tuple | None:
-    """A connection over the connection caps may still resume a session that waits for it: that session's own
-    place in the caps is what it takes (else a client whose every connection dropped at once could not come back,
-    its waiting sessions filling its cap). (session, resume) when its first message resumes one; else the
-    refusal (or why the resume failed) is sent, the socket closed (1013: try again later), and None returned."""
-    if any(session.link is None for session in hub.sessions):
-        with contextlib.suppress(TimeoutError, ValidationError, TypeError, KeyError):
-            async with asyncio.timeout(RESUME_GRACE_S):
-                message = await ws.receive()
-            if isinstance(msg := CLIENT_MESSAGE.validate_json(message["text"]), Resume):
-                try:
-                    return Session.claim(hub, msg)
-                except ProtocolError as err:
-                    refusal = err
-    with contextlib.suppress(WebSocketDisconnect, WebSocketDisconnected, OSError):
-        await ws.send_text(json.dumps(_error(refusal)))
-        await ws.close(1013, refusal.code)
-    return None
+        await self._event(
+            {
+                "type": "done",
+                "cancelled": self.cancelled or failed,
+                "audio_seconds": round(self.samples / SAMPLE_RATE, 3),
+                "ttfa_ms": ttfa,
+                "rtf": stats["rtf"],
+                "engine_ttfa_ms": stats["ttfa_ms"],
+            }
+        )

@@ -18,6 +18,7 @@ after it was ready (its sessions are lost: a resume of one gets resume_expired),
 when one dies while starting (missing weights, say: a restart would fail again), and on SIGINT/SIGTERM stops
 all of them. A worker dies with its parent (PR_SET_PDEATHSIG), so even a killed parent leaves no orphan.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,7 +37,6 @@ import urllib.request
 from dataclasses import dataclass
 
 import numpy as np
-
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from websockets.protocol import State
@@ -54,6 +54,7 @@ STATS_REUSE_S = 0.05  # PoolView: figures this fresh are not asked for again
 @dataclass(frozen=True)
 class Worker:
     """One worker's place in the pool: its index and every worker's private loopback address, by index."""
+
     index: int
     peers: tuple[tuple[str, int], ...]
 
@@ -122,17 +123,32 @@ class Relay:
         url = f"ws://{self.owner[0]}:{self.owner[1]}{ws.scope['path']}" + (f"?{query}" if query else "")
         headers = [(k, v) for k, v in ws.headers.items() if k in FORWARDED_HEADERS]
         try:
-            owner = await connect(url, additional_headers=headers, compression=None, max_size=None,
-                                  open_timeout=RELAY_OPEN_TIMEOUT_S, ping_interval=None)
+            owner = await connect(
+                url,
+                additional_headers=headers,
+                compression=None,
+                max_size=None,
+                open_timeout=RELAY_OPEN_TIMEOUT_S,
+                ping_interval=None,
+            )
         except (OSError, InvalidHandshake, TimeoutError) as err:
             log.warning("resume relay to worker at %s:%d failed: %s", *self.owner, err)
             with contextlib.suppress(Exception):
-                await ws.send_text(json.dumps({"type": "error", "code": "resume_expired", "message": "no session "
-                                               "to resume: the worker that served it is not running"}))
+                await ws.send_text(
+                    json.dumps(
+                        {
+                            "type": "error",
+                            "code": "resume_expired",
+                            "message": "no session to resume: the worker that served it is not running",
+                        }
+                    )
+                )
                 await ws.close(1013, "resume_expired")
             return None
-        legs = [asyncio.create_task(_client_to_owner(ws, owner, self.resume)),
-                asyncio.create_task(_owner_to_client(owner, ws))]
+        legs = [
+            asyncio.create_task(_client_to_owner(ws, owner, self.resume)),
+            asyncio.create_task(_owner_to_client(owner, ws)),
+        ]
         _, pending = await asyncio.wait(legs, return_when=asyncio.FIRST_COMPLETED)
         for leg in pending:
             leg.cancel()
@@ -221,8 +237,12 @@ class Supervisor:
 
     def _spawn(self, i: int) -> None:
         parent_end, child_end = self._context.Pipe(duplex=False)
-        process = self._context.Process(target=self.target, name=f"tts-worker-{i}", daemon=False,
-                                        args=(self.workers[i], self.public[i], self.private[i], child_end, *self.args))
+        process = self._context.Process(
+            target=self.target,
+            name=f"tts-worker-{i}",
+            daemon=False,
+            args=(self.workers[i], self.public[i], self.private[i], child_end, *self.args),
+        )
         process.start()
         child_end.close()
         self.processes[i], self.ready[i] = process, parent_end
@@ -235,8 +255,11 @@ class Supervisor:
                 ready.recv()
                 return
         process.join(1)
-        why = f"exit code {process.exitcode}" if process.exitcode is not None else \
-            f"not listening after {self.start_timeout_s:g} s"
+        why = (
+            f"exit code {process.exitcode}"
+            if process.exitcode is not None
+            else f"not listening after {self.start_timeout_s:g} s"
+        )
         raise ChildProcessError(f"server worker {i} failed to start ({why}); see its log above")
 
     def run(self) -> None:
@@ -246,8 +269,12 @@ class Supervisor:
             while not self._stopping:
                 for i, process in enumerate(self.processes):
                     if process.exitcode is not None and not self._stopping:
-                        log.error("server worker %d (pid %d) died with exit code %s: restarting it (its "
-                                  "sessions are lost)", i, process.pid, process.exitcode)
+                        log.error(
+                            "server worker %d (pid %d) died with exit code %s: restarting it (its sessions are lost)",
+                            i,
+                            process.pid,
+                            process.exitcode,
+                        )
                         self.restarts += 1
                         self._spawn(i)
                         self._await_ready(i)  # ChildProcessError (the server stops) if it cannot start again
@@ -290,11 +317,13 @@ def cpu_seconds(pid: int) -> float:
 
 def notify_when_listening(server, ready) -> asyncio.Task:
     """A task that sends one message on ``ready`` once the uvicorn ``server`` listens on all its sockets."""
+
     async def watch():
         while not server.started:
             await asyncio.sleep(0.01)
         ready.send(os.getpid())
         ready.close()
+
     return asyncio.get_running_loop().create_task(watch())
 
 
@@ -340,8 +369,12 @@ def merge(figures: list[dict]):
     {"p50": 5}}] -> {"parks": 3, "tick_ms": {"p50": 5}}."""
     first = figures[0]
     if isinstance(first, dict):
-        return {key: max((f[key] for f in figures if f.get(key) is not None), default=None) if key in PERCENTILES
-                else merge([f[key] for f in figures if key in f]) for key in first}
+        return {
+            key: max((f[key] for f in figures if f.get(key) is not None), default=None)
+            if key in PERCENTILES
+            else merge([f[key] for f in figures if key in f])
+            for key in first
+        }
     if isinstance(first, (int, float)) or first is None:
         numbers = [f for f in figures if f is not None]
         return sum(numbers) if numbers else None

@@ -17,6 +17,7 @@ One connection, one utterance at a time:
 Audio is s16le mono at the engine's sample rate (24 kHz). Uses only the engine's public API, so one engine
 can serve the HTTP/WebSocket server and this one at once (``tts serve --wyoming-uri``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,13 +37,13 @@ from wyoming.server import AsyncEventHandler, AsyncServer
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-from tts.containers import AudioEncoder
 from streaming.errors import EngineError, ServerFull, UnknownVoice
+from tts.containers import AudioEncoder
 from tts.text import TextError
 from tts.voices import attribution
 
 LANGUAGE = "en_US"
-OPEN_WAIT_S = 5.0   # how long a request waits for a free engine slot before `server_full`
+OPEN_WAIT_S = 5.0  # how long a request waits for a free engine slot before `server_full`
 SAMPLE_WIDTH, CHANNELS = 2, 1  # s16le mono
 SERVICE_TYPE = "_wyoming._tcp.local."  # what Home Assistant browses for
 _LOG = logging.getLogger(__name__)
@@ -58,17 +59,32 @@ class RequestError(Exception):
 
 def describe(engine) -> Info:
     """The ``info`` answer: one TTS program with every voice of the engine."""
-    voices = [TtsVoice(name=name, attribution=Attribution(name=attribution(preset), url=""), installed=True,
-                       description=preset.get("description"), version=None, languages=[LANGUAGE])
-              for name, preset in engine.voices.items()]
-    program = TtsProgram(name="tts", attribution=Attribution(name="tts (streaming text-to-speech)", url=""),
-                         installed=True, description="Streaming text-to-speech that speaks while text arrives",
-                         version=_version(), voices=voices, supports_synthesize_streaming=True)
+    voices = [
+        TtsVoice(
+            name=name,
+            attribution=Attribution(name=attribution(preset), url=""),
+            installed=True,
+            description=preset.get("description"),
+            version=None,
+            languages=[LANGUAGE],
+        )
+        for name, preset in engine.voices.items()
+    ]
+    program = TtsProgram(
+        name="tts",
+        attribution=Attribution(name="tts (streaming text-to-speech)", url=""),
+        installed=True,
+        description="Streaming text-to-speech that speaks while text arrives",
+        version=_version(),
+        voices=voices,
+        supports_synthesize_streaming=True,
+    )
     return Info(tts=[program])
 
 
 def _version() -> str | None:
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version("tts")
     except PackageNotFoundError:
@@ -233,7 +249,7 @@ class WyomingServer:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tts-wyoming", daemon=True)
 
-    def start(self) -> "WyomingServer":
+    def start(self) -> WyomingServer:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
         _LOG.info("Wyoming server listening on %s", self.uri)
@@ -256,7 +272,7 @@ class WyomingServer:
             self._thread.join(timeout=10)
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def __enter__(self) -> "WyomingServer":
+    def __enter__(self) -> WyomingServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -272,8 +288,12 @@ class _Announcement:
         if parsed.scheme != "tcp":
             raise ValueError(f"zeroconf needs a tcp:// URI, not {uri!r}")
         host = parsed.hostname if parsed.hostname not in ("0.0.0.0", "::", "") else _lan_address()
-        self.info = AsyncServiceInfo(SERVICE_TYPE, f"{name or 'tts-' + socket.gethostname()}.{SERVICE_TYPE}",
-                                     addresses=[socket.inet_aton(host)], port=parsed.port)
+        self.info = AsyncServiceInfo(
+            SERVICE_TYPE,
+            f"{name or 'tts-' + socket.gethostname()}.{SERVICE_TYPE}",
+            addresses=[socket.inet_aton(host)],
+            port=parsed.port,
+        )
         self._zeroconf: AsyncZeroconf | None = None
 
     async def start(self) -> None:

@@ -7,10 +7,12 @@ tick, collects it and hands chunks out through it, and never asks which one it h
   graph on a CUDA stream of its own, overlapping the next AR step) into an `AudioOutbox`, and due chunks are
   handed out from there on the same schedule.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Protocol, cast
+from collections.abc import Callable
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -24,6 +26,7 @@ from tts.codec import Codec
 
 class CodecPath(Protocol):
     """What the engine's tick asks of the codec side (`CpuCodecPath`, `FrameCodecPath`)."""
+
     overlaps: bool  # the tick just launched stays in flight while the host collects the one before
     keeps_codes: bool  # the slots keep each frame's codes for a chunk decode (`Slots.advance`)
     captures_ticks: bool  # a GPU's tick may be one CUDA graph (the step and its bookkeeping)
@@ -46,6 +49,7 @@ class CodecPath(Protocol):
 
 class CpuCodecPath:
     """Chunks decoded on the codec worker's thread, in the order the engine thread hands them over."""
+
     overlaps, keeps_codes, captures_ticks, snapshots = False, True, False, True
 
     def __init__(self, codec: Codec, batch: int, device: torch.device, slots: Slots):
@@ -104,6 +108,7 @@ class CpuCodecPath:
 
 class FrameCodecPath:
     """Every completed frame decoded in the tick that made it; chunks handed out from the outbox."""
+
     overlaps, keeps_codes, captures_ticks, snapshots = True, False, True, False
 
     def __init__(self, codec: Codec, batch: int, device: torch.device, row_mask: Callable[[list[int]], torch.Tensor]):
@@ -112,8 +117,13 @@ class FrameCodecPath:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.device, self._row_mask = device, row_mask
         if device.type == "cuda":  # where each tick's table and audio reach the host, in turn
-            self._pinned = [(torch.zeros(batch, len(META), dtype=torch.long, pin_memory=True),
-                             torch.zeros(batch, codec.cfg.hop, pin_memory=True)) for _ in range(4)]
+            self._pinned = [
+                (
+                    torch.zeros(batch, len(META), dtype=torch.long, pin_memory=True),
+                    torch.zeros(batch, codec.cfg.hop, pin_memory=True),
+                )
+                for _ in range(4)
+            ]
         self.codec_ms = Recent(FIGURES_KEPT, width=2)  # (ms, frames) per codec call
         self._resets: list[int] = []  # slots whose frame decoder state restarts at the next tick
 

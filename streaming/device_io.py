@@ -1,4 +1,5 @@
 """Small host tables onto the device without a host sync (through pinned memory on a GPU)."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,5 +1,6 @@
 """The hand-off from events to the device: what this tick's events changed (`DeviceUpdates`), applied once per tick
 as batched ops (`Events._apply`), and the host's copy of the per-slot flags it last wrote (`HostFlags`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from streaming.slots import Slots
 @dataclass
 class DeviceUpdates:
     """Event updates waiting for the next tick: slots freed, streams started, flags to set."""
+
     frees: list[int] = field(default_factory=list)
     starts: list[Utterance] = field(default_factory=list)
     flags: list[Utterance] = field(default_factory=list)  # closed/ended to recompute

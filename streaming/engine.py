@@ -21,6 +21,7 @@ Open streams and slots are counted apart: `open` admits up to ``max_open`` strea
 the ``max_streams`` slots only while it can speak; a stream that could not step for ``park_after_s`` is parked
 and its slot goes to the next stream waiting for one (`streaming.parking_policy`).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -31,16 +32,16 @@ import threading
 import time
 import traceback
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 
 from streaming.codec_path import CpuCodecPath, FrameCodecPath
 from streaming.device_io import HostToDevice
-from streaming.errors import BadState, EngineError, ParkedStateLost, ServerFull, UnknownVoice
 from streaming.device_updates import DeviceUpdates, HostFlags
+from streaming.errors import BadState, EngineError, ParkedStateLost, ServerFull, UnknownVoice
 from streaming.events import Events, step_kind_of
 from streaming.live_figures import FIGURES_KEPT, Recent
 from streaming.parking import ParkingConfig, ParkingStore
@@ -61,8 +62,19 @@ from tts.model import TTSModel
 from tts.text import MAX_TEXT_CHARS
 from tts.voices import blend_preset
 
-__all__ = ["BadState", "CPU_STREAMS", "Engine", "EngineError", "GPU_STREAMS_CAP", "ParkedStateLost", "SamplingConfig", "TICK_PHASES",
-           "ServerFull", "UnknownVoice", "default_max_streams"]
+__all__ = [
+    "BadState",
+    "CPU_STREAMS",
+    "Engine",
+    "EngineError",
+    "GPU_STREAMS_CAP",
+    "ParkedStateLost",
+    "SamplingConfig",
+    "TICK_PHASES",
+    "ServerFull",
+    "UnknownVoice",
+    "default_max_streams",
+]
 StepFactory = Callable[..., Callable]  # factory(model, caches, batch, device) -> step (see COMMON contracts)
 # On a GPU the engine thread shares the interpreter lock with every reader and the text thread; when it asks
 # for the lock back (after a device wait) the holder keeps it up to the switch interval (Python's default 5 ms):
@@ -83,13 +95,28 @@ class Engine(Events, Prefill, ParkingPolicy, TickRunner):
     """Many streams on one batch of slots (module docstring). Its parts: `Events`, `Prefill`, `ParkingPolicy`,
     `TickRunner` (one job each, on the engine thread), `SlotTable`, and the codec path (`CpuCodecPath` or
     `FrameCodecPath`)."""
+
     _cores_split = False
 
-    def __init__(self, model: TTSModel, codec: Codec, voices: dict[str, dict], max_streams: int | None = None,
-                 device: str = "cpu", sampling: SamplingConfig | None = None, max_chars: int = MAX_TEXT_CHARS,
-                 max_queued_seconds: float = 4.0, seed: int = 0, step_factory: StepFactory | None = None,
-                 max_waiting: int | None = None, frame_codec: bool | None = None, max_open: int | None = None,
-                 parking: ParkingConfig | None = None, speculative: bool = True, text_process: bool | None = None):
+    def __init__(
+        self,
+        model: TTSModel,
+        codec: Codec,
+        voices: dict[str, dict],
+        max_streams: int | None = None,
+        device: str = "cpu",
+        sampling: SamplingConfig | None = None,
+        max_chars: int = MAX_TEXT_CHARS,
+        max_queued_seconds: float = 4.0,
+        seed: int = 0,
+        step_factory: StepFactory | None = None,
+        max_waiting: int | None = None,
+        frame_codec: bool | None = None,
+        max_open: int | None = None,
+        parking: ParkingConfig | None = None,
+        speculative: bool = True,
+        text_process: bool | None = None,
+    ):
         self.model, self.codec, self.device = model.eval(), codec.eval(), torch.device(device)
         self.cfg, self.voices = model.cfg, voices
         self.default_voice = next((n for n, v in voices.items() if v.get("default")), next(iter(voices)))
@@ -124,8 +151,15 @@ class Engine(Events, Prefill, ParkingPolicy, TickRunner):
         self._views: dict[int, StepCaches] = {}
         self.step_kind = step_kind_of(step_factory)
         self._graphs = self._tick_graphs()
-        self.mover = SlotMover(self.store, self.caches, self.slots, self.device, self.max_streams,
-                               max_open=self.max_open, **self.codec_path.mover_rows())
+        self.mover = SlotMover(
+            self.store,
+            self.caches,
+            self.slots,
+            self.device,
+            self.max_streams,
+            max_open=self.max_open,
+            **self.codec_path.mover_rows(),
+        )
         if self.device.type == "cuda":  # pinned rows for parking now (each cudaHostAlloc costs ms), not in a park:
             self.mover.prepare()  # a server need not call warm_up
         self._build_host_tables(self.max_streams)
@@ -165,8 +199,13 @@ class Engine(Events, Prefill, ParkingPolicy, TickRunner):
         """What the engine thread alone keeps per slot: O(1) per event to update, numpy where a tick scans."""
         self.table = SlotTable(batch)
         self._parking: list[Utterance] = []  # holds and detaches waiting for the tick in flight (frame codec)
-        self.counters = {"parks": 0, "restores": 0, "slot_waits": 0, "revised_units": 0,
-                         "confirmed_units": 0}  # revised: encoded again; confirmed: with all their right context
+        self.counters = {
+            "parks": 0,
+            "restores": 0,
+            "slot_waits": 0,
+            "revised_units": 0,
+            "confirmed_units": 0,
+        }  # revised: encoded again; confirmed: with all their right context
         self.slot_wait_ms = Recent(FIGURES_KEPT)
         self._todo = DeviceUpdates()  # event updates for the device, applied at the next tick
         self._flags = HostFlags(self.slots, ("closed", "ended", "paused"))  # what the device's flags hold
@@ -175,13 +214,26 @@ class Engine(Events, Prefill, ParkingPolicy, TickRunner):
         self._ticks = 0
         self._inflight: deque = deque()
         self._unstepped: list[Utterance] = []  # started, not yet stepped: their first step is marked (`_collect`)
-        self._handlers = {"start": self._on_start, "cancel": self._on_cancel, "text": self._on_text,
-                          "flow": self._on_flow, "warm": self._on_warm, "attach": self._on_attach,
-                          "hold": self._on_hold}
+        self._handlers = {
+            "start": self._on_start,
+            "cancel": self._on_cancel,
+            "text": self._on_text,
+            "flow": self._on_flow,
+            "warm": self._on_warm,
+            "attach": self._on_attach,
+            "hold": self._on_hold,
+        }
 
     # ---- public API -------------------------------------------------------------------------
-    def open(self, voice: str | None = None, speed: float = 1.0, *, seed: int | None = None,
-             lookahead_words: int | None = None, wait_s: float = 0.0) -> Stream:
+    def open(
+        self,
+        voice: str | None = None,
+        speed: float = 1.0,
+        *,
+        seed: int | None = None,
+        lookahead_words: int | None = None,
+        wait_s: float = 0.0,
+    ) -> Stream:
         """A new stream. ``voice``: a shipped voice's name or a blend of them (``"joe:0.6+kumo:0.4"``, see
         `voice_preset`). ``seed`` fixes its sampling noise and so its audio, bit for bit, whatever else runs; unseeded
         streams draw one from the engine's generator. When ``max_open`` streams are open, wait up to ``wait_s``
@@ -247,6 +299,7 @@ class Engine(Events, Prefill, ParkingPolicy, TickRunner):
 
     def stats(self) -> dict:
         """Live figures for a health endpoint: streams, the queue, and recent tick/step/codec times (ms)."""
+
         def recent(figure: Recent, column: int | None = None):
             values = figure.values(last=2000)
             values = values if column is None else values[:, column]
@@ -254,15 +307,26 @@ class Engine(Events, Prefill, ParkingPolicy, TickRunner):
                 return {"p50": None, "p99": None}
             p50, p99 = np.nanpercentile(values, [50, 99])
             return {"p50": round(float(p50), 3), "p99": round(float(p99), 3)}
-        return {"active_streams": self.admission.held, "queued": self.admission.queued, "max_streams": self.max_streams,
-                "max_open": self.max_open, "slots_used": int(self.table.live.sum()), "waiting_for_slot":
-                len(self.table.starts) + len(self.table.restores), **self.counters, "slot_wait_ms": recent(self.slot_wait_ms),
-                "parking": self.store.stats(), "step_kind": self.step_kind, "tick_ms": recent(self.tick_ms),
-                "step_ms": recent(self.step_ms), "codec_ms": recent(self.codec_ms, 0),
-                "slowest_ticks_ms": self._slowest_ticks(),
-                "start_latency_ms": round(self.start_latency.estimate() * 1000, 1),
-                "units_spoken_speculative": int(self._spoken_speculative),
-                "codec_queued": self.codec_path.queued()}
+
+        return {
+            "active_streams": self.admission.held,
+            "queued": self.admission.queued,
+            "max_streams": self.max_streams,
+            "max_open": self.max_open,
+            "slots_used": int(self.table.live.sum()),
+            "waiting_for_slot": len(self.table.starts) + len(self.table.restores),
+            **self.counters,
+            "slot_wait_ms": recent(self.slot_wait_ms),
+            "parking": self.store.stats(),
+            "step_kind": self.step_kind,
+            "tick_ms": recent(self.tick_ms),
+            "step_ms": recent(self.step_ms),
+            "codec_ms": recent(self.codec_ms, 0),
+            "slowest_ticks_ms": self._slowest_ticks(),
+            "start_latency_ms": round(self.start_latency.estimate() * 1000, 1),
+            "units_spoken_speculative": int(self._spoken_speculative),
+            "codec_queued": self.codec_path.queued(),
+        }
 
     def _slowest_ticks(self, last: int = 2000) -> dict:
         """What the slowest 1 % of the last ``last`` ticks spent their time on, mean ms per part: events and
@@ -273,8 +337,7 @@ class Engine(Events, Prefill, ParkingPolicy, TickRunner):
         if not len(ticks) or len(ticks) != len(parts):
             return {}
         slow = parts[ticks >= np.percentile(ticks, 99)] * 1000
-        return {name: round(float(value), 1) for name, value in zip(TICK_PHASES,
-                                                                      slow.mean(0))}
+        return {name: round(float(value), 1) for name, value in zip(TICK_PHASES, slow.mean(0))}
 
     @property
     def active_streams(self) -> int:
@@ -351,8 +414,9 @@ class Engine(Events, Prefill, ParkingPolicy, TickRunner):
         if launched:
             ended = time.perf_counter()
             self.tick_ms.append((ended - started) * 1000)
-            self.tick_phases.append((handled - started, collecting - handled, self._waited,
-                                     ended - collecting - self._waited))
+            self.tick_phases.append(
+                (handled - started, collecting - handled, self._waited, ended - collecting - self._waited)
+            )
         return launched or bool(self._inflight)
 
 

@@ -1,11 +1,13 @@
 """What the engine's parts share: the state `Engine.__init__` builds (its one home is the engine object) and the
 calls one part makes on another. `Events`, `Prefill`, `ParkingPolicy` and `TickRunner` derive from it, so each
 part says in one place, typed, what it may touch; `Engine` puts them together."""
+
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +32,7 @@ if TYPE_CHECKING:  # types only: the parts import this module, never the engine
 class EngineState:
     """The engine's state, by owner: the model side, the slots and caches, the codec path, the slot table, the
     parking store and mover, the event hand-offs, and the figures."""
+
     # the model side
     model: TTSModel
     codec: Codec

@@ -1,4 +1,5 @@
 """The engine's typed errors: every one a stream can end with, or a caller can get, with its protocol code."""
+
 from __future__ import annotations
 
 
@@ -21,4 +22,5 @@ class ParkedStateLost(EngineError):
 
 class BadState(EngineError, ValueError):
     """`Engine.attach` was given bytes that are not a stream state of an engine with the same weights."""
+
     code = "bad_state"

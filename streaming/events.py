@@ -2,6 +2,7 @@
 falling behind or catching up), handled on the engine thread in O(number of events), the slot grants they lead
 to, and their device updates, applied once per tick as batched ops (`_apply`). A mixin of `Engine`; the
 hand-off between the two halves is `DeviceUpdates`."""
+
 from __future__ import annotations
 
 import threading
@@ -44,8 +45,12 @@ class Events(EngineState):
             except Exception as err:  # this stream's event failed: it alone ends, with a typed error
                 traceback.print_exc()
                 if stream is not None:
-                    self._fail(stream, err if isinstance(err, (TextError, EngineError)) else
-                               EngineError(f"internal error: {type(err).__name__}: {err}"))
+                    self._fail(
+                        stream,
+                        err
+                        if isinstance(err, (TextError, EngineError))
+                        else EngineError(f"internal error: {type(err).__name__}: {err}"),
+                    )
         if self.store.has_lost:
             self._end_lost()
         if self._parking:
@@ -75,9 +80,18 @@ class Events(EngineState):
         if stream.cancelled:
             self._release()
             return
-        u = Utterance(stream, -1, preset, stream.speed * preset["pace"], units=list(host["units"]),
-                      unit_base=host["unit_base"], closed_upto=host["closed_upto"], text_ended=host["text_ended"],
-                      spoke=host["spoke"], **{name: host.get(name, host[old]) for name, old in zip(COUNTS, COUNTS_BEFORE)})
+        u = Utterance(
+            stream,
+            -1,
+            preset,
+            stream.speed * preset["pace"],
+            units=list(host["units"]),
+            unit_base=host["unit_base"],
+            closed_upto=host["closed_upto"],
+            text_ended=host["text_ended"],
+            spoke=host["spoke"],
+            **{name: host.get(name, host[old]) for name, old in zip(COUNTS, COUNTS_BEFORE)},
+        )
         self.table.by_stream[stream] = u
         if not rows:  # it never had a slot
             self._wait_for_slot(u, "start")
@@ -235,8 +249,9 @@ class Events(EngineState):
         granted = 0
         while self.table.free and (self.table.starts or self.table.restores) and granted < GRANTS_PER_TICK:
             granted += 1
-            u = next((r for r in self.table.restores if r.detach is None and self.store.want(cast(Parked, r.parked))),
-                     None)
+            u = next(
+                (r for r in self.table.restores if r.detach is None and self.store.want(cast(Parked, r.parked))), None
+            )
             if u is None and not self.table.starts:
                 return  # only restores whose state is still loading
             u = u or self.table.starts[0]
@@ -261,7 +276,7 @@ class Events(EngineState):
         self._todo.flags.append(u)  # text that came while it held no slot
         self._todo.paused.append((u, u.stream.paused))
 
-    def _apply(self, todo: "DeviceUpdates", prefill: list[tuple[Utterance, int]]) -> None:
+    def _apply(self, todo: DeviceUpdates, prefill: list[tuple[Utterance, int]]) -> None:
         """This tick's event updates on the device, each kind as one batched op: parked rows are copied out
         before freed rows are reset, restored rows written after new rows start."""
         upload, holds = self.io.upload, self.table.holds

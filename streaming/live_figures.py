@@ -1,5 +1,6 @@
 """Live figures (tick and step times, codec calls, slot waits) kept in fixed memory, so that a server's memory
 does not grow while they fill; `Timer` takes a tick's (or a park's) times."""
+
 from __future__ import annotations
 
 import time
@@ -71,7 +72,9 @@ class Timer:
 
     def elapsed(self) -> tuple[float, float | None]:
         """(step ms, codec ms or None)."""
+
         def ms(a, b):
             return a.elapsed_time(b) if self.cuda else (b - a) * 1000
+
         codec = ms(self.marks[2], self.marks[3]) if len(self.marks) == 4 else None
         return ms(self.marks[0], self.marks[1]), codec

@@ -22,6 +22,7 @@ next ``want`` answers True; the engine takes the rows (`take`) and the file is g
 `pack`/`unpack`: one stream's whole state as bytes, to continue it on another engine (`Engine.detach`/`attach`)
 with the same weights (`weights_fingerprint`). Copying states in and out of slots: `streaming.slot_mover`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,14 +34,14 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
 
-from streaming.parking_rows import RowLayout, RowPool  # noqa: F401  (the store's rows)
 from streaming.parked_file import FileInfo, read_state, remove_file, write_state
+from streaming.parking_rows import RowLayout, RowPool  # noqa: F401  (the store's rows)
 
 # Grace before a stalled stream is parked. A stream waiting for text usually gets it within a tick or two
 # (an LLM's next token), and a park + restore costs ~1 ms on 2 cores; half a second parks only real pauses
@@ -80,6 +81,7 @@ class ParkingConfig:
 class Parked:
     """One parked stream's slot state in host memory (or a file): a packed row of a `RowLayout` (``flat``),
     and named (1, ...) tensors beside it; `rows` names them all."""
+
     _ids = itertools.count()
 
     def __init__(self):
@@ -108,13 +110,13 @@ class Parked:
 
     @property
     def tier(self) -> str:
-        """"host" (its rows in memory), "disk" (only in its file) or "lost" (its file could not be read back)."""
+        """ "host" (its rows in memory), "disk" (only in its file) or "lost" (its file could not be read back)."""
         if self.error is not None:
             return "lost"
         return "disk" if self.path is not None and self.flat is None and not self.loose else "host"
 
     @classmethod
-    def of(cls, rows: dict[str, torch.Tensor]) -> "Parked":
+    def of(cls, rows: dict[str, torch.Tensor]) -> Parked:
         """A state whose rows are all there already (one attached from another engine)."""
         parked = cls()
         parked.add(rows)
@@ -134,8 +136,9 @@ class Parked:
         self.loose.update(rows)
         self._count()
 
-    def add_packed(self, flat: torch.Tensor, layout: RowLayout, pool: RowPool | None = None,
-                   row: int | None = None) -> None:
+    def add_packed(
+        self, flat: torch.Tensor, layout: RowLayout, pool: RowPool | None = None, row: int | None = None
+    ) -> None:
         """Its packed row ``flat``: row ``row`` of ``pool``'s slab, or (None) a tensor of its own."""
         self.flat, self.layout = flat, layout
         self.pool, self.pool_row = (pool, row) if row is not None else (None, None)
@@ -162,8 +165,24 @@ class Parked:
 class ParkingStore:
     """The parked states of one engine, bounded (`ParkingConfig`); the engine thread puts, wants and takes,
     ``io_threads`` I/O threads move states between host memory and disk (loads before spills)."""
-    KINDS = ("park", "restore", "spill", "load", "load_wait", "load_row_wait", "load_read", "spill_cpu", "load_cpu",
-             "park_host", "restore_host", "park_wait", "restore_wait", "park_host_cpu", "restore_host_cpu")
+
+    KINDS = (
+        "park",
+        "restore",
+        "spill",
+        "load",
+        "load_wait",
+        "load_row_wait",
+        "load_read",
+        "spill_cpu",
+        "load_cpu",
+        "park_host",
+        "restore_host",
+        "park_wait",
+        "restore_wait",
+        "park_host_cpu",
+        "restore_host_cpu",
+    )
 
     def __init__(self, config: ParkingConfig, on_loaded: Callable[[], None]):
         self.config, self.on_loaded = config, on_loaded
@@ -270,14 +289,22 @@ class ParkingStore:
             kind, start, end, count = self._device_times.popleft()
             self.note(kind, start.elapsed_time(end), count)
         with self._cond:
-            figures = {"parked": self.tiers(), "host_bytes": self.host_bytes, "disk_bytes": self.disk_bytes,
-                       "io_threads": self.config.io_threads, "failures": dict(self.failures)}
+            figures = {
+                "parked": self.tiers(),
+                "host_bytes": self.host_bytes,
+                "disk_bytes": self.disk_bytes,
+                "io_threads": self.config.io_threads,
+                "failures": dict(self.failures),
+            }
         if self.pool is not None:
             figures["pool"] = {"rows": self.pool.rows, "in_use": self.pool.in_use, "misses": self.pool.misses}
         for kind, values in self.times.items():
             values = list(values)[-5000:]
-            figures[f"{kind}_ms"] = {"count": len(self.times[kind]), "p50": _percentile(values, 50),
-                                     "p99": _percentile(values, 99)}
+            figures[f"{kind}_ms"] = {
+                "count": len(self.times[kind]),
+                "p50": _percentile(values, 50),
+                "p99": _percentile(values, 99),
+            }
         return figures
 
     def close(self) -> None:
@@ -324,9 +351,14 @@ class ParkingStore:
         on_their_way = sum(self._spilling.values())  # being written by other threads: count them on disk already
         over = self.host_bytes - on_their_way > self.config.max_host_bytes
         for parked in self._entries:  # oldest first
-            if parked.tier == "host" and not parked.wanted and not parked.loading and parked.captured.is_set() \
-                    and (over or parked.parked_at <= cutoff) \
-                    and self.disk_bytes + on_their_way + parked.nbytes <= self.config.max_disk_bytes:
+            if (
+                parked.tier == "host"
+                and not parked.wanted
+                and not parked.loading
+                and parked.captured.is_set()
+                and (over or parked.parked_at <= cutoff)
+                and self.disk_bytes + on_their_way + parked.nbytes <= self.config.max_disk_bytes
+            ):
                 parked.loading = True  # busy: not spilled twice
                 self._spilling[parked] = self._entries[parked]
                 return self._spill, parked
@@ -443,9 +475,16 @@ def pack(host: dict, rows: dict[str, torch.Tensor], unread: list[np.ndarray], fi
     """One stream's state as bytes: ``host`` (plain data), its slot ``rows`` (empty if it never had a slot),
     its ``unread`` audio, and the ``fingerprint`` of the weights it needs."""
     buffer = io.BytesIO()
-    torch.save({"format": BLOB_FORMAT, "fingerprint": fingerprint, "host": host,
-                "rows": {name: t.cpu().clone() for name, t in rows.items()},  # views of a packed row: copies
-                "unread": [torch.from_numpy(np.ascontiguousarray(c)) for c in unread]}, buffer)
+    torch.save(
+        {
+            "format": BLOB_FORMAT,
+            "fingerprint": fingerprint,
+            "host": host,
+            "rows": {name: t.cpu().clone() for name, t in rows.items()},  # views of a packed row: copies
+            "unread": [torch.from_numpy(np.ascontiguousarray(c)) for c in unread],
+        },
+        buffer,
+    )
     return buffer.getvalue()
 
 
@@ -461,8 +500,9 @@ def unpack(blob: bytes, fingerprint: str) -> tuple[dict, dict[str, torch.Tensor]
     if not isinstance(state, dict) or state.get("format") != BLOB_FORMAT:
         raise ValueError("not a stream state of this version")
     if state["fingerprint"] != fingerprint:
-        raise ValueError("this stream was made with other weights; it can only continue on an engine with the "
-                         "same model and codec")
+        raise ValueError(
+            "this stream was made with other weights; it can only continue on an engine with the same model and codec"
+        )
     return state["host"], state["rows"], [t.numpy() for t in state["unread"]]
 
 

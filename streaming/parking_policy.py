@@ -2,6 +2,7 @@
 restoring them, and moving a stream to another engine (`detach`/`attach`) or copying it (`snapshot`). The copies
 themselves are `SlotMover`'s; the store, `streaming.parking`. A mixin of `Engine` (its public `detach`,
 `attach`, `snapshot`; the rest on the engine thread)."""
+
 from __future__ import annotations
 
 import time
@@ -20,6 +21,7 @@ from streaming.stream import EngineInbox, Stream
 
 class ParkingPolicy(EngineState):
     """`Engine`'s parking, restoring and moving of streams."""
+
     _fingerprint: str | None = None
 
     def detach(self, stream: Stream, timeout: float = 30.0) -> bytes:
@@ -169,8 +171,10 @@ class ParkingPolicy(EngineState):
         for parked in self.store.lost():
             u = next((u for u in self.table.by_stream.values() if u.parked is parked), None)
             if u is not None:
-                self._fail(u.stream, ParkedStateLost(f"the stream's parked state could not be read back from "
-                                                     f"disk: {parked.error}"))
+                self._fail(
+                    u.stream,
+                    ParkedStateLost(f"the stream's parked state could not be read back from disk: {parked.error}"),
+                )
 
     def _park_soon(self, u: Utterance) -> None:
         """Park ``u``'s slot in this tick's updates; if the tick in flight may be stepping it (the frame codec),

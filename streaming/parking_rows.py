@@ -1,5 +1,6 @@
 """Where parked slots' rows live in memory: `RowLayout` (each tensor's place in one flat row) and `RowPool` (a
 pool of such rows, pinned on a GPU, so that parking allocates nothing)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -7,6 +8,7 @@ import heapq
 import threading
 
 import torch
+
 
 class RowLayout:
     """One slot's rows of many batched tensors packed into one contiguous byte row, so that parking a stream
@@ -19,6 +21,7 @@ class RowLayout:
     [0, 24), [32, 40), [48, 49) of its packed row. The copies go through `torch._foreach_copy_`, one call per
     dtype: a few kernel launches for any number of tensors and streams on a GPU, and little Python (the views
     of a slot's rows and of a staging row are built once)."""
+
     ALIGN = 16
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
@@ -35,15 +38,17 @@ class RowLayout:
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """The named rows inside ``flat`` (row_bytes,) uint8, as (1, ...) views."""
-        return {name: flat[offset:offset + nbytes].view(dtype).view((1,) + shape)
-                for name, offset, nbytes, dtype, shape in self.entries}
+        return {
+            name: flat[offset : offset + nbytes].view(dtype).view((1,) + shape)
+            for name, offset, nbytes, dtype, shape in self.entries
+        }
 
     def packed(self, flat: torch.Tensor) -> dict[torch.dtype, list[torch.Tensor]]:
         """The rows inside ``flat`` as views without the batch dimension, grouped by dtype in entry order: one
         side of `copy` (build once for a buffer that is used again, such as a staging row)."""
         groups: dict[torch.dtype, list] = {}
         for _name, offset, nbytes, dtype, shape in self.entries:
-            groups.setdefault(dtype, []).append(flat[offset:offset + nbytes].view(dtype).view(shape))
+            groups.setdefault(dtype, []).append(flat[offset : offset + nbytes].view(dtype).view(shape))
         return groups
 
     def slot(self, tensors: dict[str, torch.Tensor], slot: int) -> dict[torch.dtype, list[torch.Tensor]]:

@@ -1,6 +1,7 @@
 """Prefill: which slots' text is encoded this tick, and encoding it, many slots in one padded text-encoder call
 (durations -> frames on the device, keys/values into the text ring), with the voice prefixes new streams start
 from. A mixin of `Engine` (engine thread only); `_PrefillRows` is the host side a prefill hands the device."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -38,15 +39,24 @@ class Prefill(EngineState):
         stalled = self.table.stalled_since < np.inf
         room = self.table.encoded < self.slots.encode_limit(unit)
         # speculative units whose right context grew: revised as soon as the AR may come near them
-        revise = (self.table.final > self.table.confirmed) & (self.table.confirmed < self.table.encoded) & (self.table.confirmed - unit <= low)
-        need = np.flatnonzero(((self.table.encodable > self.table.encoded) & room
-                               & ((lead <= low) | (self.table.encoded == 0) | stalled)) | revise)
+        revise = (
+            (self.table.final > self.table.confirmed)
+            & (self.table.confirmed < self.table.encoded)
+            & (self.table.confirmed - unit <= low)
+        )
+        need = np.flatnonzero(
+            ((self.table.encodable > self.table.encoded) & room & ((lead <= low) | (self.table.encoded == 0) | stalled))
+            | revise
+        )
         if len(need) > PREFILL_ROWS:  # the lowest leads now, the rest next tick
             need = np.sort(need[np.argsort(lead[need], kind="stable")[:PREFILL_ROWS]])
         chosen: list[tuple[Utterance, int]] = []
         for slot in need:
-            stop = min(int(self.table.encodable[slot]), self.slots.encode_limit(int(unit[slot])),
-                       int(self.table.encoded[slot]) + self.slots.encode_limit(0))
+            stop = min(
+                int(self.table.encodable[slot]),
+                self.slots.encode_limit(int(unit[slot])),
+                int(self.table.encoded[slot]) + self.slots.encode_limit(0),
+            )
             stop = max(stop, int(self.table.encoded[slot]))  # a revision alone re-encodes what is there
             chosen.append((cast(Utterance, self.table.utterances[slot]), stop))
         return chosen
@@ -55,8 +65,11 @@ class Prefill(EngineState):
         """Fresh caches in ``rows`` with each stream's voice prefix ((L, M, H, S, D) keys/values: all layers
         in one store, `StepCaches.start`)."""
         prefixes = [self._voice_prefix(u.voice) for u in utterances]  # per stream (L, 1, H, S, D) keys, values
-        stacked = prefixes[0] if len(prefixes) == 1 else (torch.cat([p[0] for p in prefixes], 1),
-                                                          torch.cat([p[1] for p in prefixes], 1))
+        stacked = (
+            prefixes[0]
+            if len(prefixes) == 1
+            else (torch.cat([p[0] for p in prefixes], 1), torch.cat([p[1] for p in prefixes], 1))
+        )
         self.caches.start(rows, stacked)
 
     def _voice_prefix(self, preset: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +79,7 @@ class Prefill(EngineState):
         if len(preset["mix"]) == 1:
             row = next(iter(preset["mix"]))
             keys, values = self.prefixes
-            return keys[:, row:row + 1], values[:, row:row + 1]
+            return keys[:, row : row + 1], values[:, row : row + 1]
         key = tuple(preset["mix"].items())
         if key in self._blend_prefixes:
             self._blend_prefixes.move_to_end(key)
@@ -93,7 +106,8 @@ class Prefill(EngineState):
         m, upload = len(w.rows), self.io.upload
         # (M,) columns, a few uploads in all (each is a torch call, three on a GPU)
         rows_d, counts_d, first_d, leads_d, offsets_d, settles_d = self.io.columns(
-            w.rows, w.counts, w.firsts, w.leads, w.offsets, w.settles)
+            w.rows, w.counts, w.firsts, w.leads, w.offsets, w.settles
+        )
         opens_d, pieces_d, flushes_d = self.io.columns(w.opens, w.pieces, w.flushes, dtype=torch.bool)
         if any(w.fresh):  # a slot's first prefill: its chunk sizes, by whether its text outran the start hold
             self.slots.choose_schedules(rows_d, *self.io.columns(w.fresh, w.at_once, dtype=torch.bool))
@@ -122,7 +136,7 @@ class Prefill(EngineState):
                 schedule = _to_host(schedule)
             self._schedules.append(([u for u, _ in chosen], w.firsts, w.settles, schedule))
 
-    def _prefill_windows(self, chosen: list[tuple[Utterance, int]]) -> "_PrefillRows":
+    def _prefill_windows(self, chosen: list[tuple[Utterance, int]]) -> _PrefillRows:
         """Host side of a prefill: each row's unit window (padded into one (M, L) array) and what to take from it,
         from the slot's confirmed count to ``stop``, and how many of those it confirms; the slots' encoded and
         confirmed counts move on, and units no later prefill reads are forgotten."""
@@ -134,7 +148,7 @@ class Prefill(EngineState):
             lo, hi = max(0, start - look), min(u.received, stop + look)
             w.rows.append(slot)
             u.stream.mark("prefill")
-            windows.append(u.units[lo - u.unit_base:hi - u.unit_base])
+            windows.append(u.units[lo - u.unit_base : hi - u.unit_base])
             w.offsets.append(start - lo)
             w.counts.append(stop - start)
             w.firsts.append(start)
@@ -157,7 +171,7 @@ class Prefill(EngineState):
                 u.unit_base += old
         w.units = np.zeros((len(w.rows), max(map(len, windows))), dtype=np.int64)  # (M, L), 0 = padding
         for i, window in enumerate(windows):
-            w.units[i, :len(window)] = window
+            w.units[i, : len(window)] = window
         return w
 
 
@@ -166,6 +180,7 @@ class _PrefillRows:
     """One prefill's host side (`Engine._prefill_windows`): the padded unit windows (M, L) and, per row, its
     slot, what to take from its window, what it confirms, its voice and rate, and what elastic pacing
     (`Slots.pace`) and a flush's pause (`Slots.place`) need."""
+
     units: Any = None  # (M, L) int64, 0 = padding
     rows: list[int] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)

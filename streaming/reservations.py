@@ -1,11 +1,12 @@
 """Who may hold a slot: at most ``slots`` streams at once; callers beyond wait in a bounded first-come,
 first-served queue up to their deadline. The engine thread alone assigns actual slots; this only counts
 reservations, so `Engine.open` never touches the slot table (no race between a start and a cancel)."""
+
 from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 
 class Full(Exception):

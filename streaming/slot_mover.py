@@ -19,20 +19,21 @@ into slot row 0, and pool row 1 is free again.
 This module sits below the engine (the engine imports it, never the other way): it knows the engine's
 streams only as objects with the `Utterance` fields it reads.
 """
+
 from __future__ import annotations
 
 import functools
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from streaming.codec_worker import AudioOutbox, CodecWorker, FrameCodec, decoder_row_tensors
-from streaming.step_caches import StepCaches
 from streaming.live_figures import Timer
 from streaming.parking import Parked, ParkingStore, RowLayout, RowPool
 from streaming.slots import Slots
+from streaming.step_caches import StepCaches
 
 STAGING_ROWS = 64  # a GPU parks and restores up to this many streams per batched copy
 
@@ -43,9 +44,20 @@ class SlotMover:
     the CPU ``codec_worker`` captures and restores its decoder rows. A parked state's packed row is a row of
     one `RowPool` (at most min(max_open, min(pinned_bytes, max_host_bytes) // row_bytes) rows, reserved once)."""
 
-    def __init__(self, store: ParkingStore, caches: StepCaches, slots: Slots, device: torch.device,
-                 max_streams: int, *, max_open: int | None = None, frame_decoder: FrameCodec | None = None,
-                 outbox: AudioOutbox | None = None, codec_stream=None, codec_worker: CodecWorker | None = None):
+    def __init__(
+        self,
+        store: ParkingStore,
+        caches: StepCaches,
+        slots: Slots,
+        device: torch.device,
+        max_streams: int,
+        *,
+        max_open: int | None = None,
+        frame_decoder: FrameCodec | None = None,
+        outbox: AudioOutbox | None = None,
+        codec_stream=None,
+        codec_worker: CodecWorker | None = None,
+    ):
         self.store, self.caches, self.slots = store, caches, slots
         self.device, self.max_streams = device, max_streams
         self.max_open = max(max_streams, max_open or max_streams)  # streams that can be parked at once
@@ -61,8 +73,11 @@ class SlotMover:
     def row_tensors(self) -> dict[str, torch.Tensor]:
         """Every (B, ...) tensor of a slot's state by name: caches (the voice prefix too, so that a restore
         needs no `Engine._start_caches`), slots and, with the frame codec, its decoder state."""
-        tensors = self.caches.rows() | {f"sinks.{layer}.{part}": pair[i] for layer, pair in enumerate(self.caches.sinks)
-                                        for i, part in enumerate(("keys", "values"))}
+        tensors = self.caches.rows() | {
+            f"sinks.{layer}.{part}": pair[i]
+            for layer, pair in enumerate(self.caches.sinks)
+            for i, part in enumerate(("keys", "values"))
+        }
         tensors |= self.slots.rows()
         if self.frame_codec:
             tensors |= decoder_row_tensors(self.frame_decoder.state)
@@ -107,13 +122,18 @@ class SlotMover:
         rows = [slot for _, slot in parks]
         timer = self._wait_for_codec()
         pool_rows = self.pool.take(len(rows))
-        flats = [self.pool.row(r) if r is not None else  # a miss: a row of its own, as before the pool
-                 torch.empty(layout.row_bytes, dtype=torch.uint8, pin_memory=cuda) for r in pool_rows]
+        flats = [
+            self.pool.row(r)
+            if r is not None
+            # a miss: a row of its own, as before the pool
+            else torch.empty(layout.row_bytes, dtype=torch.uint8, pin_memory=cuda)
+            for r in pool_rows
+        ]
         if cuda:
             for at in range(0, len(rows), len(self._staging)):
-                part = rows[at:at + len(self._staging)]
-                layout.copy(self._staging_rows[:len(part)], [layout.slot(tensors, r) for r in part])
-                self._staging_copy(pool_rows[at:at + len(part)], flats[at:at + len(part)], to_host=True)
+                part = rows[at : at + len(self._staging)]
+                layout.copy(self._staging_rows[: len(part)], [layout.slot(tensors, r) for r in part])
+                self._staging_copy(pool_rows[at : at + len(part)], flats[at : at + len(part)], to_host=True)
             timer.mark()
         else:
             layout.copy(self._packed(pool_rows, flats), [layout.slot(tensors, r) for r in rows])
@@ -121,7 +141,7 @@ class SlotMover:
             parked.add_packed(flats[i], layout, self.pool, pool_rows[i])
             parked.copied = timer.marks[-1] if cuda else None  # the host reads the row after this event
             if self.frame_codec:
-                parked.add({"outbox": torch.from_numpy(self.outbox.audio[rows[i]:rows[i] + 1].copy())})
+                parked.add({"outbox": torch.from_numpy(self.outbox.audio[rows[i] : rows[i] + 1].copy())})
                 parked.captured.set()
         self.store.put(*[parked for parked, _ in parks])
         if not self.frame_codec:
@@ -135,14 +155,15 @@ class SlotMover:
         started, cpu, cuda = time.perf_counter(), time.thread_time(), self.device.type == "cuda"
         layout, tensors = self.prepare()  # the voice prefix (sinks) included: no `Engine._start_caches`
         pool_rows = [p.pool_row if p.pool is self.pool else None for p in parked]
-        flats = [p.flat if p.flat is not None and p.layout is layout else layout.flatten(p.rows, pin=cuda)
-                 for p in parked]
+        flats = [
+            p.flat if p.flat is not None and p.layout is layout else layout.flatten(p.rows, pin=cuda) for p in parked
+        ]
         timer = self._wait_for_codec()  # the last tick's decode writes every decoder row (masked): after it
         if cuda:
             for at in range(0, len(rows), len(self._staging)):
                 n = min(len(self._staging), len(rows) - at)
-                self._staging_copy(pool_rows[at:at + n], flats[at:at + n], to_host=False)
-                layout.copy([layout.slot(tensors, r) for r in rows[at:at + n]], self._staging_rows[:n])
+                self._staging_copy(pool_rows[at : at + n], flats[at : at + n], to_host=False)
+                layout.copy([layout.slot(tensors, r) for r in rows[at : at + n]], self._staging_rows[:n])
         else:
             layout.copy([layout.slot(tensors, r) for r in rows], self._packed(pool_rows, flats))
         if self.frame_codec:
@@ -173,8 +194,9 @@ class SlotMover:
         for row in pool_rows:
             if row is not None and row not in self._pool_packed:
                 self._pool_packed[row] = layout.packed(self.pool.row(row))
-        return [self._pool_packed[row] if row is not None else layout.packed(flat)
-                for row, flat in zip(pool_rows, flats)]
+        return [
+            self._pool_packed[row] if row is not None else layout.packed(flat) for row, flat in zip(pool_rows, flats)
+        ]
 
     def _wait_for_codec(self) -> Timer:
         """On a GPU with the frame codec, order what follows after the codec's CUDA stream (the last tick's
@@ -194,9 +216,9 @@ class SlotMover:
         slab, staging = self.pool.slab, self._staging
         for i, row, n in RowPool.runs(pool_rows):
             if to_host:
-                slab[row:row + n].copy_(staging[i:i + n], non_blocking=True)
+                slab[row : row + n].copy_(staging[i : i + n], non_blocking=True)
             else:
-                staging[i:i + n].copy_(slab[row:row + n], non_blocking=True)
+                staging[i : i + n].copy_(slab[row : row + n], non_blocking=True)
         for i, (row, flat) in enumerate(zip(pool_rows, flats)):
             if row is None:
                 if to_host:
@@ -230,9 +252,16 @@ def _captured(parked: list[Parked], states: list[dict]) -> None:
 def host_state(u, counts: dict[str, int], frame_codec: bool) -> dict:
     """What a moved stream carries besides its slot's rows, as plain data: its `Stream.export_state`, its units
     and text flags, its unit ``counts`` (`Engine` COUNTS) and which codec path made its decoder rows."""
-    return {"stream": u.stream.export_state(), "units": list(u.units), "unit_base": u.unit_base,
-            "closed_upto": u.closed_upto, "text_ended": u.text_ended, "spoke": u.spoke, **counts,
-            "frame_codec": frame_codec}
+    return {
+        "stream": u.stream.export_state(),
+        "units": list(u.units),
+        "unit_base": u.unit_base,
+        "closed_upto": u.closed_upto,
+        "text_ended": u.text_ended,
+        "spoke": u.spoke,
+        **counts,
+        "frame_codec": frame_codec,
+    }
 
 
 class DetachRequest:

@@ -1,6 +1,7 @@
 """The slot table: the engine thread's one home of who holds which slot, the per-slot counts (numpy, where a
 tick scans them), the free slots and the streams waiting for one. A stream's counts live in its slot's row
 while it holds one and in its `Utterance` while it does not; `occupy` and `save_counts` move them."""
+
 from __future__ import annotations
 
 import heapq
@@ -23,6 +24,7 @@ COUNTS_BEFORE = ("encoded", "encodable", "unit", "encoded", "encodable")
 class Utterance:
     """Host side of one open stream, in a slot or not (parked, or waiting for a slot); only the engine thread
     touches it. Unit indices are absolute."""
+
     stream: Stream
     slot: int  # -1: holds no slot
     voice: dict  # the stream's preset (`Engine.voice_preset`): a shipped voice or a blend

@@ -1,4 +1,5 @@
 """Per-slot decoding state on the device and the one batched AR step over it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ class StepCaches:
     the speech length. The stacks are the storage, so that a start or a text write stores all layers at
     once; ``sinks`` (per layer (keys, values) (B, H, S, D)), ``text`` and ``audio`` (per layer rings) are
     views of them, layer l of the stack, made once: what the step, the ONNX binding and parking read."""
+
     sink_stack: tuple[torch.Tensor, torch.Tensor]
     text_stack: RingKVCache
     audio_stack: RingKVCache
@@ -33,13 +35,17 @@ class StepCaches:
         self.text, self.audio = self.text_stack.layers(), self.audio_stack.layers()
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, batch: int, device=None, dtype=torch.float32,
-              text_capacity: int = TEXT_RING) -> "StepCaches":
+    def empty(
+        cls, cfg: ModelConfig, batch: int, device=None, dtype=torch.float32, text_capacity: int = TEXT_RING
+    ) -> StepCaches:
         if text_capacity <= cfg.behind + cfg.ahead:
-            raise ValueError(f"a text ring of {text_capacity} cannot hold the {cfg.behind + cfg.ahead + 1} units "
-                             "a step attends to")
+            raise ValueError(
+                f"a text ring of {text_capacity} cannot hold the {cfg.behind + cfg.ahead + 1} units a step attends to"
+            )
+
         def rings(capacity: int) -> RingKVCache:
             return RingKVCache.empty(cfg.layers, batch, cfg.heads, capacity, cfg.head_dim, device=device, dtype=dtype)
+
         sinks = torch.zeros(cfg.layers, batch, cfg.heads, cfg.sinks, cfg.head_dim, device=device, dtype=dtype)
         return cls((sinks, sinks.clone()), rings(text_capacity), rings(cfg.window))
 
@@ -47,7 +53,7 @@ class StepCaches:
     def batch(self) -> int:
         return self.text_stack.positions.shape[0]
 
-    def view(self, n: int) -> "StepCaches":
+    def view(self, n: int) -> StepCaches:
         """The first ``n`` slots, sharing storage: a step over the view reads and writes these slots' caches."""
         return StepCaches(tuple(t[:, :n] for t in self.sink_stack), self.text_stack.view(n), self.audio_stack.view(n))
 
@@ -71,8 +77,13 @@ class StepCaches:
                 tensors[f"{kind}.{layer}.keys"], tensors[f"{kind}.{layer}.values"] = ring.keys, ring.values
         return tensors
 
-    def write_text(self, text_kv: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
-                   keep: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
+    def write_text(
+        self,
+        text_kv: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        keep: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> None:
         """text_kv: keys, values (L, M, H, T, D) of units at ``positions`` (M, T) (`TTSModel.text_keys_values`);
         ``keep`` and ``rows`` as in `RingKVCache.update` (without ``keep``, -1 = nothing): all layers in one
         store each, a fixed number of torch calls whatever the depth."""
@@ -83,8 +94,14 @@ class StepCaches:
         return sum(t.nbytes for t in self.sink_stack) + self.text_stack.nbytes + self.audio_stack.nbytes
 
 
-def decode_step(model: TTSModel, caches: StepCaches, tokens: torch.Tensor, frame: torch.Tensor,
-                phoneme: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+def decode_step(
+    model: TTSModel,
+    caches: StepCaches,
+    tokens: torch.Tensor,
+    frame: torch.Tensor,
+    phoneme: torch.Tensor,
+    active: torch.Tensor,
+) -> torch.Tensor:
     """One frame step for every slot: tokens (B, K) of the previous step, frame (B,) step index,
     phoneme (B,) aligned unit, active (B,) bool (inactive slots write nothing). -> logits (B, K, N)."""
     write_pos = torch.where(active, frame, -1)[:, None]
@@ -93,13 +110,28 @@ def decode_step(model: TTSModel, caches: StepCaches, tokens: torch.Tensor, frame
         return caches.audio[layer].update(k, v, write_pos)
 
     text = caches.text  # the per-layer views: the step indexes no stack
-    logits = model(tokens[:, :, None], frame[:, None], phoneme[:, None], tuple(zip(*caches.sinks)),
-                   ([ring.keys for ring in text], [ring.values for ring in text]), text[0].positions, audio_kv)
+    logits = model(
+        tokens[:, :, None],
+        frame[:, None],
+        phoneme[:, None],
+        tuple(zip(*caches.sinks)),
+        ([ring.keys for ring in text], [ring.values for ring in text]),
+        text[0].positions,
+        audio_kv,
+    )
     return logits[:, :, 0]
 
 
-def tick_step(model: TTSModel, caches: StepCaches, slots, n: int, temperature: float, top_k: int,
-              step=decode_step, dry: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def tick_step(
+    model: TTSModel,
+    caches: StepCaches,
+    slots,
+    n: int,
+    temperature: float,
+    top_k: int,
+    step=decode_step,
+    dry: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One frame tick of the first ``n`` slots on the device: plan (aligned units, who is ready), the AR step,
     sampling and the slots' bookkeeping (`streaming.slots.Slots`). Returns (meta (n, len(META)), codes (n, K)).
     ``temperature`` 0 samples greedily, else each slot samples at its own (``slots.temperature``). ``dry``
@@ -108,8 +140,9 @@ def tick_step(model: TTSModel, caches: StepCaches, slots, n: int, temperature: f
     if dry:
         ready = torch.zeros_like(ready)
     logits = step(model, caches, slots.tokens[:n], slots.step[:n], unit.clamp(min=0), ready)
-    sampled = sample(logits, slots.temperature[:n] if temperature > 0 else 0.0, top_k, key=slots.key[:n],
-                     step=slots.step[:n])
+    sampled = sample(
+        logits, slots.temperature[:n] if temperature > 0 else 0.0, top_k, key=slots.key[:n], step=slots.step[:n]
+    )
     if dry:
         return None, None
     return slots.advance(sampled, ready, unit, keep_codes=False)
@@ -120,6 +153,7 @@ class TickGraph:
     the number of slots (the ~70 small kernels of plan, sampling and bookkeeping included). Every input is
     state the engine keeps in fixed device tensors (`Slots`, `StepCaches`), so the graph reads it where it
     lies; ``meta`` and ``codes`` are the graph's outputs, rewritten by each replay."""
+
     kind = "cuda_graph_tick"
 
     def __init__(self, model: TTSModel, caches: StepCaches, slots, n: int, temperature: float, top_k: int):

@@ -25,18 +25,19 @@ A complete "slid. " would still wait for the next word: "slid. He" ends the sent
 Word timings: every unit taken is remembered with the word (as written) it speaks; `word_timings` turns
 the engine's schedule of units into start/end seconds per word.
 """
+
 from __future__ import annotations
 
 import threading
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from streaming.sentence_reader import read_sentence
 from streaming.slots import CHUNK_SCHEDULE, PACE_STRETCH, pace_factor
-from tts.normalize import Token, complete_length, reads_by_next, sentence_end, split_sentences, tokenize
 from tts.codec import CodecConfig
 from tts.model import ModelConfig
+from tts.normalize import Token, complete_length, reads_by_next, sentence_end, split_sentences, tokenize
 from tts.text import MAX_TEXT_CHARS, SYMBOL_ID, TextError
 
 TAKE_CHARS = 600  # text phonemised in one take at most: a long text reaches the engine a few sentences a tick
@@ -46,7 +47,8 @@ _GAP = " ,;:"  # units between two words of a sentence
 # FLUENT (lookahead 0): words wait only for a next word that changes the words ("$5" million), not for one that
 # changes only their sounds ("the" apple: ðɪ; "on the": ɔnðə): such a word is read as before any word, and the gap
 # after the last complete word goes with it (`TextStream._gap_with_word`). Why: the engine spoke a unit only once
-# 11 more were there (text_lookahead 6 + ahead 4 + 1; 5 since speculative encoding), and with Harvard sentences' many "the"s and "on the"s, words
+# 11 more were there (text_lookahead 6 + ahead 4 + 1; 5 since speculative encoding), and with Harvard sentences' many
+# "the"s and "on the"s, words
 # waiting for their next made the text come in lumps (4, 7, 7, 5, 0, 0, 12 units a word for "The birch canoe slid
 # on the smooth"), which the start hold had to wait out and which still stalled. Before, only a stream's first 16
 # units read this way. Cost, 720 Harvard sentences (lookahead 0): units equal to the whole sentence's in 476 (609
@@ -144,14 +146,19 @@ class TextStream:
     TRANSIENT = ("reader",)  # not part of a stream's state (`streaming.stream.object_state`)
     clock: Callable[[], float] = staticmethod(time.perf_counter)  # when text arrives (`_may_start`)
 
-    def __init__(self, max_chars: int = MAX_TEXT_CHARS, lookahead_words: int | str | None = None,
-                 hold_start: bool | ModelConfig = False):
+    def __init__(
+        self,
+        max_chars: int = MAX_TEXT_CHARS,
+        lookahead_words: int | str | None = None,
+        hold_start: bool | ModelConfig = False,
+    ):
         """``hold_start``: hold the first units until a player starting at the first chunk would not run dry
         (`_may_start`; what an engine's stream asks for, with its model's config; True: the default shapes)."""
         if lookahead_words is None:
             lookahead_words = DEFAULT_LOOKAHEAD
-        if lookahead_words != "auto" and (not isinstance(lookahead_words, int) or isinstance(lookahead_words, bool)
-                                          or not 0 <= lookahead_words <= 32):
+        if lookahead_words != "auto" and (
+            not isinstance(lookahead_words, int) or isinstance(lookahead_words, bool) or not 0 <= lookahead_words <= 32
+        ):
             raise ValueError(f"lookahead_words must be 0 to 32 or 'auto', not {lookahead_words!r}")
         self.max_chars, self.lookahead_words = max_chars, lookahead_words
         self._text = ""  # from the open sentence's start on
@@ -165,7 +172,8 @@ class TextStream:
         self._held: list[int] | None = [] if hold_start else None  # units held before the start (None: started)
         self._may_hold = True  # False: held units go with the next take (`hold_off`)
         self._engine_units, self._delay_frames = engine_lookahead(
-            hold_start if isinstance(hold_start, ModelConfig) else ModelConfig())
+            hold_start if isinstance(hold_start, ModelConfig) else ModelConfig()
+        )
         self._stretch = PACE_STRETCH  # the engine's elastic pacing at the start (`set_engine_lookahead`)
         self.start_latency_s = START_LATENCY_S  # release -> first chunk, as the engine measured it (`StartLatency`)
         self.paced_release: float | None = None  # when held units went on with the text's pace known (`StartLatency`)
@@ -192,8 +200,9 @@ class TextStream:
             if self._closed:
                 raise TextError("the utterance has ended; start a new one")
             if self._chars + len(text) > self.max_chars:
-                raise TextError(f"utterance text would be {self._chars + len(text)} characters; "
-                                f"the limit is {self.max_chars}")
+                raise TextError(
+                    f"utterance text would be {self._chars + len(text)} characters; the limit is {self.max_chars}"
+                )
             if not text:  # no piece: the text's pace, `in_pieces` and `released_at_once` count text that came
                 return
             self._chars += len(text)
@@ -367,7 +376,7 @@ class TextStream:
             played, end = end, end + (size := next(sizes, PLANNED_CHUNKS[-1]))
             spoken += size * per_frame / stretch
             pieces = max(0.0, (played * FRAME_S + since - delay) // every)  # to come and be read by then
-            there = units + (waiting + piece * (pieces - spread * pieces ** 0.5) if pieces >= 1 else 0.0)
+            there = units + (waiting + piece * (pieces - spread * pieces**0.5) if pieces >= 1 else 0.0)
             if there < spoken + self._engine_units:
                 return False
             stretch = min(stretch, pace_factor(there - spoken, self._stretch))  # the engine's, as its lead grows
@@ -494,8 +503,9 @@ class TextStream:
             cut = max(k, start)
         return cut
 
-    def word_timings(self, first_unit: int, start_frames: list[int], durations: list[int],
-                     frame_s: float) -> list[dict]:
+    def word_timings(
+        self, first_unit: int, start_frames: list[int], durations: list[int], frame_s: float
+    ) -> list[dict]:
         """Timings of the words whose units are now all scheduled: the engine scheduled units
         ``first_unit, first_unit + 1, ...`` (absolute indices since the stream's start, in the order `take`
         returned them) at ``start_frames`` for ``durations`` frames each. Returns
@@ -545,8 +555,9 @@ class _WordTimings:
             span[0], span[1] = min(span[0], frame), max(span[1], frame + length)
             if word < self.complete_upto and self.last_unit.get(word) == first_unit + k:
                 start, end = self.times.pop(word)
-                done.append({"word": self.words.pop(word), "start": round(start * frame_s, 3),
-                             "end": round(end * frame_s, 3)})
+                done.append(
+                    {"word": self.words.pop(word), "start": round(start * frame_s, 3), "end": round(end * frame_s, 3)}
+                )
                 del self.last_unit[word]
         self._forget(first_unit + len(durations))
         return done

@@ -2,20 +2,22 @@
 bookkeeping as batched tensor ops; on a GPU one `TickGraph`), then collect (hand out due chunks through the
 codec path, end finished streams, note each slot's unit). `Tick` is what a launch hands its collect. A mixin of
 `Engine` (engine thread only)."""
+
 from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from streaming.codec_worker import fast_path_enabled
+from streaming.device_updates import DeviceUpdates
 from streaming.engine_state import EngineState
 from streaming.errors import EngineError
-from streaming.device_updates import DeviceUpdates
 from streaming.events import step_kind_of
 from streaming.live_figures import Timer
 from streaming.sampling import sample
@@ -40,8 +42,15 @@ class TickRunner(EngineState):
             timer.mark()
         else:
             meta, codes = self._eager_tick(n, timer)
-        tick = Tick(n, list(self.table.utterances[:n]), self.table.generation[:n].copy(), self._schedules, timer,
-                     self._ticks, launched_at)
+        tick = Tick(
+            n,
+            list(self.table.utterances[:n]),
+            self.table.generation[:n].copy(),
+            self._schedules,
+            timer,
+            self._ticks,
+            launched_at,
+        )
         self._schedules = []
         self.codec_path.launch(tick, meta, codes, eager=self._graphs is None)
         self._inflight.append(tick)
@@ -61,11 +70,15 @@ class TickRunner(EngineState):
         """Captured ticks by bucket when they can serve: a GPU with the frame codec, graphs not switched off
         (TTS_NO_GRAPH=1), and a step factory (None asks for the eager step). They step with `decode_step`
         itself, captured inside the tick, in place of the factory's step (on a GPU that is the same step)."""
-        wanted = (self.device.type == "cuda" and self.codec_path.captures_ticks and self._factory is not None
-                  and fast_path_enabled("graph"))
+        wanted = (
+            self.device.type == "cuda"
+            and self.codec_path.captures_ticks
+            and self._factory is not None
+            and fast_path_enabled("graph")
+        )
         return {} if wanted else None
 
-    def _graph_for(self, n: int) -> "TickGraph | None":
+    def _graph_for(self, n: int) -> TickGraph | None:
         """The captured tick of bucket ``n`` (built on first use), or None: no CUDA graphs here (the CPU, no
         step factory, TTS_NO_GRAPH=1) or the capture failed (then the eager tick serves, with a warning)."""
         if self._graphs is None:
@@ -73,8 +86,9 @@ class TickRunner(EngineState):
         graph = self._graphs.get(n)
         if graph is None:
             try:
-                graph = TickGraph(self.model, self._view(n), self.slots, n, self.sampling.temperature,
-                                  self.sampling.top_k)
+                graph = TickGraph(
+                    self.model, self._view(n), self.slots, n, self.sampling.temperature, self.sampling.top_k
+                )
             except Exception as err:
                 warnings.warn(f"tick CUDA graph for {n} slots unavailable, stepping eagerly: {err}")
                 self._graphs = None
@@ -84,7 +98,7 @@ class TickRunner(EngineState):
             self.step_kind = TickGraph.kind
         return graph
 
-    def _collect(self, tick: "Tick") -> None:
+    def _collect(self, tick: Tick) -> None:
         """Results of a launched tick: hand out due chunks, end finished streams, note each slot's unit."""
         if tick.ready is not None:
             waiting = time.perf_counter()
@@ -96,10 +110,13 @@ class TickRunner(EngineState):
         self.table.unit[:n] = np.where(same, meta[:, UNIT], self.table.unit[:n])
         ready = meta[:, READY].astype(bool)
         self._any_ready = bool(ready.any())
-        fresh = self.table.live[:n] & (tick.launched_at > self.table.event_at[:n])  # launched after the slot's last event
+        fresh = self.table.live[:n] & (
+            tick.launched_at > self.table.event_at[:n]
+        )  # launched after the slot's last event
         stalled = self.table.stalled_since[:n]
-        self.table.stalled_since[:n] = np.where(ready, np.inf, np.where(fresh, np.minimum(stalled, tick.launched_at),
-                                                                   stalled))
+        self.table.stalled_since[:n] = np.where(
+            ready, np.inf, np.where(fresh, np.minimum(stalled, tick.launched_at), stalled)
+        )
         step_ms, codec_ms = tick.timer.elapsed()
         self.step_ms.append(step_ms)
         if self._unstepped:
@@ -116,7 +133,7 @@ class TickRunner(EngineState):
                 self._end(u.stream, None if u.spoke else TextError("text has nothing speakable in it"))
                 self._drop(u)  # the row goes idle with the next tick's updates
 
-    def _mark_first_steps(self, tick: "Tick", ready: np.ndarray) -> None:
+    def _mark_first_steps(self, tick: Tick, ready: np.ndarray) -> None:
         """Mark the streams of ``tick`` that it stepped for the first time (`Stream.mark` "stepped": when that tick
         was launched); forget those that left meanwhile. Only just-started streams are looked at."""
         waiting = []
@@ -134,12 +151,12 @@ class TickRunner(EngineState):
     def _schedule_units(self, schedules: list) -> None:
         """Tell each prefilled stream when its new units are spoken (its phoneme and word timings)."""
         for utterances, firsts, counts, schedule in schedules:
-            begin, durations = (schedule.numpy() if isinstance(schedule, torch.Tensor) else schedule)
+            begin, durations = schedule.numpy() if isinstance(schedule, torch.Tensor) else schedule
             for i, (u, first, count) in enumerate(zip(utterances, firsts, counts)):
                 if count and self.table.holds(u):
                     u.stream.schedule(first, begin[i, :count].tolist(), durations[i, :count].tolist())
 
-    def _hand_out(self, tick: "Tick", rows: np.ndarray, frames: np.ndarray) -> None:
+    def _hand_out(self, tick: Tick, rows: np.ndarray, frames: np.ndarray) -> None:
         streams = [tick.utterances[r].stream if tick.utterances[r] is not None else None for r in rows]
         for stream in streams:
             if stream is not None and "due" not in stream.marks:

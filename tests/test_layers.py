@@ -2,6 +2,7 @@
 (`server.py`, `tts/api.py`, `tts/cli.py`, `tts/__init__.py`), which alone may import upward; and no two modules
 import each other, directly or round a circle. Read from the source with `ast`: imports inside functions count
 too (a lazy import is still an edge of the design)."""
+
 from __future__ import annotations
 
 import ast
@@ -100,8 +101,12 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_points_up():
-    upward = [f"{m} imports {d}" for m, deps in sorted(graph().items()) for d in sorted(deps)
-              if layer(m) < TOP and layer(d) > layer(m)]
+    upward = [
+        f"{m} imports {d}"
+        for m, deps in sorted(graph().items())
+        for d in sorted(deps)
+        if layer(m) < TOP and layer(d) > layer(m)
+    ]
     assert not upward, "imports that point up a layer:\n" + "\n".join(upward)
 
 

@@ -1,4 +1,5 @@
 """The WebSocket start message's per-request options, validated and carried to the engine stream."""
+
 import asyncio
 import json
 

@@ -1,8 +1,10 @@
 """`Engine.snapshot` (the checkpoints of serving/failover.py) on the tiny random engine: a snapshot copies a
 live stream without changing it, and the copy continues it elsewhere sample-exactly."""
+
 from __future__ import annotations
 
 import numpy as np
+
 from testkit import tiny_random
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "

@@ -3,6 +3,7 @@
 Every convolution pads on the left only, so the decoder can run chunk by chunk with carried state
 (`DecoderState`) and give exactly the samples of an offline decode of the same frames.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,8 +35,10 @@ class CodecConfig:
         return self.sample_rate / self.hop
 
 
-CODEC_PRESETS = {"base": CodecConfig(),
-                 "tiny": CodecConfig(channels=4, encoder_channels=4, dim=16, codebook_size=32, codebooks=4)}
+CODEC_PRESETS = {
+    "base": CodecConfig(),
+    "tiny": CodecConfig(channels=4, encoder_channels=4, dim=16, codebook_size=32, codebooks=4),
+}
 LEAD_IN_FRAMES = 10  # frames of silence a stream's decoder has heard before its first frame (200 ms)
 
 
@@ -55,7 +58,7 @@ class CausalConv1d(nn.Conv1d):
 
     def step(self, x: torch.Tensor, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.cat([history, x], dim=-1)
-        return super().forward(x), x[..., x.shape[-1] - self.context:]
+        return super().forward(x), x[..., x.shape[-1] - self.context :]
 
 
 class CausalConvTranspose1d(nn.ConvTranspose1d):
@@ -77,7 +80,7 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
 
     def step(self, x: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         y = super().forward(x)
-        y = torch.cat([y[..., : self.tail] + tail, y[..., self.tail:]], dim=-1)
+        y = torch.cat([y[..., : self.tail] + tail, y[..., self.tail :]], dim=-1)
         cut = y.shape[-1] - self.tail
         return y[..., :cut], y[..., cut:] - self.bias[:, None]
 
@@ -128,9 +131,10 @@ class Encoder(nn.Module):
 class DecoderState:
     """Carried decoder state for a batch of streams: conv histories, transposed-conv tails, LSTM (h, c).
     ``start``: the state of one stream (batch 1) that `reset` restores; None restores zeros."""
+
     buffers: list[torch.Tensor] = field(default_factory=list)
     lstm: tuple[torch.Tensor, torch.Tensor] | None = None
-    start: "DecoderState | None" = None
+    start: DecoderState | None = None
 
     def reset(self, mask: torch.Tensor) -> None:
         """Return the streams where ``mask`` (B,) is true to the starting state (a masked write: no host sync)."""
@@ -142,17 +146,21 @@ class DecoderState:
                 start = 0.0 if self.start is None else self.start.lstm[i]
                 part.copy_(torch.where(mask[None, :, None], start, part))
 
-    def repeat(self, batch: int) -> "DecoderState":
+    def repeat(self, batch: int) -> DecoderState:
         """``batch`` streams, each in this one-stream state, which `reset` restores."""
-        return DecoderState([b.repeat(batch, 1, 1) for b in self.buffers],
-                            None if self.lstm is None else tuple(part.repeat(1, batch, 1) for part in self.lstm), self)
+        return DecoderState(
+            [b.repeat(batch, 1, 1) for b in self.buffers],
+            None if self.lstm is None else tuple(part.repeat(1, batch, 1) for part in self.lstm),
+            self,
+        )
 
-    def select(self, index: torch.Tensor) -> "DecoderState":
+    def select(self, index: torch.Tensor) -> DecoderState:
         """A copy holding the streams at ``index`` (M,), in that order, for a decode of those streams only."""
-        return DecoderState([b[index] for b in self.buffers],
-                            None if self.lstm is None else tuple(part[:, index] for part in self.lstm))
+        return DecoderState(
+            [b[index] for b in self.buffers], None if self.lstm is None else tuple(part[:, index] for part in self.lstm)
+        )
 
-    def write(self, index: torch.Tensor, sub: "DecoderState") -> None:
+    def write(self, index: torch.Tensor, sub: DecoderState) -> None:
         """Store ``sub`` (from `select` of the same ``index``, then stepped) back into those streams."""
         for buffer, new in zip(self.buffers, sub.buffers):
             buffer[index] = new
@@ -169,8 +177,15 @@ class Decoder(nn.Module):
         self.lstm = SkipLSTM(ch) if cfg.lstm else None
         blocks = []
         for stride in cfg.strides:
-            blocks.append(nn.ModuleList([CausalConvTranspose1d(ch, ch // 2, 2 * stride, stride),
-                                         ResidualUnit(ch // 2, 1), ResidualUnit(ch // 2, 3)]))
+            blocks.append(
+                nn.ModuleList(
+                    [
+                        CausalConvTranspose1d(ch, ch // 2, 2 * stride, stride),
+                        ResidualUnit(ch // 2, 1),
+                        ResidualUnit(ch // 2, 3),
+                    ]
+                )
+            )
             ch //= 2
         self.blocks = nn.ModuleList(blocks)
         self.out = CausalConv1d(ch, 1, 7)
@@ -186,16 +201,22 @@ class Decoder(nn.Module):
     def init_state(self, batch: int, device=None, dtype=torch.float32) -> DecoderState:
         def zeros(ch, n):
             return torch.zeros(batch, ch, n, device=device, dtype=dtype)
+
         buffers = [zeros(self.inp.in_channels, self.inp.context)]
         for up, res1, res3 in self.blocks:
-            buffers += [zeros(up.out_channels, up.tail), zeros(res1.conv1.in_channels, res1.conv1.context),
-                        zeros(res3.conv1.in_channels, res3.conv1.context)]
+            buffers += [
+                zeros(up.out_channels, up.tail),
+                zeros(res1.conv1.in_channels, res1.conv1.context),
+                zeros(res3.conv1.in_channels, res3.conv1.context),
+            ]
         buffers.append(zeros(self.out.in_channels, self.out.context))
         lstm = None
         if self.lstm is not None:
             hidden = self.lstm.lstm.hidden_size
-            lstm = (torch.zeros(1, batch, hidden, device=device, dtype=dtype),
-                    torch.zeros(1, batch, hidden, device=device, dtype=dtype))
+            lstm = (
+                torch.zeros(1, batch, hidden, device=device, dtype=dtype),
+                torch.zeros(1, batch, hidden, device=device, dtype=dtype),
+            )
         return DecoderState(buffers, lstm)
 
     def step(self, z: torch.Tensor, state: DecoderState) -> torch.Tensor:
@@ -228,7 +249,7 @@ class ResidualVQ(nn.Module):
     def encode(self, z: torch.Tensor, n_q: int | None = None) -> torch.Tensor:  # (B, D, T) -> (B, K, T)
         residual, codes = z.transpose(1, 2).float(), []
         for book in self.codebooks[:n_q]:  # book: (N, D)
-            distance = (residual.pow(2).sum(-1, keepdim=True) - 2 * residual @ book.T + book.pow(2).sum(-1))
+            distance = residual.pow(2).sum(-1, keepdim=True) - 2 * residual @ book.T + book.pow(2).sum(-1)
             index = distance.argmin(-1)  # (B, T)
             residual = residual - book[index]
             codes.append(index)
@@ -278,7 +299,7 @@ class Codec(nn.Module):
         14 frames decoded, the first 4,800 samples dropped, 1,920 returned."""
         lead_in = self.silence_codes().expand(codes.shape[0], -1, -1)
         audio = self.decoder(self.quantizer.decode(torch.cat([lead_in, codes], -1)))[:, 0]
-        return audio[:, LEAD_IN_FRAMES * self.cfg.hop:]
+        return audio[:, LEAD_IN_FRAMES * self.cfg.hop :]
 
 
 CODEC_FILES = ("codec_encoder.safetensors", "codec_decoder.safetensors")

@@ -1,6 +1,7 @@
 """Audio chunks -> the bytes of a streamed format at a chosen sample rate: resampled by soxr (a streaming
 resampler, so chunk by chunk equals the whole), raw PCM by numpy, containers (WAV, MP3, Ogg Opus, AAC, FLAC)
 and G.711 mu-law by PyAV (FFmpeg), chunk by chunk, so every format can be sent while it is being generated."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -11,10 +12,22 @@ from tts.rates import SAMPLE_RATE
 ULAW_RATE = 8_000  # telephony: G.711 mu-law is 8 kHz by definition
 OPUS_RATE = 48_000  # Ogg Opus always decodes at 48 kHz, whatever was encoded
 # format -> (FFmpeg muxer, codec); `None` for the raw formats numpy writes
-_CONTAINERS = {"wav": ("wav", "pcm_s16le"), "mp3": ("mp3", "libmp3lame"), "opus": ("ogg", "libopus"),
-               "aac": ("adts", "aac"), "flac": ("flac", "flac"), "ulaw_8000": ("mulaw", "pcm_mulaw")}
-MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "mp3": "audio/mpeg", "opus": "audio/ogg",
-               "aac": "audio/aac", "flac": "audio/flac"}
+_CONTAINERS = {
+    "wav": ("wav", "pcm_s16le"),
+    "mp3": ("mp3", "libmp3lame"),
+    "opus": ("ogg", "libopus"),
+    "aac": ("adts", "aac"),
+    "flac": ("flac", "flac"),
+    "ulaw_8000": ("mulaw", "pcm_mulaw"),
+}
+MEDIA_TYPES = {
+    "wav": "audio/wav",
+    "pcm": "audio/pcm",
+    "mp3": "audio/mpeg",
+    "opus": "audio/ogg",
+    "aac": "audio/aac",
+    "flac": "audio/flac",
+}
 
 
 def output_rate(fmt: str, requested: int = SAMPLE_RATE) -> int:
@@ -27,6 +40,7 @@ def _av():
     """PyAV, imported when a container is first encoded: raw PCM needs none of FFmpeg, and a machine serving
     only PCM (a benchmark host without the ~36 MB wheel) need not have it."""
     import av
+
     return av
 
 
@@ -55,8 +69,9 @@ class AudioEncoder:
         complete their headers at the end (WAV sizes, FLAC length); encode() then returns b"" for them."""
         self.fmt, self.rate = fmt, output_rate(fmt, rate)
         self._sink, self._container = _Sink(), None
-        self._resampler = (soxr.ResampleStream(SAMPLE_RATE, self.rate, 1, dtype="float32")
-                           if self.rate != SAMPLE_RATE else None)
+        self._resampler = (
+            soxr.ResampleStream(SAMPLE_RATE, self.rate, 1, dtype="float32") if self.rate != SAMPLE_RATE else None
+        )
         if fmt in _CONTAINERS:
             muxer, codec = _CONTAINERS[fmt]
             self._container = _av().open(file or self._sink, mode="w", format=muxer)

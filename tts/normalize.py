@@ -6,7 +6,7 @@ spoken form, looking at its neighbours where English needs them ("$5 million", "
 num2words. Examples (``normalize``):
 
     2024-03-04 -> March fourth, twenty twenty-four      3:45pm -> three forty-five P.M.
-    1/2 cup -> one half cup                            555-123-4567 -> five five five, one two three, four five six seven
+    1/2 cup -> one half cup                           555-123-4567 -> five five five, one two three, four five six seven
     5kg -> five kilograms      72°F -> seventy-two degrees Fahrenheit      -3 -> minus three
     1990s -> nineteen nineties     2.0.1 -> two point zero point one     $5M -> five million dollars
     St. Mark St. -> saint Mark street     https://example.com/docs -> example dot com slash docs
@@ -24,15 +24,16 @@ abbreviation ("e.g.", "No. 5"), an initial before a name ("J. Smith"), a decimal
 are clause breaks inside a sentence. Whether a token ends its sentence can depend on the next one, so
 `sentence_end` may answer "not known yet" for the last token of a text that is still arriving.
 """
+
 from __future__ import annotations
 
 import re
 import unicodedata
 from dataclasses import dataclass
 
-from tts.symbols import SYMBOL_ID  # the unit inventory is the phonemiser's fact
 from tts.normalize_rules import Context, clean, first_rule, split_token
 from tts.normalize_tables import BEFORE_NUMBER, CURRENCY_CODES, MONTH_OF, NONFINAL, TITLES
+from tts.symbols import SYMBOL_ID  # the unit inventory is the phonemiser's fact
 
 PAUSE_MS_DEFAULT = 500
 
@@ -44,6 +45,7 @@ class TextError(ValueError):
 @dataclass(frozen=True)
 class Token:
     """One whitespace-separated word as written, or one markup element."""
+
     text: str
     start: int  # character offsets in the text it came from
     end: int
@@ -66,7 +68,9 @@ _MARKUP = re.compile(
     r"\[\[(?P<ipa>[^\[\]]*)\]\]"
     r"|<phoneme\b[^>]*?\bph\s*=\s*(?P<q>[\"'])(?P<ph>.*?)(?P=q)[^>]*>(?P<word>.*?)</phoneme\s*>"
     r"|<break\b(?P<attrs>[^>]*?)/?>"
-    r"|</?[A-Za-z][\w:-]*(?:\s[^<>]*)?/?>", re.S)
+    r"|</?[A-Za-z][\w:-]*(?:\s[^<>]*)?/?>",
+    re.S,
+)
 _OPEN_MARKUP = re.compile(r"\[\[(?![^\]]*\]\])|<(?=[A-Za-z/])[^>]*$|<phoneme\b(?![\s\S]*</phoneme\s*>)")
 
 
@@ -81,7 +85,8 @@ def _pause_ms(attrs: str) -> int:
         return int(min(max(value, 0), 10_000))
     strength = re.search(r"strength\s*=\s*[\"'](\w[\w-]*)[\"']", attrs)
     return {"none": 0, "x-weak": 100, "weak": 250, "medium": 500, "strong": 750, "x-strong": 1000}.get(
-        strength.group(1) if strength else "medium", PAUSE_MS_DEFAULT)
+        strength.group(1) if strength else "medium", PAUSE_MS_DEFAULT
+    )
 
 
 def complete_length(text: str) -> int:
@@ -103,16 +108,21 @@ def tokenize(text: str) -> list[Token]:
             ipa = match.group("ipa") if match.group("ipa") is not None else match.group("ph")
             tokens.append(Token(match.group(0), match.start(), match.end(), "phonemes", _ipa(ipa)))
         elif match.group(0).startswith("<break"):
-            tokens.append(Token(match.group(0), match.start(), match.end(), "pause",
-                                pause_ms=_pause_ms(match.group("attrs") or "")))
+            tokens.append(
+                Token(
+                    match.group(0), match.start(), match.end(), "pause", pause_ms=_pause_ms(match.group("attrs") or "")
+                )
+            )
         position = match.end()
     return tokens + _words(text, position, len(text))
 
 
 def _words(text: str, start: int, stop: int) -> list[Token]:
     blank_line = re.compile(r"[ \t]*\r?\n[ \t]*\r?\n")
-    return [Token(m.group(0), m.start(), m.end(), para_end=bool(blank_line.match(text, m.end())))
-            for m in re.compile(r"\S+").finditer(text, start, stop)]
+    return [
+        Token(m.group(0), m.start(), m.end(), para_end=bool(blank_line.match(text, m.end())))
+        for m in re.compile(r"\S+").finditer(text, start, stop)
+    ]
 
 
 def _ipa(phonemes: str) -> str:
@@ -137,7 +147,7 @@ def sentence_end(tokens: list[Token], i: int) -> bool | None:
     text = token.text.rstrip(_CLOSERS)
     if not text or text[-1] not in ".!?":
         return False
-    following = next((t for t in tokens[i + 1:] if t.kind == "word"), None)
+    following = next((t for t in tokens[i + 1 :] if t.kind == "word"), None)
     if following is None:
         return None
     first = following.text.lstrip(_CLOSERS + "\"'([{¿¡“‘«")[:1]
@@ -160,8 +170,13 @@ def reads_by_next(token: Token) -> bool:
     month ("March" 4), a title or abbreviation ("St." Mark or Main St.)."""
     core = split_token(clean(token.text))[1]
     key = core.rstrip(".").lower()
-    return token.kind == "word" and (any(c.isdigit() for c in core) or key in MONTH_OF or key in TITLES
-                                     or key in BEFORE_NUMBER or core.upper() in CURRENCY_CODES)
+    return token.kind == "word" and (
+        any(c.isdigit() for c in core)
+        or key in MONTH_OF
+        or key in TITLES
+        or key in BEFORE_NUMBER
+        or core.upper() in CURRENCY_CODES
+    )
 
 
 def split_sentences(tokens: list[Token], final: bool) -> list[tuple[int, int, bool]]:
@@ -226,8 +241,9 @@ def _end_mark(tokens: list[Token], spoken: list[str]) -> None:
     """A closed sentence's last spoken word carries its end mark: "in the U.S." -> "U.S." also ends it.
     After trailing markup the phonemiser adds the mark (`tts.text.sentence_units`)."""
     mark = end_mark(tokens)
-    last = next((k for k in range(len(spoken) - 1, -1, -1)
-                 if spoken[k].strip(",;:.!? ") or tokens[k].kind != "word"), None)
+    last = next(
+        (k for k in range(len(spoken) - 1, -1, -1) if spoken[k].strip(",;:.!? ") or tokens[k].kind != "word"), None
+    )
     if mark and last is not None and tokens[last].kind == "word" and not spoken[last].endswith((".", "!", "?")):
         spoken[last] = spoken[last].rstrip(",;:") + mark
         for k in range(last + 1, len(spoken)):

@@ -1,4 +1,5 @@
 """Shipped voices: ``voices/voices.json`` names each voice and the checkpoints beside it."""
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,9 @@ def voice_mix(voice: str, presets: dict[str, dict]) -> dict[int, float]:
             return voice_mix(presets[voice]["blend"], {n: p for n, p in presets.items() if "blend" not in p})
         return {presets[voice]["index"]: 1.0}
     if not {"+", ":"} & set(voice) or len(voice) > MAX_SPEC_CHARS:
-        raise ValueError(f"unknown voice {voice[:40]!r}; choose one of {sorted(presets)} "
-                         "or blend them, e.g. 'joe:0.6+kumo:0.4'")
+        raise ValueError(
+            f"unknown voice {voice[:40]!r}; choose one of {sorted(presets)} or blend them, e.g. 'joe:0.6+kumo:0.4'"
+        )
     names, weights = [], []
     for part in voice.split("+"):
         name, _, weight = part.strip().partition(":")
@@ -77,10 +79,15 @@ def blend_preset(voice: str, presets: dict[str, dict], temperature: float) -> di
     mix = voice_mix(voice, presets)
     named = {p["index"]: n for n, p in presets.items() if "index" in p}
     parts = [(presets[named[row]], weight) for row, weight in mix.items()]
-    name = "+".join(f"{named[row]}:{weight:g}" for row, weight in mix.items()) if len(mix) > 1 else named[next(iter(mix))]
-    mixed = {"name": name, **({"blend": name} if len(mix) > 1 else {}),
-             "pace": round(sum(w * p.get("pace", 1.0) for p, w in parts), 4),
-             "temperature": round(sum(w * p.get("temperature", temperature) for p, w in parts), 4)}
+    name = (
+        "+".join(f"{named[row]}:{weight:g}" for row, weight in mix.items()) if len(mix) > 1 else named[next(iter(mix))]
+    )
+    mixed = {
+        "name": name,
+        **({"blend": name} if len(mix) > 1 else {}),
+        "pace": round(sum(w * p.get("pace", 1.0) for p, w in parts), 4),
+        "temperature": round(sum(w * p.get("temperature", temperature) for p, w in parts), 4),
+    }
     return {**mixed, **presets.get(voice, presets.get(name, {})), "mix": mix}
 
 
@@ -92,6 +99,8 @@ def _weight(text: str, spec: str) -> float:
     if not (math.isfinite(weight) and weight > 0):
         raise ValueError(f"blend {spec!r}: weight {text!r} must be a positive number")
     return weight
+
+
 def attribution(preset: dict) -> str:
     """What a voice learned from and the licence of its weights, for listings (``tts voices``, Wyoming's info).
 

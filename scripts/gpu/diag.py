@@ -6,6 +6,7 @@ capture stream, as before they had one of their own (an A/B of that fix).
     python3 scripts/gpu/diag.py [--device cuda] [--streams 64] [--rounds 5] [--tiny] [--frame-codec] [--one-bucket]
         [--shared-capture]
 """
+
 import argparse
 import json
 import sys
@@ -38,27 +39,39 @@ def main():
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--frame-codec", action="store_true")
     parser.add_argument("--one-bucket", action="store_true")
-    parser.add_argument("--shared-capture", action="store_true",
-                        help="the codec graphs captured on the default capture stream, as before the fix")
+    parser.add_argument(
+        "--shared-capture",
+        action="store_true",
+        help="the codec graphs captured on the default capture stream, as before the fix",
+    )
     args = parser.parse_args()
     if args.tiny:
         from testkit import tiny_model_and_codec
+
         model, codec, voices = tiny_model_and_codec()
     else:
         from tts.voices import load_shipped
+
         model, codec, voices = load_shipped(device=args.device)
     cuda = args.device.startswith("cuda")
-    engine = Engine(model.to(args.device), codec.to(args.device), voices, max_streams=args.streams,
-                    device=args.device, sampling=SamplingConfig(temperature=0.0), parking=ParkingConfig(park_after_s=0),
-                    step_factory=kernels.default_step_factory(args.device) if cuda else None,
-                    frame_codec=True if args.frame_codec else None)
+    engine = Engine(
+        model.to(args.device),
+        codec.to(args.device),
+        voices,
+        max_streams=args.streams,
+        device=args.device,
+        sampling=SamplingConfig(temperature=0.0),
+        parking=ParkingConfig(park_after_s=0),
+        step_factory=kernels.default_step_factory(args.device) if cuda else None,
+        frame_codec=True if args.frame_codec else None,
+    )
     if args.shared_capture:
         engine.codec_path.decoder.capture_stream = None
     if args.one_bucket:
         engine.table.bucket = lambda max_streams: max_streams if engine.table.live.any() else 0
     engine.warm_up()
-    sentences = [s for s in harvard(64) if len(s.split()) >= 7][:args.streams]
-    sentences = (sentences * args.streams)[:args.streams]
+    sentences = [s for s in harvard(64) if len(s.split()) >= 7][: args.streams]
+    sentences = (sentences * args.streams)[: args.streams]
     rounds = [one_round(engine, sentences) for _ in range(args.rounds)]
     audio0, timings0, firsts0, schedules0 = rounds[0]
     report = []
@@ -71,15 +84,32 @@ def main():
             if len(bad) or len(a) != len(b):
                 t, t0 = timings[i], timings0[i]
                 at = next((k for k, (x, y) in enumerate(zip(t, t0)) if x != y), None)
-                parted.append({"stream": i, "first_bad": int(bad[0]) if len(bad) else None,
-                               "lengths": [len(a), len(b)], "timings_equal": t == t0,
-                               "first_timing_diff": None if at is None else [at, t[at], t0[at]],
-                               "before_rest_equal": firsts[i] == firsts0[i],
-                               "schedules": [schedules[i][:3], schedules0[i][:3]]})
+                parted.append(
+                    {
+                        "stream": i,
+                        "first_bad": int(bad[0]) if len(bad) else None,
+                        "lengths": [len(a), len(b)],
+                        "timings_equal": t == t0,
+                        "first_timing_diff": None if at is None else [at, t[at], t0[at]],
+                        "before_rest_equal": firsts[i] == firsts0[i],
+                        "schedules": [schedules[i][:3], schedules0[i][:3]],
+                    }
+                )
         report.append({"round": r, "parted": len(parted), "detail": parted[:6]})
-    print(json.dumps({"device": args.device, "streams": args.streams, "frame_codec": engine.frame_codec,
-                      "step": engine.step_kind,
-                      "one_bucket": args.one_bucket, "shared_capture": args.shared_capture, "rounds": report}, indent=1))
+    print(
+        json.dumps(
+            {
+                "device": args.device,
+                "streams": args.streams,
+                "frame_codec": engine.frame_codec,
+                "step": engine.step_kind,
+                "one_bucket": args.one_bucket,
+                "shared_capture": args.shared_capture,
+                "rounds": report,
+            },
+            indent=1,
+        )
+    )
     engine.close()
 
 

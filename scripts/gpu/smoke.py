@@ -3,6 +3,7 @@
 settings that decide batch invariance. Run from the repository root on the device machine:
     python3 scripts/gpu/smoke.py
 """
+
 import sys
 import threading
 import time
@@ -25,20 +26,45 @@ def diff(a, b):
 
 
 def main(device="cuda"):
-    print("torch", torch.__version__, torch.cuda.get_device_name() if device == "cuda" else device,
-          "cudnn", torch.backends.cudnn.version())
-    print("matmul allow_tf32", torch.backends.cuda.matmul.allow_tf32, "cudnn allow_tf32",
-          torch.backends.cudnn.allow_tf32, "float32_matmul_precision", torch.get_float32_matmul_precision())
+    print(
+        "torch",
+        torch.__version__,
+        torch.cuda.get_device_name() if device == "cuda" else device,
+        "cudnn",
+        torch.backends.cudnn.version(),
+    )
+    print(
+        "matmul allow_tf32",
+        torch.backends.cuda.matmul.allow_tf32,
+        "cudnn allow_tf32",
+        torch.backends.cudnn.allow_tf32,
+        "float32_matmul_precision",
+        torch.get_float32_matmul_precision(),
+    )
     sentences = harvard(8)
     cpu = load_shipped(device="cpu")
     gpu = load_shipped(device=device)
     started = time.perf_counter()
-    engine = Engine(*gpu, max_streams=4, max_open=6, device=device, sampling=GREEDY,
-                    step_factory=kernels.default_step_factory(device) if device == "cuda" else None)
+    engine = Engine(
+        *gpu,
+        max_streams=4,
+        max_open=6,
+        device=device,
+        sampling=GREEDY,
+        step_factory=kernels.default_step_factory(device) if device == "cuda" else None,
+    )
     engine.warm_up()
     first = synthesize(sentences[0], engine=engine, seed=1)
-    print("first cuda utterance s", round(time.perf_counter() - started, 2), "kind", engine.step_kind,
-          "max_streams", engine.max_streams, "audio s", round(len(first) / engine.sample_rate, 2))
+    print(
+        "first cuda utterance s",
+        round(time.perf_counter() - started, 2),
+        "kind",
+        engine.step_kind,
+        "max_streams",
+        engine.max_streams,
+        "audio s",
+        round(len(first) / engine.sample_rate, 2),
+    )
     on_cpu = Engine(*cpu, max_streams=1, device="cpu", sampling=GREEDY)
     print("greedy cpu vs gpu: max diff", diff(synthesize(sentences[0], engine=on_cpu, seed=1), first))
     on_cpu.close()
@@ -48,6 +74,7 @@ def main(device="cuda"):
     def speak(i):
         time.sleep(0.1 * i)
         results[i] = synthesize(sentences[i], engine=engine, seed=10 + i)
+
     threads = [threading.Thread(target=speak, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
@@ -55,8 +82,10 @@ def main(device="cuda"):
         t.join(timeout=120)
     print("greedy, 6 streams on 4 slots vs alone:", [diff(results[i], alone[i]) for i in range(6)])
     stats = engine.stats()
-    print("stats", {k: stats[k] for k in ("parks", "restores", "slot_waits", "step_kind", "tick_ms", "step_ms",
-                                          "codec_ms")})
+    print(
+        "stats",
+        {k: stats[k] for k in ("parks", "restores", "slot_waits", "step_kind", "tick_ms", "step_ms", "codec_ms")},
+    )
     engine.close()
 
 

@@ -3,6 +3,7 @@ a time? Each pair captured twice: both on torch.cuda.graph's default capture str
 workspace between the graphs), then the second on a stream of its own. Prints mismatching replays per case.
     python3 scripts/gpu/workspace_race.py
 """
+
 import torch
 
 
@@ -50,8 +51,10 @@ def main():
     print("torch", torch.__version__, torch.cuda.get_device_name())
     for m, k, n in ((64, 8192, 512), (16, 16384, 256), (256, 1024, 1024), (64, 512, 3072)):
         shared, own = trial(m, k, n, False), trial(m, k, n, True)
-        print(f"({m}x{k}) @ ({k}x{n}), 2 x 2000 replays at once: mismatching replays, one capture stream {shared}, "
-              f"own capture streams {own}")
+        print(
+            f"({m}x{k}) @ ({k}x{n}), 2 x 2000 replays at once: mismatching replays, one capture stream {shared}, "
+            f"own capture streams {own}"
+        )
 
 
 if __name__ == "__main__":
