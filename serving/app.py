@@ -21,7 +21,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
 from serving import http_api, workers
-from serving.context import Hub, clients_of
+from serving.context import ServerContext, clients_of
 from serving.limits import Limits
 from serving.protocol import CLIENT_MESSAGE, ProtocolError, Resume
 from serving.session import Session, error_message
@@ -33,7 +33,7 @@ TRIM_EVERY_S = 60.0  # how often the C heap's free pages go back to the system (
 
 
 async def stream_endpoint(ws: WebSocket) -> None:
-    hub: Hub = ws.app.state.hub
+    hub: ServerContext = ws.app.state.hub
     clients = clients_of(ws.scope, hub)
     await ws.accept()
     step: tuple | None  # (the session, a resume or None)
@@ -51,7 +51,7 @@ async def stream_endpoint(ws: WebSocket) -> None:
             step = None
 
 
-async def _resume_past_caps(ws: WebSocket, hub: Hub, refusal: ProtocolError) -> tuple | None:
+async def _resume_past_caps(ws: WebSocket, hub: ServerContext, refusal: ProtocolError) -> tuple | None:
     """A connection over the connection caps may still resume a session that waits for it: that session's own
     place in the caps is what it takes (else a client whose every connection dropped at once could not come back,
     its waiting sessions filling its cap). (session, resume) when its first message resumes one; else the
@@ -95,7 +95,7 @@ def build_app(
     `api_keys`: when given, every /v1 endpoint wants one. `allow_origins`: browser origins, besides the server's
     own, that may use the API and the WebSocket (and get CORS headers); "*" allows any. `aliases`: OpenAI voice
     names -> voices (default: voices/voices.json)."""
-    hub = Hub(engine, limits or Limits(), aliases, tuple(api_keys), tuple(allow_origins), load_engine)
+    hub = ServerContext(engine, limits or Limits(), aliases, tuple(api_keys), tuple(allow_origins), load_engine)
     demo = StaticFiles(directory=DEMO_DIR, html=True)
     api = http_api
     routes = [
@@ -152,7 +152,7 @@ class _WorkerHeader:
 
 
 @contextlib.asynccontextmanager
-async def _lifespan(hub: Hub, app: Starlette):
+async def _lifespan(hub: ServerContext, app: Starlette):
     """While serving, trim the C heap now and then (`_trim_heap`). At shutdown, end the sessions that wait for a
     resume (their engine streams would outlive the server), then close what the hub holds open."""
     trimming = asyncio.create_task(_trim_heap(TRIM_EVERY_S))

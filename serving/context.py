@@ -1,6 +1,6 @@
 """What every connection of the server shares: the engine, the limits and admission, the voice aliases, the API
 keys, and a thread pool for the engine's blocking calls (opening a stream; audio is awaited without a thread,
-`Hub.chunks`); and who a connection is (its address, its API key). serving/session.py (the WebSocket) and
+`ServerContext.chunks`); and who a connection is (its address, its API key). serving/session.py (the WebSocket) and
 serving/http_api.py (HTTP) use it; it serves no endpoint itself."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tts.rates import SAMPLE_RATE
 from tts.text import TextError
 
 
-class Hub:
+class ServerContext:
     """What every connection shares: the engine, the limits, admission, the voice aliases, the API keys and
     a thread pool for the engine's blocking calls (so no connection waits for another's)."""
 
@@ -230,7 +230,7 @@ def api_key(scope) -> str | None:
     return None
 
 
-def clients_of(scope, hub: Hub) -> tuple:
+def clients_of(scope, hub: ServerContext) -> tuple:
     """The identities one connection counts against: its remote address, and its API key when keys are set."""
     address = (scope.get("client") or ("unknown",))[0]
     key = api_key(scope) if hub.api_keys else None

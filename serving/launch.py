@@ -16,7 +16,7 @@ from starlette.applications import Starlette
 
 from serving import workers
 from serving.app import build_app
-from serving.context import Hub
+from serving.context import ServerContext
 from serving.limits import Limits
 
 log = logging.getLogger("tts.server")
@@ -234,7 +234,7 @@ class ServerThread(_Addresses):
         )
 
     @property
-    def hub(self) -> Hub:
+    def hub(self) -> ServerContext:
         return self.app.state.hub
 
     def start(self, timeout: float = 30.0) -> ServerThread:

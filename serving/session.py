@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
 from serving import workers
-from serving.context import Hub
+from serving.context import ServerContext
 from serving.protocol import (
     CLIENT_MESSAGE,
     UNCOUNTED,
@@ -46,7 +46,7 @@ class Session:
     expires and frees everything. Meanwhile it is set aside from its client's caps (serving/admission.py):
     it never locks its own client out, and the client's oldest waiting session gives way to one more."""
 
-    def __init__(self, hub: Hub, clients: tuple, place):
+    def __init__(self, hub: ServerContext, clients: tuple, place):
         self.hub, self.limits, self.clients, self.place = hub, hub.limits, clients, place
         self.utterances: dict[str | None, ContextUtterance] = {}
         self.logs: dict[str | None, ReplayLog] = {}
@@ -226,7 +226,7 @@ class Session:
 
     # ---- resuming --------------------------------------------------------------------------------
     @staticmethod
-    def claim(hub: Hub, msg: Resume) -> tuple[Session, tuple]:
+    def claim(hub: ServerContext, msg: Resume) -> tuple[Session, tuple]:
         """(the session `msg.token` names, (where each of its contexts resumes, the token)), or resume_expired /
         resume_used / resume_offset. Claiming spends the token (synchronously: of two resumes racing with one
         token, one wins)."""
