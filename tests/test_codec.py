@@ -6,10 +6,11 @@ import torch
 from tts.codec import CODEC_PRESETS, Codec, load_codec, save_codec
 
 
-@pytest.fixture(scope="module")
-def codec():
+@pytest.fixture(scope="module", params=["tiny", "tiny-spectral"])
+def codec(request):
+    """Each test runs on both decoders: the SEANet `Decoder` and the `SpectralDecoder`."""
     torch.manual_seed(0)
-    codec = Codec(CODEC_PRESETS["tiny"]).eval()
+    codec = Codec(CODEC_PRESETS[request.param]).eval()
     codec.quantizer.codebooks.normal_()
     return codec
 

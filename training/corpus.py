@@ -191,8 +191,11 @@ def speak_teacher(voice: str, text: str) -> tuple[np.ndarray, int, list[str], np
     return speak_rulebased(engine, engine_voice, text)
 
 
-def synthesize_one(job: tuple[str, str, str]) -> dict | None:
-    voice, uid, text, out_dir = job[0], job[1], job[2], Path(job[3])
+AUDIO_FORMATS = {"opus": ("OGG", "OPUS", ".opus"), "flac": ("FLAC", "PCM_16", ".flac")}
+
+
+def synthesize_one(job: tuple[str, str, str, str, str]) -> dict | None:
+    voice, uid, text, out_dir, audio_format = job[0], job[1], job[2], Path(job[3]), job[4]
     try:
         audio, sr, units, seconds = speak_teacher(voice, text)
         audio, frames = finish_audio(audio, sr, seconds)
@@ -201,9 +204,17 @@ def synthesize_one(job: tuple[str, str, str]) -> dict | None:
     duration = len(audio) / SAMPLE_RATE
     if not 1.5 <= duration <= 16.0 or len(units) != len(frames):
         return {"id": uid, "voice": voice, "error": f"rejected: {duration:.1f} s"}
-    path = out_dir / voice / f"{uid}.opus"
-    tmp = path.with_suffix(".tmp.opus")
-    sf.write(tmp, audio, SAMPLE_RATE, format="OGG", subtype="OPUS", compression_level=0.35)
+    container, subtype, suffix = AUDIO_FORMATS[audio_format]
+    path = out_dir / voice / f"{uid}{suffix}"
+    tmp = path.with_suffix(".tmp" + suffix)
+    sf.write(
+        tmp,
+        audio,
+        SAMPLE_RATE,
+        format=container,
+        subtype=subtype,
+        **({"compression_level": 0.35} if audio_format == "opus" else {}),
+    )
     tmp.rename(path)
     return {
         "id": uid,
@@ -214,7 +225,7 @@ def synthesize_one(job: tuple[str, str, str]) -> dict | None:
         "frames": frames.tolist(),
         "n_frames": int(frames.sum()),
         "duration": round(duration, 3),
-        "path": f"{voice}/{uid}.opus",
+        "path": f"{voice}/{uid}{suffix}",
     }
 
 
@@ -242,9 +253,28 @@ def main() -> None:
         default=None,
         help="stop after this long, keeping every utterance written so far (a GPU machine's time is lent)",
     )
+    parser.add_argument(
+        "--format",
+        choices=sorted(AUDIO_FORMATS),
+        default="opus",
+        help="opus: small, to travel; flac: lossless, for a decoder's targets made where they train",
+    )
+    parser.add_argument(
+        "--utterances",
+        type=Path,
+        default=None,
+        help="a JSON list written by --dump-utterances, instead of the text packages (no npm there)",
+    )
+    parser.add_argument("--dump-utterances", type=Path, default=None, help="write the utterance list as JSON and stop")
     args = parser.parse_args()
     hours = {k: float(v) for k, v in (h.split("=") for h in args.hours)}
-    utterances = make_utterances(fetch_texts(args.cache))
+    if args.utterances:
+        utterances = json.loads(args.utterances.read_text())
+    else:
+        utterances = make_utterances(fetch_texts(args.cache))
+    if args.dump_utterances:
+        args.dump_utterances.write_text(json.dumps(utterances))
+        return
     if args.heldout:
         utterances = utterances[::-1][: args.heldout * len(hours)]  # never reached by the training slices
         hours = {v: 1e9 for v in hours}
@@ -265,7 +295,7 @@ def main() -> None:
         for uid_index in range(cursor, min(cursor + count, len(utterances))):
             uid = f"{voice}-{uid_index:06d}"
             if uid not in done[voice]:
-                per_voice[voice].append((voice, uid, utterances[uid_index], str(args.out)))
+                per_voice[voice].append((voice, uid, utterances[uid_index], str(args.out), args.format))
         cursor += count
     while any(per_voice.values()):
         for voice in hours:

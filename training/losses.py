@@ -89,3 +89,39 @@ def generator_losses(fake_out, real_out) -> tuple[torch.Tensor, torch.Tensor]:
         for ff, rf in zip(fake_feats, real_feats)
     ) / (len(fake_out) * len(fake_out[0][1]))
     return adversarial, matching
+
+
+class PeriodDiscriminator(nn.Module):
+    """HiFi-GAN's period discriminator: the waveform folded into (T/p, p) and convolved along time only, so
+    each of the p columns is judged as a sub-sampled signal (pitch periods, harmonics). Example: p 3, 24,000
+    samples -> a (1, 8000, 3) image; kernels (5, 1) stride (3, 1) see every 3rd sample of one column."""
+
+    def __init__(self, period: int, channels=(32, 64, 128, 256)):
+        super().__init__()
+        self.period = period
+        layers, previous = [], 1
+        for width in channels:
+            layers.append(nn.Conv2d(previous, width, (5, 1), stride=(3, 1), padding=(2, 0)))
+            previous = width
+        layers.append(nn.Conv2d(previous, previous, (5, 1), padding=(2, 0)))
+        self.layers = nn.ModuleList(layers)
+        self.head = nn.Conv2d(previous, 1, (3, 1), padding=(1, 0))
+
+    def forward(self, audio: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:  # (B, S)
+        pad = -audio.shape[-1] % self.period
+        x = F.pad(audio.float(), (0, pad), mode="reflect")
+        x = x.reshape(x.shape[0], 1, -1, self.period)  # (B, 1, S/p, p)
+        features = []
+        for layer in self.layers:
+            x = F.leaky_relu(layer(x), 0.1)
+            features.append(x)
+        return self.head(x), features
+
+
+class MultiPeriodDiscriminator(nn.Module):
+    def __init__(self, periods=(2, 3, 5, 7, 11)):
+        super().__init__()
+        self.discriminators = nn.ModuleList(PeriodDiscriminator(p) for p in periods)
+
+    def forward(self, audio: torch.Tensor):
+        return [d(audio) for d in self.discriminators]

@@ -6,13 +6,16 @@ Every convolution pads on the left only, so the decoder can run chunk by chunk w
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tts.decoder_state import DecoderState
 from tts.rates import SAMPLE_RATE
+from tts.spectral_decoder import SPECTRAL_PRESETS, SpectralConfig, SpectralDecoder
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,7 @@ class CodecConfig:
     codebooks: int = 8
     codebook_size: int = 1024
     lstm: bool = True
+    spectral: SpectralConfig | None = None  # the decoder: None = the SEANet `Decoder`, else a `SpectralDecoder`
 
     @property
     def hop(self) -> int:
@@ -38,6 +42,9 @@ class CodecConfig:
 CODEC_PRESETS = {
     "base": CodecConfig(),
     "tiny": CodecConfig(channels=4, encoder_channels=4, dim=16, codebook_size=32, codebooks=4),
+    "tiny-spectral": CodecConfig(
+        channels=4, encoder_channels=4, dim=16, codebook_size=32, codebooks=4, spectral=SPECTRAL_PRESETS["tiny"]
+    ),
 }
 LEAD_IN_FRAMES = 10  # frames of silence a stream's decoder has heard before its first frame (200 ms)
 
@@ -125,48 +132,6 @@ class Encoder(nn.Module):
         if self.lstm is not None:
             x, _ = self.lstm(x)
         return self.out(F.elu(x))
-
-
-@dataclass
-class DecoderState:
-    """Carried decoder state for a batch of streams: conv histories, transposed-conv tails, LSTM (h, c).
-    ``start``: the state of one stream (batch 1) that `reset` restores; None restores zeros."""
-
-    buffers: list[torch.Tensor] = field(default_factory=list)
-    lstm: tuple[torch.Tensor, torch.Tensor] | None = None
-    start: DecoderState | None = None
-
-    def reset(self, mask: torch.Tensor) -> None:
-        """Return the streams where ``mask`` (B,) is true to the starting state (a masked write: no host sync)."""
-        for i, buffer in enumerate(self.buffers):  # (B, C, N); the start's (1, C, N) broadcasts
-            start = 0.0 if self.start is None else self.start.buffers[i]
-            buffer.copy_(torch.where(mask[:, None, None], start, buffer))
-        if self.lstm is not None:
-            for i, part in enumerate(self.lstm):  # (1, B, H); the start's (1, 1, H) broadcasts
-                start = 0.0 if self.start is None else self.start.lstm[i]
-                part.copy_(torch.where(mask[None, :, None], start, part))
-
-    def repeat(self, batch: int) -> DecoderState:
-        """``batch`` streams, each in this one-stream state, which `reset` restores."""
-        return DecoderState(
-            [b.repeat(batch, 1, 1) for b in self.buffers],
-            None if self.lstm is None else tuple(part.repeat(1, batch, 1) for part in self.lstm),
-            self,
-        )
-
-    def select(self, index: torch.Tensor) -> DecoderState:
-        """A copy holding the streams at ``index`` (M,), in that order, for a decode of those streams only."""
-        return DecoderState(
-            [b[index] for b in self.buffers], None if self.lstm is None else tuple(part[:, index] for part in self.lstm)
-        )
-
-    def write(self, index: torch.Tensor, sub: DecoderState) -> None:
-        """Store ``sub`` (from `select` of the same ``index``, then stepped) back into those streams."""
-        for buffer, new in zip(self.buffers, sub.buffers):
-            buffer[index] = new
-        if self.lstm is not None:
-            for part, new in zip(self.lstm, sub.lstm):
-                part[:, index] = new
 
 
 class Decoder(nn.Module):
@@ -264,7 +229,8 @@ class Codec(nn.Module):
     def __init__(self, cfg: CodecConfig):
         super().__init__()
         self.cfg = cfg
-        self.encoder, self.quantizer, self.decoder = Encoder(cfg), ResidualVQ(cfg), Decoder(cfg)
+        self.encoder, self.quantizer = Encoder(cfg), ResidualVQ(cfg)
+        self.decoder = SpectralDecoder(cfg.dim, cfg.hop, cfg.spectral) if cfg.spectral else Decoder(cfg)
 
     @torch.inference_mode()
     def encode(self, audio: torch.Tensor, n_q: int | None = None) -> torch.Tensor:
@@ -302,20 +268,54 @@ class Codec(nn.Module):
         return audio[:, LEAD_IN_FRAMES * self.cfg.hop :]
 
 
-CODEC_FILES = ("codec_encoder.safetensors", "codec_decoder.safetensors")
+CODEC_FILES = ("codec_encoder.safetensors", "codec_decoder.safetensors")  # then codec_decoder-1.safetensors, ...
+PART_BYTES = 15_000_000  # each file under 16 MiB, the most a GPU machine's call brings back
+
+
+def decoder_files(folder) -> list:
+    """The quantizer + decoder files of a saved codec, in order: codec_decoder.safetensors, then its parts -1, -2..."""
+    from pathlib import Path
+
+    parts = sorted(Path(folder).glob("codec_decoder-*.safetensors"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    return [Path(folder) / CODEC_FILES[1], *parts]
 
 
 def save_codec(codec: Codec, folder, meta: dict | None = None) -> None:
-    """Two fp16 safetensors files (encoder; quantizer + decoder), each under 16 MB."""
+    """fp16 safetensors: the encoder in one file, the quantizer and decoder in as many as keep each under
+    ``PART_BYTES`` (the SEANet decoder fits one; the spectral decoder takes two)."""
     import json
     from pathlib import Path
 
     from safetensors.torch import save_file
 
     state = {k: v.detach().half().contiguous().cpu() for k, v in codec.state_dict().items()}
-    metadata = {"config": json.dumps(codec.cfg.__dict__), **(meta or {})}
-    for name, keep in zip(CODEC_FILES, (lambda k: k.startswith("encoder."), lambda k: not k.startswith("encoder."))):
-        save_file({k: v for k, v in state.items() if keep(k)}, str(Path(folder) / name), metadata=metadata)
+    metadata = {"config": json.dumps(dataclasses.asdict(codec.cfg)), **(meta or {})}
+    save_file(
+        {k: v for k, v in state.items() if k.startswith("encoder.")},
+        str(Path(folder) / CODEC_FILES[0]),
+        metadata=metadata,
+    )
+    parts, size = [{}], 0
+    for k, v in state.items():
+        if k.startswith("encoder."):
+            continue
+        if size + v.nbytes > PART_BYTES and parts[-1]:
+            parts.append({})
+            size = 0
+        parts[-1][k], size = v, size + v.nbytes
+    for stale in decoder_files(folder)[1:]:
+        stale.unlink()
+    for i, part in enumerate(parts):
+        name = CODEC_FILES[1] if i == 0 else f"codec_decoder-{i}.safetensors"
+        save_file(part, str(Path(folder) / name), metadata=metadata)
+
+
+def config_from_json(cfg: dict) -> CodecConfig:
+    """The `CodecConfig` that `dataclasses.asdict` wrote as JSON (lists back to tuples, the spectral part typed)."""
+    spectral = cfg.get("spectral")
+    return CodecConfig(
+        **{**cfg, "strides": tuple(cfg["strides"]), "spectral": SpectralConfig(**spectral) if spectral else None}
+    )
 
 
 def load_codec(folder, device="cpu") -> Codec:
@@ -328,10 +328,9 @@ def load_codec(folder, device="cpu") -> Codec:
 
     with safe_open(str(Path(folder) / CODEC_FILES[1]), "pt") as f:
         cfg = json.loads(f.metadata()["config"])
-    cfg["strides"] = tuple(cfg["strides"])
-    codec = Codec(CodecConfig(**cfg))
+    codec = Codec(config_from_json(cfg))
     state = {}
-    for name in CODEC_FILES:
-        state.update({k: v.float() for k, v in load_file(str(Path(folder) / name)).items()})
+    for path in [Path(folder) / CODEC_FILES[0], *decoder_files(folder)]:
+        state.update({k: v.float() for k, v in load_file(str(path)).items()})
     codec.load_state_dict(state)
     return codec.to(device).eval()
