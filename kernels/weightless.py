@@ -144,7 +144,7 @@ def weights(tensors: dict[str, torch.Tensor], manifest: list[list]) -> dict[str,
 
 
 # ---- load ---------------------------------------------------------------------------------------------
-def shipped_session(module: torch.nn.Module, kind: str, folder: Path | None = None):
+def graph_session(module: torch.nn.Module, kind: str, folder: Path | None = None):
     """An ONNX Runtime session of graph ``kind`` of ``module`` from its shipped weightless graph, made once
     per module and kind; None when no graph ships for its key. Raises if the graph does not load or does not
     fit the weights."""

@@ -62,7 +62,7 @@ def test_shipped_int8_graph_runs_what_the_export_runs(tmp_path):
     model = load_shipped()[0]
     ort.export(model, tmp_path / "step.onnx")
     ort.quantize(tmp_path / "step.onnx", tmp_path / "step-int8.onnx")
-    step = ort.session_factory(weightless.shipped_session(model, "step-int8"), "onnxruntime-int8")
+    step = ort.session_factory(weightless.graph_session(model, "step-int8"), "onnxruntime-int8")
     export = ort.factory(tmp_path / "step-int8.onnx")(model, StepCaches.empty(model.cfg, 2), 2, "cpu")
     assert (
         run_side_by_side(
@@ -76,7 +76,7 @@ def test_shipped_int8_graph_runs_what_the_export_runs(tmp_path):
 def test_filled_fp32_graph_equals_eager(graphs, batch):
     """Over more than 5x both rings' capacities, another model's weights in the graph: its eager logits."""
     model = tiny_model(1)
-    step = ort.session_factory(weightless.shipped_session(model, "step", graphs), "onnxruntime")
+    step = ort.session_factory(weightless.graph_session(model, "step", graphs), "onnxruntime")
     assert run_side_by_side(model, step(model, StepCaches.empty(model.cfg, batch), batch, "cpu"), batch) < 1e-4
 
 
@@ -84,7 +84,7 @@ def test_filled_int8_graph_is_that_models_quantised_export(graphs, tmp_path):
     model = tiny_model(2)
     ort.export(model, tmp_path / "step.onnx")
     ort.quantize(tmp_path / "step.onnx", tmp_path / "step-int8.onnx")
-    step = ort.session_factory(weightless.shipped_session(model, "step-int8", graphs), "onnxruntime-int8")
+    step = ort.session_factory(weightless.graph_session(model, "step-int8", graphs), "onnxruntime-int8")
     export = ort.factory(tmp_path / "step-int8.onnx")(model, StepCaches.empty(model.cfg, 3), 3, "cpu")
     assert (
         run_side_by_side(
@@ -105,7 +105,7 @@ def test_filled_int8_graph_is_that_models_quantised_export(graphs, tmp_path):
 
 def test_filled_codec_graph_decodes_as_torch(graphs):
     codec = tiny_codec(3)
-    step = ort_codec.OrtCodecStep(weightless.shipped_session(codec, "codec", graphs), lstm=True)
+    step = ort_codec.OrtCodecStep(weightless.graph_session(codec, "codec", graphs), lstm=True)
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, codec.cfg.codebook_size, (2, codec.cfg.codebooks, 12), generator=g)
     ours, theirs = codec.decoder.init_state(2), codec.decoder.init_state(2)
