@@ -1,10 +1,11 @@
 """Codec quality and speed on held-out teacher utterances. Prints one JSON object.
 
-    python -m bench.codec            # 100 held-out utterances per voice
-    python -m bench.codec --quick    # 3 per voice, under a minute
-    python -m bench.codec --voices kumo
-    python -m bench.codec --skip 100 # the utterances after the reported 100: for choosing between checkpoints
+python -m bench.codec            # 100 held-out utterances per voice
+python -m bench.codec --quick    # 3 per voice, under a minute
+python -m bench.codec --voices kumo
+python -m bench.codec --skip 100 # the utterances after the reported 100: for choosing between checkpoints
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,7 @@ def decoder_rtf(codec, seconds: float = 10.0, chunks: tuple[int, ...] = (CHUNK_S
     def streamed(chunk: int) -> None:
         state = codec.decoder.init_state(1)
         for t in range(0, frames, chunk):
-            codec.decoder.step(latents[..., t:t + chunk], state)
+            codec.decoder.step(latents[..., t : t + chunk], state)
 
     def rtf(run) -> float:
         times = []
@@ -46,8 +47,10 @@ def decoder_rtf(codec, seconds: float = 10.0, chunks: tuple[int, ...] = (CHUNK_S
 
     with torch.inference_mode():
         codec.decoder(latents[..., :50])
-        return {"offline": rtf(lambda: codec.decoder(latents)),
-                "streaming": {str(chunk): rtf(lambda: streamed(chunk)) for chunk in chunks}}
+        return {
+            "offline": rtf(lambda: codec.decoder(latents)),
+            "streaming": {str(chunk): rtf(lambda: streamed(chunk)) for chunk in chunks},
+        }
 
 
 def main() -> None:
@@ -57,8 +60,13 @@ def main() -> None:
     parser.add_argument("--per-voice", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--voices", nargs="*", help="only these voices of the held-out corpus (default: all)")
-    parser.add_argument("--skip", type=int, default=0, help="leave out each voice's first N utterances: a "
-                        "validation split, so a checkpoint is chosen without looking at the reported ones")
+    parser.add_argument(
+        "--skip",
+        type=int,
+        default=0,
+        help="leave out each voice's first N utterances: a "
+        "validation split, so a checkpoint is chosen without looking at the reported ones",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
@@ -71,20 +79,36 @@ def main() -> None:
     for row in rows:
         audio, sr = sf.read(args.corpus / row["path"], dtype="float32")
         codes = codec.encode(torch.from_numpy(audio)[None])
-        decoded = codec.decode(codes)[0].numpy()[:len(audio)]
+        decoded = codec.decode(codes)[0].numpy()[: len(audio)]
         stats = per_voice.setdefault(row["voice"], {"wer_original": [], "wer_roundtrip": [], "mel_l1": []})
         stats["wer_original"].append(wer(row["text"], transcribe(audio, sr)))
         stats["wer_roundtrip"].append(wer(row["text"], transcribe(decoded, sr)))
         stats["mel_l1"].append(log_mel_l1(audio, decoded))
-    summary = {v: {k: round(float(np.mean(x)), 4) for k, x in s.items()} | {"utterances": len(s["mel_l1"])}
-               for v, s in per_voice.items()}
-    everything = {k: round(float(np.mean([x for s in per_voice.values() for x in s[k]])), 4)
-                  for k in ("wer_original", "wer_roundtrip", "mel_l1")}
+    summary = {
+        v: {k: round(float(np.mean(x)), 4) for k, x in s.items()} | {"utterances": len(s["mel_l1"])}
+        for v, s in per_voice.items()
+    }
+    everything = {
+        k: round(float(np.mean([x for s in per_voice.values() for x in s[k]])), 4)
+        for k in ("wer_original", "wer_roundtrip", "mel_l1")
+    }
     steady = rtf["streaming"][str(CHUNK_SCHEDULE[-1])]
-    print(json.dumps({**everything, "decoder_rtf": steady, "decoder_rtf_detail": rtf,
-                      "frame_rate": codec.cfg.frame_rate, "codebooks": codec.cfg.codebooks,
-                      "codebook_size": codec.cfg.codebook_size, "threads": args.threads,
-                      "utterances": len(rows), "per_voice": summary}, indent=1))
+    print(
+        json.dumps(
+            {
+                **everything,
+                "decoder_rtf": steady,
+                "decoder_rtf_detail": rtf,
+                "frame_rate": codec.cfg.frame_rate,
+                "codebooks": codec.cfg.codebooks,
+                "codebook_size": codec.cfg.codebook_size,
+                "threads": args.threads,
+                "utterances": len(rows),
+                "per_voice": summary,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ sentences are to its centroid (a yardstick for "the same voice"). Needs the teac
 ``training/corpus.py``) and ``pip install --no-deps resemblyzer==0.1.4 webrtcvad-wheels==2.0.14.post1``
 (resemblyzer's own pin on webrtcvad builds from source and imports the removed ``pkg_resources``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,7 @@ SCORES = ("ovrl", "sig", "bak", "p808", "wer")
 
 def heldout_texts(n: int, skip: int = 0, cache: Path = ROOT / "cache") -> list[str]:
     """Utterances ``skip`` to ``skip + n`` from the far end of the corpus text, the end ``--heldout`` speaks."""
-    return make_utterances(fetch_texts(cache))[::-1][skip:skip + n]
+    return make_utterances(fetch_texts(cache))[::-1][skip : skip + n]
 
 
 def corpus_form(audio: np.ndarray, sr: int) -> np.ndarray:
@@ -51,6 +52,7 @@ def corpus_form(audio: np.ndarray, sr: int) -> np.ndarray:
 def dnsmos(audio: np.ndarray, sr: int = SAMPLE_RATE) -> dict[str, float]:
     """P.835 OVRL/SIG/BAK and P.808 MOS of one clip, resampled to 16 kHz and peak-normalised."""
     from speechmos import dnsmos as model
+
     audio16 = soxr.resample(audio.astype(np.float32), sr, 16_000)
     scores = model.run(np.clip(audio16 / max(np.abs(audio16).max(), 1e-6), -1, 1), 16_000)
     return {key: float(scores[f"{key}_mos"]) for key in ("ovrl", "sig", "bak", "p808")}
@@ -59,6 +61,7 @@ def dnsmos(audio: np.ndarray, sr: int = SAMPLE_RATE) -> dict[str, float]:
 def median_f0(audio: np.ndarray, sr: int = SAMPLE_RATE) -> float:
     """Median pitch (Hz) of the loud frames: one number that tells a high voice from a low one."""
     import librosa
+
     f0 = librosa.yin(audio, fmin=60, fmax=400, sr=sr, frame_length=1024)
     loud = librosa.feature.rms(y=audio, frame_length=1024, hop_length=256)[0] > 0.05
     f0 = f0[: len(loud)][loud[: len(f0)]]
@@ -68,12 +71,14 @@ def median_f0(audio: np.ndarray, sr: int = SAMPLE_RATE) -> float:
 @lru_cache(maxsize=1)
 def _speaker_encoder():
     from resemblyzer import VoiceEncoder
+
     return VoiceEncoder("cpu", verbose=False)
 
 
 def speaker_embedding(audio: np.ndarray, sr: int = SAMPLE_RATE) -> np.ndarray:
     """A unit-length 256-d embedding of who is speaking (GE2E): near 1 cosine for the same voice."""
     from resemblyzer import preprocess_wav
+
     return _speaker_encoder().embed_utterance(preprocess_wav(audio, source_sr=sr))
 
 
@@ -83,8 +88,12 @@ def centroid(embeddings: list[np.ndarray]) -> np.ndarray:
 
 
 def score(text: str, audio: np.ndarray) -> dict:
-    return {**dnsmos(audio), "wer": wer(text, transcribe(audio, SAMPLE_RATE)), "f0": median_f0(audio),
-            "embedding": speaker_embedding(audio)}
+    return {
+        **dnsmos(audio),
+        "wer": wer(text, transcribe(audio, SAMPLE_RATE)),
+        "f0": median_f0(audio),
+        "embedding": speaker_embedding(audio),
+    }
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -92,13 +101,16 @@ def summarise(rows: list[dict]) -> dict:
     out = {key: round(float(np.mean([r[key] for r in rows])), 4) for key in (*SCORES, "f0")}
     mean = centroid([r["embedding"] for r in rows])
     out["speaker_self"] = round(float(np.mean([r["embedding"] @ mean for r in rows])), 4)
-    out["ovrl_sem"] = round(float(np.std([r["ovrl"] for r in rows], ddof=1) / np.sqrt(len(rows))), 4) if len(rows) > 1 else None
+    out["ovrl_sem"] = (
+        round(float(np.std([r["ovrl"] for r in rows], ddof=1) / np.sqrt(len(rows))), 4) if len(rows) > 1 else None
+    )
     return out
 
 
 def measure_voice(engine, codec, voice: str, texts: list[str], parts: list[str]) -> tuple[dict, dict]:
     """(scores per part and the gaps between parts, speaker centroid per part)."""
     from tts.api import synthesize
+
     rows: dict[str, list] = {part: [] for part in parts}
     has_teacher = voice in TEACHERS
     for text in texts:
@@ -109,7 +121,7 @@ def measure_voice(engine, codec, voice: str, texts: list[str], parts: list[str])
                 rows["teacher"].append(score(text, teacher))
             if "codec" in parts:
                 with torch.inference_mode():
-                    decoded = codec.decode(codec.encode(torch.from_numpy(teacher)[None]))[0].numpy()[:len(teacher)]
+                    decoded = codec.decode(codec.encode(torch.from_numpy(teacher)[None]))[0].numpy()[: len(teacher)]
                 rows["codec"].append(score(text, decoded))
         if "ours" in parts:
             rows["ours"].append(score(text, corpus_form(synthesize(text, voice=voice, engine=engine), SAMPLE_RATE)))
@@ -143,6 +155,7 @@ def speaker_similarity(centroids: dict[str, dict]) -> dict:
 def write_opus(path: Path, audio: np.ndarray, bitrate: int = 28_000) -> None:
     """A small Ogg Opus file (``bitrate`` bit/s) of 24 kHz float audio, peak-normalised to -1 dBFS."""
     import av
+
     audio = (audio * (0.89 / max(np.abs(audio).max(), 1e-6))).astype(np.float32)
     with av.open(str(path), "w", format="ogg") as out:
         stream = out.add_stream("libopus", rate=48_000, layout="mono")
@@ -157,6 +170,7 @@ def write_samples(engine, folder: Path, voices: list[str]) -> dict:
     """One short held-out sentence (40-90 characters, a few seconds) per voice: ``NAME-teacher.opus`` beside
     ``NAME.opus`` (ours; a blend has no teacher). Returns the sentence and the files written."""
     from tts.api import synthesize
+
     text = next(t for t in heldout_texts(200) if 40 <= len(t) <= 90)
     folder.mkdir(parents=True, exist_ok=True)
     written = []
@@ -173,17 +187,25 @@ def write_samples(engine, folder: Path, voices: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=15, help="held-out sentences per voice")
-    parser.add_argument("--skip", type=int, default=0, help="start this far into the held-out text: a "
-                        "validation set for choosing settings without looking at the reported sentences")
+    parser.add_argument(
+        "--skip",
+        type=int,
+        default=0,
+        help="start this far into the held-out text: a "
+        "validation set for choosing settings without looking at the reported sentences",
+    )
     parser.add_argument("--voices", nargs="*", help="default: every voice the engine lists")
     parser.add_argument("--only", nargs="+", choices=("teacher", "codec", "ours"), default=["teacher", "codec", "ours"])
-    parser.add_argument("--temperature", type=float, help="sample every voice at this temperature (default: its preset's)")
+    parser.add_argument(
+        "--temperature", type=float, help="sample every voice at this temperature (default: its preset's)"
+    )
     parser.add_argument("--top-k", type=int, help="sample from this many tokens (default: the engine's)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "quality.json")
     parser.add_argument("--samples", type=Path, help="instead: write one short clip per voice into this folder")
     args = parser.parse_args()
     torch.set_flush_denormal(True)
     from tts.api import get_engine
+
     engine = get_engine()
     if args.top_k is not None:
         engine.sampling.top_k = args.top_k
@@ -199,9 +221,16 @@ def main() -> None:
         voices[voice], centroids[voice] = measure_voice(engine, engine.codec, voice, texts, args.only)
     for voice, similarity in speaker_similarity(centroids).items():
         voices[voice]["speaker"] = similarity
-    report = {"sentences": len(texts), "skip": args.skip, "text": "held-out corpus utterances (training.corpus "
-              "text, far end), the same for every voice", "sampling": {"top_k": engine.sampling.top_k,
-              "temperature": "per voice preset" if args.temperature is None else args.temperature}, "voices": voices}
+    report = {
+        "sentences": len(texts),
+        "skip": args.skip,
+        "text": "held-out corpus utterances (training.corpus text, far end), the same for every voice",
+        "sampling": {
+            "top_k": engine.sampling.top_k,
+            "temperature": "per voice preset" if args.temperature is None else args.temperature,
+        },
+        "voices": voices,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report, indent=1))

@@ -3,19 +3,23 @@ through one `ContextPool`, against the real server on loopback with the document
 (16 sessions for 64; the tiny engine's 4 slots): every reply is spoken, over ceil(16 / max_contexts) sockets, the
 replies beyond the engine's slots waiting in the server's queue; with a per-client cap below the sessions, the
 ones past it are refused with client_limit, as the docs say."""
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 
-import pytest
-
 from tts.client import ServerError
 from tts.contexts import ContextPool
 
 SESSIONS, CONTEXTS = 16, 8
-FLEET = {"max_contexts": CONTEXTS, "max_connections_per_client": 4, "max_streams_per_client": SESSIONS,
-         "max_queue": SESSIONS, "queue_timeout_s": 60.0}
+FLEET = {
+    "max_contexts": CONTEXTS,
+    "max_connections_per_client": 4,
+    "max_streams_per_client": SESSIONS,
+    "max_queue": SESSIONS,
+    "queue_timeout_s": 60.0,
+}
 
 
 async def _reply(pool: ContextPool, session: int, turn: int) -> int:
@@ -39,6 +43,7 @@ def test_sixteen_sessions_share_two_sockets_and_all_speak(tiny_engine, make_serv
         connections = pool.connections
         await pool.aclose()
         return spoken, connections
+
     spoken, connections = asyncio.run(go())
     assert all(audio > 24_000 for replies in spoken for audio in replies)
     assert connections == SESSIONS // CONTEXTS
@@ -59,6 +64,7 @@ def test_past_the_per_client_cap_sessions_are_refused(tiny_engine, make_server):
                 await (await task).cancel()
         await pool.aclose()
         return refused
+
     refused = asyncio.run(go())
     assert len(refused) == SESSIONS // 2
     assert all(isinstance(e, ServerError) and e.code == "client_limit" for e in refused)

@@ -2,6 +2,7 @@
 is repeatable, so "said as the entry says" is checked exactly: the text with the entry gives the same audio, bit
 for bit, as the text written with the entry's pronunciation, and other audio than without it. The tiny engine
 behind the real server on loopback; `tts say` as a subprocess on the shipped voices."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,15 +29,28 @@ TEXT, RESPELT = "I like Zorblax.", "I like tomato."
 def test_case_rules_and_punctuation():
     lexicon = Lexicon.of({"nginx": "engine x", "US": "you ess", "Zorblax": "/z ˈɔː ɹ b l æ k s/"})
     said = {t.text: t.said or t.phonemes for t in lexicon.apply(tokenize("NGINX, Nginx us US (Zorblax) zorblax"))}
-    assert said == {"NGINX,": "engine x", "Nginx": "engine x", "us": "", "US": "you ess", "(Zorblax)": "zˈɔːɹblæks",
-                    "zorblax": ""}
+    assert said == {
+        "NGINX,": "engine x",
+        "Nginx": "engine x",
+        "us": "",
+        "US": "you ess",
+        "(Zorblax)": "zˈɔːɹblæks",
+        "zorblax": "",
+    }
     assert Lexicon.of({"us": "oops"}).merged({"US": "you ess"}).apply(tokenize("US"))[0].said == "you ess"
 
 
-@pytest.mark.parametrize("entries, names", [
-    ({"two words": "x"}, "'two words'"), ({"x": "/h@llo/"}, "'x'.*@"), ({"x": ""}, "'x'"), ({"x": "<b>y</b>"}, "'x'"),
-    ({"x": 5}, "'x'"), ([1], "object"),
-])
+@pytest.mark.parametrize(
+    "entries, names",
+    [
+        ({"two words": "x"}, "'two words'"),
+        ({"x": "/h@llo/"}, "'x'.*@"),
+        ({"x": ""}, "'x'"),
+        ({"x": "<b>y</b>"}, "'x'"),
+        ({"x": 5}, "'x'"),
+        ([1], "object"),
+    ],
+)
 def test_bad_entries_are_typed_errors_naming_the_entry(entries, names):
     with pytest.raises(LexiconError, match=names):
         Lexicon.of(entries)
@@ -90,15 +104,18 @@ def test_websocket_start(server):
 
 async def _speech(url: str, text: str, **extra) -> httpx.Response:
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-        return await http.post("/v1/audio/speech", json={"input": text, "voice": "joe", "response_format": "pcm",
-                                                          "seed": 7, **extra})
+        return await http.post(
+            "/v1/audio/speech", json={"input": text, "voice": "joe", "response_format": "pcm", "seed": 7, **extra}
+        )
 
 
 def test_openai_endpoint_extra_body(server):
     from openai import OpenAI
+
     client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
-    speech = client.audio.speech.create(model="tts-1", voice="alloy", input=TEXT, response_format="pcm",
-                                        extra_body={"lexicon": ENTRY, "seed": 7})
+    speech = client.audio.speech.create(
+        model="tts-1", voice="alloy", input=TEXT, response_format="pcm", extra_body={"lexicon": ENTRY, "seed": 7}
+    )
     assert speech.content == asyncio.run(_speech(server.url, RESPELT, voice="alloy")).content
     assert speech.content != asyncio.run(_speech(server.url, TEXT, voice="alloy")).content
     refused = asyncio.run(_speech(server.url, TEXT, lexicon={"Zorblax": ""}))
@@ -108,10 +125,12 @@ def test_openai_endpoint_extra_body(server):
 
 def test_server_wide_lexicon_and_a_request_winning_over_it(tiny_engine, make_server):
     served = make_server(tiny_engine, lexicon={"zorblax": "potato"})
-    assert asyncio.run(_socket_audio(served.ws_url, TEXT)) == asyncio.run(_socket_audio(served.ws_url,
-                                                                                        "I like potato."))
-    assert asyncio.run(_socket_audio(served.ws_url, TEXT, lexicon=ENTRY)) == \
-        asyncio.run(_socket_audio(served.ws_url, RESPELT))
+    assert asyncio.run(_socket_audio(served.ws_url, TEXT)) == asyncio.run(
+        _socket_audio(served.ws_url, "I like potato.")
+    )
+    assert asyncio.run(_socket_audio(served.ws_url, TEXT, lexicon=ENTRY)) == asyncio.run(
+        _socket_audio(served.ws_url, RESPELT)
+    )
 
 
 def test_tts_say_lexicon(tmp_path):
@@ -119,8 +138,11 @@ def test_tts_say_lexicon(tmp_path):
 
     def say(text, *more):
         out = tmp_path / f"{len(list(tmp_path.iterdir()))}.wav"
-        done = subprocess.run([sys.executable, "-m", "tts.cli", "say", text, "--seed", "3", "-q", "-o", str(out),
-                               *more], capture_output=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-m", "tts.cli", "say", text, "--seed", "3", "-q", "-o", str(out), *more],
+            capture_output=True,
+            timeout=300,
+        )
         return done, (sf.read(out)[0] if done.returncode == 0 else None)
 
     (done, with_entry), (_, respelt) = say(TEXT, "--lexicon", str(tmp_path / "names.tsv")), say(RESPELT)
@@ -136,6 +158,7 @@ def test_a_moved_stream_keeps_its_lexicon(tiny_engine):
     reads back, lexicon included."""
     from streaming.parking import pack, unpack
     from streaming.stream import Stream
+
     stream = tiny_engine.open("joe", seed=7)
     try:
         stream.text.lexicon = Lexicon.of({"Zorblax": "tomato", "nginx": "/ˈɛ n dʒ ɪ n/"})

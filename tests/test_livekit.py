@@ -2,6 +2,7 @@
 real server on a real loopback socket (the tiny engine): streamed and whole-text synthesis with aligned
 transcripts, truthful capabilities, streams as contexts on one shared WebSocket, an early close freeing the
 engine slot, and the server's errors as the framework's error types."""
+
 from __future__ import annotations
 
 import asyncio
@@ -41,6 +42,7 @@ def test_stream_speaks_pushed_text_with_aligned_words(server):
         samples, words = await _streamed(tts, REPLY)
         await tts.aclose()
         return samples, words
+
     samples, words = asyncio.run(go())
     assert samples > 2 * 24_000
     assert [w.strip() for w in words] == REPLY.split()
@@ -54,6 +56,7 @@ def test_synthesize_speaks_a_whole_text(server):
         frame = await tts.synthesize("Hello there, how are you?", conn_options=NO_RETRY).collect()
         await tts.aclose()
         return frame
+
     frame = asyncio.run(go())
     assert frame.samples_per_channel > 24_000 // 2 and frame.sample_rate == 24_000
 
@@ -70,6 +73,7 @@ def test_streams_share_one_websocket_and_an_early_close_frees_the_slot(server, t
         await stream.aclose()
         await tts.aclose()
         return results, connections
+
     results, connections = asyncio.run(go())
     assert all(samples > 2 * 24_000 for samples, _ in results)
     assert connections == 1
@@ -85,6 +89,7 @@ def test_refusals_are_api_status_errors(server, options, status):
             await tts.synthesize("Hello.", conn_options=NO_RETRY).collect()
         finally:
             await tts.aclose()
+
     with pytest.raises(APIStatusError) as refused:
         asyncio.run(go())
     assert refused.value.status_code == status and not refused.value.retryable
@@ -97,6 +102,7 @@ def test_bad_text_is_an_api_status_error_and_no_server_a_connection_error(server
             await tts.synthesize(text, conn_options=NO_RETRY).collect()
         finally:
             await tts.aclose()
+
     with pytest.raises(APIStatusError, match="bad_text"):
         asyncio.run(go(server.ws_url, '<say-as interpret-as="cardinal">abc</say-as>'))
     with pytest.raises(APIConnectionError):

@@ -2,6 +2,7 @@
 true peak at or below -1 dBTP, all within 1 LU of each other, on sentences the gains were not fitted on (they
 were fitted on Harvard sentences 0-29, `bench.loudness`); a blend's gain is its voices' weighted mean; `tts say
 --loudness` brings a file to the loudness asked."""
+
 from __future__ import annotations
 
 import subprocess
@@ -17,19 +18,24 @@ from tts import SAMPLE_RATE  # noqa: E402
 from tts.loudness import PEAK_DBTP, TARGET_LUFS, integrated_lufs, limited, true_peak_dbtp  # noqa: E402
 from tts.voices import blend_preset, voice_presets  # noqa: E402
 
-HELD_OUT = ["Please bring a warm coat and an umbrella to the station.",
-            "The museum opens at nine and closes late on Fridays.",
-            "She folded the map, thanked the driver and walked up the hill.",
-            "Our new kettle boils water in less than two minutes.",
-            "A quiet river runs behind the old mill near the village."]
+HELD_OUT = [
+    "Please bring a warm coat and an umbrella to the station.",
+    "The museum opens at nine and closes late on Fridays.",
+    "She folded the map, thanked the driver and walked up the hill.",
+    "Our new kettle boils water in less than two minutes.",
+    "A quiet river runs behind the old mill near the village.",
+]
 
 
 @pytest.fixture(scope="module")
 def levels(shipped_engine):
     from tts.api import synthesize
+
     out = {}
     for voice in shipped_engine.voices:
-        audio = np.concatenate([synthesize(t, voice=voice, engine=shipped_engine, seed=i) for i, t in enumerate(HELD_OUT)])
+        audio = np.concatenate(
+            [synthesize(t, voice=voice, engine=shipped_engine, seed=i) for i, t in enumerate(HELD_OUT)]
+        )
         out[voice] = (integrated_lufs(audio, SAMPLE_RATE), true_peak_dbtp(audio, SAMPLE_RATE))
     return out
 
@@ -46,8 +52,9 @@ def test_every_shipped_voice_has_a_gain_and_a_blend_gets_the_weighted_mean():
     presets = voice_presets()
     assert all("gain_db" in p for p in presets.values())
     blend = blend_preset("joe:0.25+slt:0.75", presets, 0.7)
-    assert blend["gain_db"] == pytest.approx(0.25 * presets["joe"]["gain_db"] + 0.75 * presets["slt"]["gain_db"],
-                                             abs=0.01)
+    assert blend["gain_db"] == pytest.approx(
+        0.25 * presets["joe"]["gain_db"] + 0.75 * presets["slt"]["gain_db"], abs=0.01
+    )
 
 
 def test_the_limiter_bends_peaks_under_the_ceiling_and_leaves_the_rest():
@@ -59,11 +66,15 @@ def test_the_limiter_bends_peaks_under_the_ceiling_and_leaves_the_rest():
 
 def test_say_loudness_brings_a_file_to_the_loudness_asked(tmp_path):
     out = tmp_path / "quiet.wav"
-    done = subprocess.run([sys.executable, "-m", "tts.cli", "say", " ".join(HELD_OUT[:2]), "-q", "-o", str(out),
-                           "--loudness", "-23"], capture_output=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "tts.cli", "say", " ".join(HELD_OUT[:2]), "-q", "-o", str(out), "--loudness", "-23"],
+        capture_output=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     audio, rate = sf.read(out, dtype="float32")
     assert abs(integrated_lufs(audio, rate) + 23) <= 0.5 and true_peak_dbtp(audio, rate) <= PEAK_DBTP
-    refused = subprocess.run([sys.executable, "-m", "tts.cli", "say", "Hi.", "--loudness", "-16"],
-                             capture_output=True, timeout=300)
+    refused = subprocess.run(
+        [sys.executable, "-m", "tts.cli", "say", "Hi.", "--loudness", "-16"], capture_output=True, timeout=300
+    )
     assert refused.returncode == 2 and b"--loudness" in refused.stderr

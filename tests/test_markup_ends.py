@@ -10,6 +10,7 @@ CI draws a few examples; more is one variable away:
 
     TTS_MARKUP_EXAMPLES=500 python -m pytest -q tests/test_markup_ends.py
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,18 +28,57 @@ from tts.api import synthesize_stream
 from tts.text import TextError
 
 EXAMPLES = int(os.environ.get("TTS_MARKUP_EXAMPLES", "8"))
-MARKUP = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=EXAMPLES <= 100,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+MARKUP = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    derandomize=EXAMPLES <= 100,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 ENDS_S = 30.0  # an utterance of a few words ends well within this on the tiny engine
-ENDING = ["<speak>Hello there.</speak>", "Hello there.</speak>", "Hi.<break time='200ms'/></s></p>",
-          "<p><s>One.</s></p>", "Tom & Jerry </speak>"]
+ENDING = [
+    "<speak>Hello there.</speak>",
+    "Hello there.</speak>",
+    "Hi.<break time='200ms'/></s></p>",
+    "<p><s>One.</s></p>",
+    "Tom & Jerry </speak>",
+]
 
 WORDS = st.sampled_from(["Hello", "there.", "cat", "5", "Dr.", "ok,", "IBM", "1/2", "x", "é"])
-TAGS = st.sampled_from([
-    "<speak>", "</speak>", "<p>", "</p>", "<s>", "</s>", "<b>", "</b>", "<break/>", "<break time=\"300ms\"/>",
-    "<break strength=\"weak\"/>", "<say-as interpret-as=\"characters\">", "</say-as>", "<sub alias=\"tomato\">",
-    "</sub>", "<prosody rate=\"fast\">", "</prosody>", "<phoneme ph=\"k æ t\">cat</phoneme>", "<emphasis>",
-    "</emphasis>", "<", ">", "&", "&amp;", "&lt;", "<b", "</", "<unknown a='1'>", "[[k æ t]]", "<!-- c -->"])
+TAGS = st.sampled_from(
+    [
+        "<speak>",
+        "</speak>",
+        "<p>",
+        "</p>",
+        "<s>",
+        "</s>",
+        "<b>",
+        "</b>",
+        "<break/>",
+        "<break time=\"300ms\"/>",
+        "<break strength=\"weak\"/>",
+        "<say-as interpret-as=\"characters\">",
+        "</say-as>",
+        "<sub alias=\"tomato\">",
+        "</sub>",
+        "<prosody rate=\"fast\">",
+        "</prosody>",
+        "<phoneme ph=\"k æ t\">cat</phoneme>",
+        "<emphasis>",
+        "</emphasis>",
+        "<",
+        ">",
+        "&",
+        "&amp;",
+        "&lt;",
+        "<b",
+        "</",
+        "<unknown a='1'>",
+        "[[k æ t]]",
+        "<!-- c -->",
+    ]
+)
 PIECES = st.lists(st.one_of(WORDS, TAGS), min_size=1, max_size=8)
 SEPARATORS = st.sampled_from(["", " ", "\n"])
 
@@ -99,8 +139,7 @@ async def _socket_ends(url: str, text: str) -> None:
 
 async def _speech_ends(url: str, text: str) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=ENDS_S) as http:
-        response = await http.post("/v1/audio/speech", json={"input": text, "voice": "joe",
-                                                             "response_format": "pcm"})
+        response = await http.post("/v1/audio/speech", json={"input": text, "voice": "joe", "response_format": "pcm"})
     if response.status_code == 200:
         assert response.content
     else:

@@ -2,6 +2,7 @@
 server on a real loopback socket (the tiny engine), and in process: a fake LLM's text stream is spoken, an
 interruption mid-sentence stops the audio within one chunk and frees the engine slot, word timestamps arrive in
 order and name the words written."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +12,16 @@ from helpers import wait_until
 
 pytest.importorskip("pipecat", reason='needs pip install "tts[pipecat]"')
 
-from pipecat.frames.frames import (InterruptionFrame, LLMFullResponseEndFrame, LLMFullResponseStartFrame,  # noqa: E402
-                                   LLMTextFrame, TTSAudioRawFrame, TTSStartedFrame, TTSStoppedFrame, TTSTextFrame)
+from pipecat.frames.frames import (
+    InterruptionFrame,
+    LLMFullResponseEndFrame,
+    LLMFullResponseStartFrame,  # noqa: E402
+    LLMTextFrame,
+    TTSAudioRawFrame,
+    TTSStartedFrame,
+    TTSStoppedFrame,
+    TTSTextFrame,
+)
 from pipecat.tests.utils import SleepFrame, run_test  # noqa: E402
 
 from tts.pipecat import TTSLocalService, TTSServerService  # noqa: E402

@@ -1,5 +1,6 @@
 """SSML beyond phonemes and breaks (`tts.ssml`): the words each element says, sentence ends at <p>/<s>, pauses
 by strength, typed errors for malformed markup, and an end-to-end check that the shipped voice says them."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,8 +28,10 @@ SAID = [
     ('<say-as interpret-as="time">3:45pm</say-as>', "three forty-five P.M."),
     ('<say-as interpret-as="time">15:30</say-as>', "fifteen thirty"),
     ('<say-as interpret-as="telephone">555-123-4567</say-as>', "five five five, one two three, four five six seven"),
-    ('<say-as interpret-as="telephone">+44 20 7946 0958</say-as>',
-     "plus four four, two oh, seven nine four six, oh nine five eight"),
+    (
+        '<say-as interpret-as="telephone">+44 20 7946 0958</say-as>',
+        "plus four four, two oh, seven nine four six, oh nine five eight",
+    ),
     ('<speak>A <prosody rate="slow">slow</prosody> word.</speak>', "A slow word."),
 ]
 
@@ -48,27 +51,33 @@ def test_paragraphs_and_sentences_end_sentences(text):
     assert len(text_sentences(text)) == 2
 
 
-@pytest.mark.parametrize("strength, units", [("none", 0), ("x-weak", 1), ("weak", 2), ("medium", 5),
-                                              ("strong", 7), ("x-strong", 10)])
+@pytest.mark.parametrize(
+    "strength, units", [("none", 0), ("x-weak", 1), ("weak", 2), ("medium", 5), ("strong", 7), ("x-strong", 10)]
+)
 def test_break_strengths_are_pauses_of_their_length(strength, units):
     pause = next(t for t in tokenize(f'Wait <break strength="{strength}"/> here.') if t.kind == "pause")
-    assert pause.pause_ms == {"none": 0, "x-weak": 100, "weak": 250, "medium": 500, "strong": 750,
-                              "x-strong": 1000}[strength]
+    assert (
+        pause.pause_ms
+        == {"none": 0, "x-weak": 100, "weak": 250, "medium": 500, "strong": 750, "x-strong": 1000}[strength]
+    )
     assert next(t for t in tokenize('<break time="1.5s"/>')).pause_ms == 1500
 
 
-@pytest.mark.parametrize("text, names", [
-    ('<say-as interpret-as="bogus">x</say-as>', "interpret-as"),
-    ('<say-as interpret-as="cardinal">abc</say-as>', "cardinal"),
-    ('<say-as interpret-as="date" format="mdy">13/40/2024</say-as>', "date"),
-    ("<sub>x</sub>", "alias"),
-    ('a <say-as interpret-as="characters">cat', "no end tag"),
-    ("x </sub> y", "no start tag"),
-    ('<prosody rate="10x">a</prosody>', "rate"),
-    ('<prosody rate="900%">a</prosody>', "rate"),
-    ('<break time="fast"/>', "time"),
-    ('<break strength="loud"/>', "strength"),
-])
+@pytest.mark.parametrize(
+    "text, names",
+    [
+        ('<say-as interpret-as="bogus">x</say-as>', "interpret-as"),
+        ('<say-as interpret-as="cardinal">abc</say-as>', "cardinal"),
+        ('<say-as interpret-as="date" format="mdy">13/40/2024</say-as>', "date"),
+        ("<sub>x</sub>", "alias"),
+        ('a <say-as interpret-as="characters">cat', "no end tag"),
+        ("x </sub> y", "no start tag"),
+        ('<prosody rate="10x">a</prosody>', "rate"),
+        ('<prosody rate="900%">a</prosody>', "rate"),
+        ('<break time="fast"/>', "time"),
+        ('<break strength="loud"/>', "strength"),
+    ],
+)
 def test_malformed_markup_is_a_text_error_naming_it(text, names):
     with pytest.raises(TextError, match=names):
         text_sentences(text)
@@ -76,10 +85,14 @@ def test_malformed_markup_is_a_text_error_naming_it(text, names):
 
 def test_the_shipped_voice_says_the_elements(shipped_engine):
     from tts.api import synthesize
-    text = ('<speak><p>The code is <say-as interpret-as="cardinal">42</say-as>.</p>'
-            '<p>Buy a <sub alias="tomato">Zorblax</sub> today.</p></speak>')
+
+    text = (
+        '<speak><p>The code is <say-as interpret-as="cardinal">42</say-as>.</p>'
+        '<p>Buy a <sub alias="tomato">Zorblax</sub> today.</p></speak>'
+    )
     heard = words(transcribe(synthesize(text, engine=shipped_engine, seed=3)))  # Whisper writes "42"
     assert {"forty", "two", "tomato"} <= set(heard), heard
     assert "zorblax" not in heard and "speak" not in heard
-    assert np.isfinite(synthesize("<say-as interpret-as=\"characters\">ok</say-as>", engine=shipped_engine,
-                                  seed=3)).all()
+    assert np.isfinite(
+        synthesize("<say-as interpret-as=\"characters\">ok</say-as>", engine=shipped_engine, seed=3)
+    ).all()

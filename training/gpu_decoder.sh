@@ -7,8 +7,11 @@
 #   bash training/gpu_decoder.sh finish          the checkpoint and logs into $OUT
 # Carried in calls of at most ~17 MB beside the repository (made by `training/pack_teachers.sh` and
 # `python -m training.piper_parts pack upload/piper`): upload/piper/part-*, upload/teachers/site312.tar.xz,
-# upload/teachers/tbundle.tar.xz split as upload/tb/part-*, upload/utterances.json.xz, and optionally
-# upload/init/ (the decoder to resume: codec_decoder*.safetensors with codec_encoder.safetensors).
+# upload/teachers/tbundle.tar.xz split as upload/tb/part-*, upload/utterances.json.xz. The decoder resumes from
+# training/checkpoints/spectral (tracked). Room: the repository is ~66 MB with that checkpoint, over a call's
+# 64 MiB with anything carried, so move the AR model aside for these calls (the decoder does not need it):
+#   mkdir -p /tmp/aside && mv voices/model-0*.safetensors /tmp/aside/   ... calls ...   mv /tmp/aside/* voices/
+# (a tracked file missing from the working tree simply does not travel: checked 2026-12-06).
 # Knobs: TRAIN_MIN (18), CORPUS_MIN (20), JOE_WORKERS (9), OTHER_WORKERS (5), JOE_OFFSET (0), OTHER_OFFSET (6000).
 set -euo pipefail
 STASH=/root/stash
@@ -30,8 +33,8 @@ start)
         --workers "${JOE_WORKERS:-9}" > /root/runs/corpus_joe.log 2>&1 < /dev/null &
     setsid nohup python3 -m training.corpus $common --hours slt=10 rms=10 kal=10 awb=10 --offset "${OTHER_OFFSET:-6000}" \
         --workers "${OTHER_WORKERS:-5}" > /root/runs/corpus_others.log 2>&1 < /dev/null &
-    init=""
-    [ -e "$STASH/init/codec_decoder.safetensors" ] && init="--init $STASH/init"
+    init=""  # resume the last round's decoder (a fresh one the first time)
+    [ -e training/checkpoints/spectral/spectral_decoder.safetensors ] && init="--init training/checkpoints/spectral"
     setsid nohup python3 -m training.train_decoder --corpus /root/corpus --codec voices $init \
         --minutes "${TRAIN_MIN:-18}" --min-hours 0.5 --workers 3 --out /root/runs/spectral \
         > /root/runs/decoder.log 2>&1 < /dev/null &
@@ -39,7 +42,7 @@ start)
 wait)
     sleep "${2:-500}"; tail -n 3 /root/runs/corpus_*.log; tail -n 12 /root/runs/decoder.log; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv ;;
 finish)
-    cp /root/runs/spectral/codec_decoder*.safetensors /root/runs/spectral/decoder_log.json "$OUT"/
+    cp /root/runs/spectral/spectral_decoder*.safetensors /root/runs/spectral/decoder_log.json "$OUT"/
     cp /root/runs/decoder.log "$OUT"/decoder.log
     tail -n 2 /root/runs/corpus_*.log > "$OUT"/corpus.txt
     ls -la "$OUT" ;;

@@ -1,7 +1,8 @@
 """Train the spectral codec decoder (`tts.spectral_decoder`) on the frozen encoder's tokens (GPU), in rounds.
 
     python -m training.train_decoder --corpus /root/corpus --codec voices --minutes 18 --out runs/spectral
-    python -m training.train_decoder --corpus /root/corpus --codec voices --init runs/spectral --minutes 20 --out runs/next
+    python -m training.train_decoder --corpus /root/corpus --codec voices --init training/checkpoints/spectral \
+        --minutes 20 --out runs/next
 
 The encoder and codebooks of ``--codec`` stay frozen, so tokens keep their meaning and the AR model and every
 voice stay as they are: only what turns tokens into sound learns. Each utterance is encoded whole (as the AR
@@ -13,13 +14,17 @@ Losses: multi-scale log-mel L1 (x15) alone for the first ``--gan-after`` steps o
 multi-period (HiFi-GAN) and a multi-scale STFT discriminator (hinge) and feature matching (x2). A round that
 resumes (``--init``) starts new discriminators, so they train alone for ``--d-warmup`` steps first. The saved
 weights are the generator's exponential moving average. The corpus folder may grow while training runs (teacher
-speech made on the same machine): every ``--rescan`` minutes new utterances join the training data.
+speech made on the same machine): a reader thread looks every ``--rescan`` minutes, and what it read joins
+the training data within 100 steps.
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import queue
+import threading
 import time
 from pathlib import Path
 
@@ -29,11 +34,60 @@ import torch.nn.functional as F
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from training.data import is_heldout, load_audio, read_manifests
-from training.losses import (MultiPeriodDiscriminator, MultiScaleMel, MultiScaleSTFTDiscriminator,
-                             discriminator_loss, generator_losses)
+from training.losses import (
+    MultiPeriodDiscriminator,
+    MultiScaleMel,
+    MultiScaleSTFTDiscriminator,
+    discriminator_loss,
+    generator_losses,
+)
 from training.train_codec import time_cosine
-from tts.codec import Codec, load_codec, save_codec
-from tts.spectral_decoder import SPECTRAL_PRESETS
+from tts.codec import PART_BYTES, Codec, load_codec
+from tts.spectral_decoder import SPECTRAL_PRESETS, SpectralConfig
+
+ROUND_FILE = "spectral_decoder"  # a round's state: <ROUND_FILE>.safetensors, then -1, -2... (fp16, each < 15 MB)
+
+
+def save_round(decoder, folder: Path, meta: dict) -> None:
+    """The decoder's weights alone (fp16, split under ``PART_BYTES``) with its config: what the next round
+    resumes from and what a candidate is judged by. The encoder and codebooks are the shipped codec's."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().half().contiguous().cpu() for k, v in decoder.state_dict().items()}
+    metadata = {"spectral": json.dumps(dataclasses.asdict(decoder.cfg)), **{k: str(v) for k, v in meta.items()}}
+    parts, size = [{}], 0
+    for key, value in state.items():
+        if size + value.nbytes > PART_BYTES and parts[-1]:
+            parts.append({})
+            size = 0
+        parts[-1][key], size = value, size + value.nbytes
+    for stale in folder.glob(f"{ROUND_FILE}*.safetensors"):
+        stale.unlink()
+    for i, part in enumerate(parts):
+        save_file(
+            part,
+            str(folder / (f"{ROUND_FILE}.safetensors" if i == 0 else f"{ROUND_FILE}-{i}.safetensors")),
+            metadata=metadata,
+        )
+
+
+def codec_with_round(codec_folder: Path, round_folder: Path, device: str = "cpu") -> Codec:
+    """The codec of ``codec_folder`` (encoder, codebooks) with the spectral decoder saved by `save_round`."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    files = sorted(round_folder.glob(f"{ROUND_FILE}*.safetensors"), key=lambda p: (len(p.stem), p.stem))
+    with safe_open(str(files[0]), "pt") as f:
+        spectral = SpectralConfig(**json.loads(f.metadata()["spectral"]))
+    frozen = load_codec(codec_folder, device)
+    codec = Codec(dataclasses.replace(frozen.cfg, spectral=spectral)).to(device)
+    codec.encoder.load_state_dict(frozen.encoder.state_dict())
+    codec.quantizer.load_state_dict(frozen.quantizer.state_dict())
+    state = {}
+    for path in files:
+        state.update({k: v.float() for k, v in load_file(str(path)).items()})
+    codec.decoder.load_state_dict(state)
+    return codec.eval()
 
 
 class FrameData:
@@ -61,12 +115,12 @@ class FrameData:
         while i < len(order):
             longest = len(waves[order[min(i + 63, len(order) - 1)]])
             n = max(1, min(64, int(batch_seconds * 24_000 // longest)))
-            group = order[i:i + n]
+            group = order[i : i + n]
             i += n
             width = len(waves[group[-1]])
             batch = torch.zeros(len(group), width)
             for j, index in enumerate(group):
-                batch[j, :len(waves[index])] = torch.from_numpy(waves[index])
+                batch[j, : len(waves[index])] = torch.from_numpy(waves[index])
             encoded = self.codec.encode(batch.to(self.device))  # (B, K, T); the causal encoder ignores right padding
             for j, index in enumerate(group):
                 frames = len(waves[index]) // self.hop
@@ -91,8 +145,9 @@ class FrameData:
         audio of the last ``frames`` frames delayed by ``delay`` samples. A crop lies inside one utterance."""
         width = warm + frames
         if self._valid is None:  # every frame a crop may start at, once per growth of the data
-            self._valid = torch.cat([torch.arange(s, s + n - width + 1) for s, n in zip(self.starts, self.lengths)
-                                     if n >= width]).to(self.device)
+            self._valid = torch.cat(
+                [torch.arange(s, s + n - width + 1) for s, n in zip(self.starts, self.lengths) if n >= width]
+            ).to(self.device)
         start = self._valid[torch.randint(len(self._valid), (batch,), device=self.device)]  # (B,)
         frame_index = start[:, None] + torch.arange(width, device=self.device)  # (B, W)
         codes = self.codes[frame_index].long().permute(0, 2, 1)  # (B, K, W)
@@ -101,18 +156,42 @@ class FrameData:
         return self.codec.quantizer.decode(codes), self.audio[sample_index].float()
 
 
-def load_new(corpus: Path, data: FrameData, heldout: list, max_heldout: int, workers: int) -> int:
-    """Add the corpus's utterances not loaded yet (held-out ones set aside for evaluation); returns how many."""
-    rows = [r for r in read_manifests(corpus) if r["id"] not in data.ids]
-    rows = [r for r in rows if (corpus / r["path"]).exists()]
-    held = [r for r in rows if is_heldout(r["id"])]
-    train = [r for r in rows if not is_heldout(r["id"])]
-    wanted = held[:max(0, max_heldout - len(heldout))]
-    heldout += list(zip(wanted, load_audio(corpus, wanted, workers)))
-    data.ids |= {r["id"] for r in held}
-    if train:
-        data.add(train, load_audio(corpus, train, workers))
-    return len(train)
+class CorpusReader(threading.Thread):
+    """Reads utterances that appear in the corpus folders into ``ready`` (rows, waves) batches, on a thread of
+    its own: in round 1, loading in the training loop stopped training for about a minute per look (5 of 17
+    minutes) while the teachers kept the machine's cores busy. Held-out utterances (the first ``max_heldout``)
+    go to ``heldout`` for evaluation and never to training."""
+
+    def __init__(self, corpora: list[Path], every_s: float, max_heldout: int, workers: int, batch: int = 400):
+        super().__init__(daemon=True)
+        self.corpora, self.every_s, self.max_heldout, self.workers, self.batch = (
+            corpora,
+            every_s,
+            max_heldout,
+            workers,
+            batch,
+        )
+        self.ready: queue.Queue = queue.Queue()
+        self.heldout: list[tuple[dict, np.ndarray]] = []
+        self.seen: set[str] = set()
+        self.first_pass = threading.Event()
+
+    def run(self) -> None:
+        while True:
+            for corpus in self.corpora:
+                self.read(corpus)
+            self.first_pass.set()
+            time.sleep(self.every_s)
+
+    def read(self, corpus: Path) -> None:
+        rows = [r for r in read_manifests(corpus) if r["id"] not in self.seen and (corpus / r["path"]).exists()]
+        self.seen |= {r["id"] for r in rows}
+        held = [r for r in rows if is_heldout(r["id"])][: max(0, self.max_heldout - len(self.heldout))]
+        self.heldout += list(zip(held, load_audio(corpus, held, self.workers)))
+        train = [r for r in rows if not is_heldout(r["id"])]
+        for i in range(0, len(train), self.batch):
+            part = train[i : i + self.batch]
+            self.ready.put((part, load_audio(corpus, part, self.workers)))
 
 
 @torch.no_grad()
@@ -158,31 +237,41 @@ def main() -> None:
 
     frozen = load_codec(args.codec, device)
     if args.init:
-        codec = load_codec(args.init, device)
-        codec.encoder.load_state_dict(frozen.encoder.state_dict())
-        codec.quantizer.load_state_dict(frozen.quantizer.state_dict())
+        codec = codec_with_round(args.codec, args.init, device)
     else:
-        cfg = dataclasses.replace(frozen.cfg, spectral=SPECTRAL_PRESETS[args.preset])
-        codec = Codec(cfg).to(device)
+        codec = Codec(dataclasses.replace(frozen.cfg, spectral=SPECTRAL_PRESETS[args.preset])).to(device)
         codec.encoder.load_state_dict(frozen.encoder.state_dict())
         codec.quantizer.load_state_dict(frozen.quantizer.state_dict())
     codec.encoder.eval().requires_grad_(False)
     decoder = codec.decoder.train()
     delay = decoder.delay
-    data, heldout = FrameData(codec, device), []
-    log, t0 = [], time.time()
+    data, log, t0 = FrameData(codec, device), [], time.time()
+    reader = CorpusReader(args.corpus, args.rescan * 60, args.heldout, args.workers)
+    reader.start()
 
-    def rescan() -> None:
-        added = sum(load_new(c, data, heldout, args.heldout, args.workers) for c in args.corpus)
-        entry = {"min": round((time.time() - t0) / 60, 2), "added": added, "hours": round(data.hours(), 3),
-                 "heldout": len(heldout)}
-        log.append(entry)
-        print(json.dumps(entry), flush=True)
+    def take_new() -> None:
+        """Encode and add what the reader has read since the last call (GPU work, a few seconds an hour)."""
+        added = 0
+        while not reader.ready.empty():
+            rows, waves = reader.ready.get()
+            data.add(rows, waves)
+            added += len(rows)
+        if added:
+            entry = {
+                "min": round((time.time() - t0) / 60, 2),
+                "added": added,
+                "hours": round(data.hours(), 3),
+                "heldout": len(reader.heldout),
+            }
+            log.append(entry)
+            print(json.dumps(entry), flush=True)
 
-    rescan()
+    reader.first_pass.wait()
+    take_new()
     while data.hours() < args.min_hours:
-        time.sleep(20)
-        rescan()
+        time.sleep(10)
+        take_new()
+    heldout = reader.heldout
     mel = MultiScaleMel(codec.cfg.sample_rate).to(device)
     baseline = heldout_mel(frozen.decoder, frozen, heldout, mel, 0, device)
     print(json.dumps({"baseline_heldout_mel": baseline}), flush=True)
@@ -196,19 +285,15 @@ def main() -> None:
     gan_from = args.d_warmup if args.init else args.gan_after
 
     def save(meta: dict) -> None:
-        live = codec.decoder
-        codec.decoder = average.module
-        save_codec(codec, args.out, {k: str(v) for k, v in meta.items()})
-        codec.decoder = live
+        save_round(average.module, args.out, meta)
 
     def judge(fake, real):
         return [*mpd(fake), *stft(fake)], [*mpd(real), *stft(real)]
 
-    budget, start, step, last_scan = args.minutes * 60, time.time(), 0, time.time()
+    budget, start, step = args.minutes * 60, time.time(), 0
     while (elapsed := time.time() - start) < budget:
-        if time.time() - last_scan > args.rescan * 60:
-            rescan()
-            last_scan = time.time()
+        if step % 100 == 0:
+            take_new()
         scale = time_cosine(elapsed / budget, args.decay_to) * min(1.0, (step + 1) / 200)  # 200-step warm-up
         for opt in (opt_g, opt_d):
             for group in opt.param_groups:
@@ -216,7 +301,7 @@ def main() -> None:
         latents, real = data.crops(args.batch, args.warm, frames, delay)
         gan, g_frozen = step >= gan_from, args.init is not None and step < args.d_warmup
         with torch.set_grad_enabled(not g_frozen):
-            fake = decoder(latents)[:, 0, args.warm * codec.cfg.hop:]
+            fake = decoder(latents)[:, 0, args.warm * codec.cfg.hop :]
         if gan:
             with autocast:
                 d_fake, d_real = judge(fake.detach(), real)
@@ -243,8 +328,12 @@ def main() -> None:
             entry["mel"] = loss_mel.item()
         step += 1
         if step % 250 == 0:
-            entry = {"step": step, "min": round((time.time() - t0) / 60, 2), "lr": round(args.lr * scale, 7),
-                     **{k: round(v, 4) for k, v in entry.items()}}
+            entry = {
+                "step": step,
+                "min": round((time.time() - t0) / 60, 2),
+                "lr": round(args.lr * scale, 7),
+                **{k: round(v, 4) for k, v in entry.items()},
+            }
             if step % 1000 == 0:
                 average.module.eval()
                 entry["heldout_mel"] = heldout_mel(average.module, codec, heldout, mel, delay, device)

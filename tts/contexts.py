@@ -19,6 +19,7 @@ A failure of the context alone raises `ServerError` (its code, e.g. ``bad_text``
 that drops fails its contexts with `ClientError` (pooled contexts are not resumed: an agent's reply is stale by
 then) and the next `open` connects again.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,7 +43,9 @@ _ids = itertools.count()
 
 class SpeechContext:
     """One utterance: text in, audio and word timings out (`ContextPool.open`, `LocalContexts.open`)."""
+
     context_id: str
+    finished: bool = False  # its done (or failure) came: nothing more to cancel
     sample_rate: int = 24_000  # the engine's (`tts.SAMPLE_RATE`); a context asked for another has its own
 
     async def push(self, text: str) -> None:
@@ -64,7 +67,7 @@ class SpeechContext:
 class RemoteContext(SpeechContext):
     """A context on a pooled WebSocket; its events come from the socket's reader."""
 
-    def __init__(self, connection: "_Connection", context_id: str, sample_rate: int):
+    def __init__(self, connection: _Connection, context_id: str, sample_rate: int):
         self.connection, self.context_id, self.sample_rate = connection, context_id, sample_rate
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.finished = False
@@ -156,13 +159,22 @@ class ContextPool:
     ``api_key`` (default $TTS_API_KEY); ``contexts_per_connection``: the server's ``--max-contexts`` (default 4);
     ``sample_rate``: of the audio asked for (16000, 22050, 24000 or 44100)."""
 
-    def __init__(self, url: str, *, api_key: str | None = None, contexts_per_connection: int = 4,
-                 sample_rate: int = 24_000, **connect_kwargs):
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        contexts_per_connection: int = 4,
+        sample_rate: int = 24_000,
+        **connect_kwargs,
+    ):
         self.url, self.sample_rate = stream_url(url), sample_rate
         self.contexts_per_connection = contexts_per_connection
         if api_key := api_key or os.environ.get("TTS_API_KEY"):
-            connect_kwargs["additional_headers"] = {"Authorization": f"Bearer {api_key}",
-                                                    **connect_kwargs.get("additional_headers", {})}
+            connect_kwargs["additional_headers"] = {
+                "Authorization": f"Bearer {api_key}",
+                **connect_kwargs.get("additional_headers", {}),
+            }
         self._connect_kwargs = connect_kwargs
         self._connections: list[_Connection] = []
         self._lock = asyncio.Lock()
@@ -171,21 +183,35 @@ class ContextPool:
     def connections(self) -> int:
         return sum(not c.closed for c in self._connections)
 
-    async def open(self, voice: str | None = None, speed: float = 1.0, *, lexicon: dict | None = None,
-                   seed: int | None = None, hold: bool = True, context_id: str | None = None) -> RemoteContext:
+    async def open(
+        self,
+        voice: str | None = None,
+        speed: float = 1.0,
+        *,
+        lexicon: dict | None = None,
+        seed: int | None = None,
+        hold: bool = True,
+        context_id: str | None = None,
+    ) -> RemoteContext:
         """A started context (its ``ready`` received; while the server is full it waits in its queue). Raises
         ServerError for a refused start (unknown_voice, bad_value for a bad lexicon entry, server_full, ...)."""
         start = {"voice": voice, "speed": speed, "lexicon": lexicon, "seed": seed, "hold": None if hold else False}
-        start = {"type": "start", "format": "pcm_s16le", "sample_rate": self.sample_rate, "word_timings": True,
-                 **{k: v for k, v in start.items() if v is not None}}
+        start = {
+            "type": "start",
+            "format": "pcm_s16le",
+            "sample_rate": self.sample_rate,
+            "word_timings": True,
+            **{k: v for k, v in start.items() if v is not None},
+        }
         context_id = context_id or f"c{next(_ids)}"
         for _ in range(8):  # a socket another client's contexts filled meanwhile: the next one
             connection = await self._connection()
             context = RemoteContext(connection, context_id, self.sample_rate)
             connection.contexts[context_id] = context
             await connection.send({**start, "context_id": context_id})
-            while (event := await context.inbox.get()) and not isinstance(event, Exception) \
-                    and event["type"] == "queued":
+            while (
+                (event := await context.inbox.get()) and not isinstance(event, Exception) and event["type"] == "queued"
+            ):
                 pass
             if isinstance(event, Exception):
                 raise event
@@ -201,8 +227,7 @@ class ContextPool:
     async def _connection(self) -> _Connection:
         async with self._lock:
             self._connections = [c for c in self._connections if not c.closed]
-            room = [c for c in self._connections
-                    if len(c.contexts) < self.contexts_per_connection and not c.full]
+            room = [c for c in self._connections if len(c.contexts) < self.contexts_per_connection and not c.full]
             if room:
                 return min(room, key=lambda c: len(c.contexts))
             try:
@@ -268,17 +293,25 @@ class LocalContexts:
         self.engine, self.wait_s = engine, wait_s
         self.sample_rate = engine.sample_rate
 
-    async def open(self, voice: str | None = None, speed: float = 1.0, *, lexicon: dict | None = None,
-                   seed: int | None = None, hold: bool = True, context_id: str | None = None) -> LocalContext:
+    async def open(
+        self,
+        voice: str | None = None,
+        speed: float = 1.0,
+        *,
+        lexicon: dict | None = None,
+        seed: int | None = None,
+        hold: bool = True,
+        context_id: str | None = None,
+    ) -> LocalContext:
         try:
-            lexicon = Lexicon.of(lexicon)
+            said = Lexicon.of(lexicon)
         except LexiconError as err:
             raise ServerError("bad_value", str(err)) from None
         try:
             stream = await asyncio.to_thread(self.engine.open, voice, speed, seed=seed, wait_s=self.wait_s)
         except Exception as err:
             raise ServerError(getattr(err, "code", "bad_value"), str(err)) from None
-        stream.text.lexicon = lexicon
+        stream.text.lexicon = said
         if not hold:
             stream.text.hold_off()
         return LocalContext(stream, context_id or f"c{next(_ids)}")

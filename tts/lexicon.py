@@ -17,6 +17,7 @@ or TSV (any other suffix), one ``word<TAB>pronunciation`` a line, ``#`` starting
 same object: the WebSocket ``start`` message's and the speech request's ``lexicon``, `synthesize_stream(lexicon=)`.
 A request's entries win over the server's. A bad entry is a `LexiconError` (a `TextError`) naming it.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,11 +41,12 @@ class LexiconError(TextError):
 @dataclass(frozen=True)
 class Lexicon:
     """Entries by key: exact spellings (a capital in them) and lower-case ones (any case)."""
+
     exact: dict[str, tuple[str, str]] = field(default_factory=dict)  # word -> ("phonemes", units) / ("said", words)
     folded: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, entries: "Lexicon | dict[str, str] | None") -> "Lexicon":
+    def of(cls, entries: Lexicon | dict[str, str] | None) -> Lexicon:
         """A lexicon from ``{"word": "pronunciation"}`` (or one as is). Raises LexiconError naming a bad entry."""
         if entries is None or isinstance(entries, Lexicon):
             return entries or cls()
@@ -52,14 +54,15 @@ class Lexicon:
             raise LexiconError(f"a lexicon is an object of word -> pronunciation, not {type(entries).__name__}")
         if len(entries) > MAX_ENTRIES:
             raise LexiconError(f"a lexicon has at most {MAX_ENTRIES} entries, not {len(entries)}")
-        exact, folded = {}, {}
+        exact: dict[str, tuple[str, str]] = {}
+        folded: dict[str, tuple[str, str]] = {}
         for word, said in entries.items():
             key, how = _entry(word, said)
             (folded if key == key.lower() else exact)[key] = how
         return cls(exact, folded)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Lexicon":
+    def load(cls, path: str | Path) -> Lexicon:
         """A lexicon file (`read_entries`). Raises LexiconError naming the file and the bad entry."""
         entries = read_entries(path)
         try:
@@ -67,7 +70,7 @@ class Lexicon:
         except LexiconError as err:
             raise LexiconError(f"lexicon {path}: {err}") from None
 
-    def merged(self, other: "Lexicon | dict[str, str] | None") -> "Lexicon":
+    def merged(self, other: Lexicon | dict[str, str] | None) -> Lexicon:
         """These entries, with ``other``'s winning."""
         other = Lexicon.of(other)
         if not other:
@@ -102,11 +105,15 @@ class Lexicon:
 def _entry(word, said) -> tuple[str, tuple[str, str]]:
     """One entry checked: (its key, how it is said)."""
     if not isinstance(word, str) or not _WORD.fullmatch(word) or len(word) > MAX_WORD_CHARS:
-        raise LexiconError(f"lexicon entry {word!r}: the word must be one word of at most {MAX_WORD_CHARS} "
-                           "characters, without spaces or markup")
+        raise LexiconError(
+            f"lexicon entry {word!r}: the word must be one word of at most {MAX_WORD_CHARS} "
+            "characters, without spaces or markup"
+        )
     if not isinstance(said, str) or not said.strip() or len(said) > MAX_SAID_CHARS:
-        raise LexiconError(f"lexicon entry {word!r}: the pronunciation must be a non-empty string of at most "
-                           f"{MAX_SAID_CHARS} characters, not {said!r}")
+        raise LexiconError(
+            f"lexicon entry {word!r}: the pronunciation must be a non-empty string of at most "
+            f"{MAX_SAID_CHARS} characters, not {said!r}"
+        )
     said = said.strip()
     if len(said) >= 2 and said[0] == said[-1] == "/":
         try:
@@ -114,8 +121,9 @@ def _entry(word, said) -> tuple[str, tuple[str, str]]:
         except TextError as err:
             raise LexiconError(f"lexicon entry {word!r}: {err}") from None
     if re.search(r"[<>\[\]/]", said):
-        raise LexiconError(f"lexicon entry {word!r}: a respelling is plain words (IPA goes between slashes: "
-                           f"/h ə l ˈoʊ/), not {said!r}")
+        raise LexiconError(
+            f"lexicon entry {word!r}: a respelling is plain words (IPA goes between slashes: /h ə l ˈoʊ/), not {said!r}"
+        )
     return word, ("said", " ".join(said.split()))
 
 

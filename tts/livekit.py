@@ -12,13 +12,20 @@ errors become the framework's: a refused or failed utterance `APIStatusError` (i
 and ``client_limit`` retryable, bad input not), a lost connection `APIConnectionError`, no audio in time
 `APITimeoutError`.
 """
+
 from __future__ import annotations
 
 import asyncio
 
 try:
-    from livekit.agents import (DEFAULT_API_CONNECT_OPTIONS, APIConnectionError, APIConnectOptions, APIStatusError,
-                                APITimeoutError, tts)
+    from livekit.agents import (
+        DEFAULT_API_CONNECT_OPTIONS,
+        APIConnectionError,
+        APIConnectOptions,
+        APIStatusError,
+        APITimeoutError,
+        tts,
+    )
     from livekit.agents.types import TimedString
 except ImportError as err:  # the extra is not installed
     raise ImportError('tts.livekit needs LiveKit Agents: pip install "tts[livekit]"') from err
@@ -36,17 +43,33 @@ class TTS(tts.TTS):
     ``voice``, ``speed``, ``lexicon`` (``{"word": "/IPA/" or "respelling"}``) and ``seed`` as for the server's
     ``start``."""
 
-    def __init__(self, *, url: str | None = None, pool: ContextPool | None = None, voice: str | None = None,
-                 speed: float = 1.0, lexicon: dict | None = None, seed: int | None = None,
-                 api_key: str | None = None, contexts_per_connection: int = 4, sample_rate: int = 24_000):
-        if pool is None and url is None:
-            raise ValueError("tts.livekit.TTS needs the server's url (or a ContextPool)")
+    def __init__(
+        self,
+        *,
+        url: str | None = None,
+        pool: ContextPool | None = None,
+        voice: str | None = None,
+        speed: float = 1.0,
+        lexicon: dict | None = None,
+        seed: int | None = None,
+        api_key: str | None = None,
+        contexts_per_connection: int = 4,
+        sample_rate: int = 24_000,
+    ):
         self._own_pool = pool is None
-        self.pool = pool or ContextPool(url, api_key=api_key, contexts_per_connection=contexts_per_connection,
-                                        sample_rate=sample_rate)
-        super().__init__(capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=True),
-                         sample_rate=self.pool.sample_rate, num_channels=1)
-        self.options = {"voice": voice, "speed": speed, "lexicon": lexicon, "seed": seed}
+        if pool is None:
+            if url is None:
+                raise ValueError("tts.livekit.TTS needs the server's url (or a ContextPool)")
+            pool = ContextPool(
+                url, api_key=api_key, contexts_per_connection=contexts_per_connection, sample_rate=sample_rate
+            )
+        self.pool = pool
+        super().__init__(
+            capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=True),
+            sample_rate=self.pool.sample_rate,
+            num_channels=1,
+        )
+        self.voice, self.speed, self.lexicon, self.seed = voice, speed, lexicon, seed
 
     @property
     def model(self) -> str:
@@ -65,7 +88,7 @@ class TTS(tts.TTS):
     async def open(self) -> SpeechContext:
         """A started context on the pool, the server's refusal as the framework's error."""
         try:
-            return await self.pool.open(**self.options)
+            return await self.pool.open(self.voice, self.speed, lexicon=self.lexicon, seed=self.seed)
         except ClientError as err:
             raise framework_error(err) from None
 
@@ -79,8 +102,9 @@ class ChunkedStream(tts.ChunkedStream):
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
         context = await self._tts.open()
-        output_emitter.initialize(request_id=context.context_id, sample_rate=context.sample_rate, num_channels=1,
-                                  mime_type="audio/pcm")
+        output_emitter.initialize(
+            request_id=context.context_id, sample_rate=context.sample_rate, num_channels=1, mime_type="audio/pcm"
+        )
         await speak(context, output_emitter, self._conn_options.timeout, self._input_text)
 
 
@@ -89,8 +113,13 @@ class SynthesizeStream(tts.SynthesizeStream):
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
         context = await self._tts.open()
-        output_emitter.initialize(request_id=context.context_id, sample_rate=context.sample_rate, num_channels=1,
-                                  mime_type="audio/pcm", stream=True)
+        output_emitter.initialize(
+            request_id=context.context_id,
+            sample_rate=context.sample_rate,
+            num_channels=1,
+            mime_type="audio/pcm",
+            stream=True,
+        )
         output_emitter.start_segment(segment_id=context.context_id)
         await speak(context, output_emitter, self._conn_options.timeout, self._pushed(context), timed=True)
         output_emitter.end_segment()
@@ -108,6 +137,7 @@ async def speak(context: SpeechContext, output_emitter, timeout_s: float, text, 
     """Send ``text`` (a string, or a coroutine that pushes it) and end the utterance, while its audio (and, if
     ``timed``, its words' timings) go to the emitter. Cancelled (the session interrupted it): the utterance is
     cancelled where it is generated, freeing its slot."""
+
     async def send() -> None:
         if isinstance(text, str):
             await context.push(text)
@@ -128,8 +158,9 @@ async def speak(context: SpeechContext, output_emitter, timeout_s: float, text, 
             if event["type"] == "audio":
                 output_emitter.push(event["pcm"])
             elif event["type"] == "words" and timed:
-                output_emitter.push_timed_transcript([TimedString(f"{w['word']} ", start_time=w["start"],
-                                                                  end_time=w["end"]) for w in event["words"]])
+                output_emitter.push_timed_transcript(
+                    [TimedString(f"{w['word']} ", start_time=w["start"], end_time=w["end"]) for w in event["words"]]
+                )
         await sender
     except ClientError as err:
         raise framework_error(err) from None
@@ -142,8 +173,12 @@ async def speak(context: SpeechContext, output_emitter, timeout_s: float, text, 
 def framework_error(err: ClientError) -> Exception:
     """The server's (or the connection's) failure as LiveKit's error type."""
     if isinstance(err, ServerError):
-        return APIStatusError(f"tts server: {err.code}: {err.message}", status_code=_STATUS.get(err.code, 400),
-                              body={"code": err.code}, retryable=err.code in RETRY_CODES)
+        return APIStatusError(
+            f"tts server: {err.code}: {err.message}",
+            status_code=_STATUS.get(err.code, 400),
+            body={"code": err.code},
+            retryable=err.code in RETRY_CODES,
+        )
     return APIConnectionError(f"tts server: {err}")
 
 

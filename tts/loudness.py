@@ -2,12 +2,12 @@
 `tts say --loudness LUFS` for files.
 
 Every shipped voice carries ``gain_db`` in voices/voices.json (`python -m bench.loudness --write` measures it on
-Harvard sentences), so that each comes out at about TARGET_LUFS with its true peak at or below PEAK_DBTP (the gain, then a soft limiter:
-`level`); a
-blend's gain is the weighted mean of its voices' (`tts.voices.blend_preset`), and the engine applies it to every
-chunk it delivers (`streaming.stream.Stream.deliver`). pyloudnorm (``pip install "tts[loudness]"``) is needed
-only to measure, not to apply a gain.
+Harvard sentences), so that each comes out at about TARGET_LUFS with its true peak at or below PEAK_DBTP (the
+gain, then a soft limiter: `level`); a blend's gain is the weighted mean of its voices'
+(`tts.voices.blend_preset`), and the engine applies it to every chunk it delivers (`streaming.stream.Stream.deliver`).
+pyloudnorm (``pip install "tts[loudness]"``) is needed only to measure, not to apply a gain.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator

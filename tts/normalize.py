@@ -6,7 +6,7 @@ spoken form, looking at its neighbours where English needs them ("$5 million", "
 num2words. Examples (``normalize``):
 
     2024-03-04 -> March fourth, twenty twenty-four      3:45pm -> three forty-five P.M.
-    1/2 cup -> one half cup                            555-123-4567 -> five five five, one two three, four five six seven
+    1/2 cup -> one half cup                           555-123-4567 -> five five five, one two three, four five six seven
     5kg -> five kilograms      72°F -> seventy-two degrees Fahrenheit      -3 -> minus three
     1990s -> nineteen nineties     2.0.1 -> two point zero point one     $5M -> five million dollars
     St. Mark St. -> saint Mark street     https://example.com/docs -> example dot com slash docs
@@ -26,16 +26,27 @@ abbreviation ("e.g.", "No. 5"), an initial before a name ("J. Smith"), a decimal
 are clause breaks inside a sentence. Whether a token ends its sentence can depend on the next one, so
 `sentence_end` may answer "not known yet" for the last token of a text that is still arriving.
 """
+
 from __future__ import annotations
 
 import re
 import unicodedata
 from dataclasses import dataclass, replace
 
-from tts.ssml import (ELEMENTS, NEEDS_CLOSING, OPEN_ELEMENT, SENTENCE_TAGS, MarkupError, element_words, pause_ms,
-                      prosody_rate)
 from tts.normalize_rules import Context, clean, first_rule, split_token
 from tts.normalize_tables import BEFORE_NUMBER, CURRENCY_CODES, MONTH_OF, NONFINAL, TITLES
+from tts.ssml import (
+    ELEMENTS,
+    NEEDS_CLOSING,
+    OPEN_ELEMENT,
+    SENTENCE_TAGS,
+    MarkupError,
+    element_words,
+    pause_ms,
+    prosody_rate,
+)
+from tts.symbols import SYMBOL_ID  # the unit inventory is the phonemiser's fact
+
 
 class TextError(ValueError):
     """Text that cannot be spoken: empty, nothing speakable, bad markup, or too long."""
@@ -44,6 +55,7 @@ class TextError(ValueError):
 @dataclass(frozen=True)
 class Token:
     """One whitespace-separated word as written, or one markup element."""
+
     text: str
     start: int  # character offsets in the text it came from
     end: int
@@ -74,9 +86,13 @@ _MARKUP = re.compile(
     r"|<phoneme\b[^>]*?\bph\s*=\s*(?P<q>[\"'])(?P<ph>.*?)(?P=q)[^>]*>(?P<word>.*?)</phoneme\s*>"
     r"|<break\b(?P<attrs>[^>]*?)/?>"
     rf"|{ELEMENTS}"
-    r"|<(?P<end>/?)(?P<tag>[A-Za-z][\w:-]*)(?P<tag_attrs>(?:\s[^<>]*)?)/?>", re.S)
-_OPEN_MARKUP = re.compile(r"\[\[(?![^\]]*\]\])|<(?=[A-Za-z/])[^>]*$|<phoneme\b(?![\s\S]*</phoneme\s*>)"
-                          rf"|{OPEN_ELEMENT}")
+    r"|<(?P<end>/?)(?P<tag>[A-Za-z][\w:-]*)(?P<tag_attrs>(?:\s[^<>]*)?)/?>",
+    re.S,
+)
+_OPEN_MARKUP = re.compile(
+    r"\[\[(?![^\]]*\]\])|<(?=[A-Za-z/])[^>]*$|<phoneme\b(?![\s\S]*</phoneme\s*>)"
+    rf"|{OPEN_ELEMENT}"
+)
 
 
 def complete_length(text: str) -> int:
@@ -122,8 +138,10 @@ def _tag(match: re.Match, tokens: list[Token]) -> None:
     rate is checked; a lone ``<say-as>`` or ``</sub>`` is malformed; other tags say nothing."""
     tag = match.group("tag").lower()
     if tag in NEEDS_CLOSING:
-        raise MarkupError(f"{match.group(0)} at offset {match.start()} has no "
-                               f"{'start' if match.group('end') else 'end'} tag (or holds markup)")
+        raise MarkupError(
+            f"{match.group(0)} at offset {match.start()} has no "
+            f"{'start' if match.group('end') else 'end'} tag (or holds markup)"
+        )
     if tag == "prosody" and not match.group("end"):
         prosody_rate(match.group("tag_attrs"))
     if tag in SENTENCE_TAGS and tokens and tokens[-1].kind == "word":
@@ -132,12 +150,13 @@ def _tag(match: re.Match, tokens: list[Token]) -> None:
 
 def _words(text: str, start: int, stop: int) -> list[Token]:
     blank_line = re.compile(r"[ \t]*\r?\n[ \t]*\r?\n")
-    return [Token(m.group(0), m.start(), m.end(), para_end=bool(blank_line.match(text, m.end())))
-            for m in re.compile(r"\S+").finditer(text, start, stop)]
+    return [
+        Token(m.group(0), m.start(), m.end(), para_end=bool(blank_line.match(text, m.end())))
+        for m in re.compile(r"\S+").finditer(text, start, stop)
+    ]
 
 
 def ipa_units(phonemes: str) -> str:
-    from tts.text import SYMBOL_ID  # the unit inventory is the phonemiser's fact
     units = unicodedata.normalize("NFD", re.sub(r"\s+", "", phonemes))
     bad = sorted({u for u in units if u not in SYMBOL_ID or u in "_^$"})
     if bad or not units:
@@ -161,7 +180,7 @@ def sentence_end(tokens: list[Token], i: int) -> bool | None:
     text = token.text.rstrip(_CLOSERS)
     if not text or text[-1] not in ".!?":
         return False
-    following = next((t for t in tokens[i + 1:] if t.kind == "word"), None)
+    following = next((t for t in tokens[i + 1 :] if t.kind == "word"), None)
     if following is None:
         return None
     first = following.text.lstrip(_CLOSERS + "\"'([{¿¡“‘«")[:1]
@@ -184,8 +203,17 @@ def reads_by_next(token: Token) -> bool:
     month ("March" 4), a title or abbreviation ("St." Mark or Main St.)."""
     core = split_token(clean(token.text))[1]
     key = core.rstrip(".").lower()
-    return token.kind == "word" and not token.fixed and (any(c.isdigit() for c in core) or key in MONTH_OF or key in TITLES
-                                     or key in BEFORE_NUMBER or core.upper() in CURRENCY_CODES)
+    return (
+        token.kind == "word"
+        and not token.fixed
+        and (
+            any(c.isdigit() for c in core)
+            or key in MONTH_OF
+            or key in TITLES
+            or key in BEFORE_NUMBER
+            or core.upper() in CURRENCY_CODES
+        )
+    )
 
 
 def split_sentences(tokens: list[Token], final: bool) -> list[tuple[int, int, bool]]:
@@ -255,10 +283,21 @@ def _end_mark(tokens: list[Token], spoken: list[str]) -> None:
     """A closed sentence's last spoken word carries its end mark: "in the U.S." -> "U.S." also ends it.
     After trailing markup the phonemiser adds the mark (`tts.text.sentence_units`)."""
     mark = end_mark(tokens)
-    last = next((k for k in range(len(spoken) - 1, -1, -1)
-                 if spoken[k].strip(",;:.!? ") or tokens[k].kind != "word" or tokens[k].phonemes), None)
-    if mark and last is not None and tokens[last].kind == "word" and not tokens[last].phonemes \
-            and not spoken[last].endswith((".", "!", "?")):
+    last = next(
+        (
+            k
+            for k in range(len(spoken) - 1, -1, -1)
+            if spoken[k].strip(",;:.!? ") or tokens[k].kind != "word" or tokens[k].phonemes
+        ),
+        None,
+    )
+    if (
+        mark
+        and last is not None
+        and tokens[last].kind == "word"
+        and not tokens[last].phonemes
+        and not spoken[last].endswith((".", "!", "?"))
+    ):
         spoken[last] = spoken[last].rstrip(",;:") + mark
         for k in range(last + 1, len(spoken)):
             spoken[k] = ""
@@ -277,8 +316,9 @@ def normalize(text: str) -> str:
     """What a reader says, as text: ``"Dr. Li paid $3.50 on 3/4/2021"`` ->
     ``"doctor Li paid three dollars and fifty cents on March fourth, twenty twenty-one"``.
     Markup is dropped (a <phoneme> element leaves its word)."""
-    return join_spoken(said if token.kind == "word" and not token.phonemes else token.word
-                       for token, said in spoken_words(text))
+    return join_spoken(
+        said if token.kind == "word" and not token.phonemes else token.word for token, said in spoken_words(text)
+    )
 
 
 def join_spoken(words) -> str:

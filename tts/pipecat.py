@@ -18,6 +18,7 @@ utterance at once: the server (or engine) stops generating and frees its slot, a
 dropped. `TTSServerService` shares WebSockets between services (`tts.contexts.ContextPool`: pass one ``pool`` to
 every service of an agent host) so dozens of conversations use a few connections.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,11 +37,25 @@ from tts.contexts import ContextPool, LocalContexts, SpeechContext
 class _ContextsService(TTSService):
     """A Pipecat TTS service over `tts.contexts` (a pool of server contexts, or the engine in this process)."""
 
-    def __init__(self, contexts, *, voice: str | None = None, speed: float = 1.0, lexicon: dict | None = None,
-                 seed: int | None = None, text_aggregation_mode: TextAggregationMode | None = None, **kwargs):
+    def __init__(
+        self,
+        contexts,
+        *,
+        voice: str | None = None,
+        speed: float = 1.0,
+        lexicon: dict | None = None,
+        seed: int | None = None,
+        text_aggregation_mode: TextAggregationMode | None = None,
+        **kwargs,
+    ):
         kwargs.setdefault("settings", TTSSettings(model=None, voice=voice, language=None))
-        super().__init__(text_aggregation_mode=text_aggregation_mode or TextAggregationMode.TOKEN,
-                         push_text_frames=False, push_start_frame=True, sample_rate=contexts.sample_rate, **kwargs)
+        super().__init__(
+            text_aggregation_mode=text_aggregation_mode or TextAggregationMode.TOKEN,
+            push_text_frames=False,
+            push_start_frame=True,
+            sample_rate=contexts.sample_rate,
+            **kwargs,
+        )
         self._contexts, self._voice, self._speed, self._lexicon, self._seed = contexts, voice, speed, lexicon, seed
         self._speaking: dict[str, SpeechContext] = {}
         self._readers: dict[str, asyncio.Task] = {}
@@ -53,8 +68,9 @@ class _ContextsService(TTSService):
         context = self._speaking.get(context_id)
         try:
             if context is None:
-                context = await self._contexts.open(self._voice, self._speed, lexicon=self._lexicon, seed=self._seed,
-                                                    context_id=context_id)
+                context = await self._contexts.open(
+                    self._voice, self._speed, lexicon=self._lexicon, seed=self._seed, context_id=context_id
+                )
                 self._speaking[context_id] = context
                 self._readers[context_id] = self.create_task(self._read(context))
             await context.push(text)
@@ -84,8 +100,12 @@ class _ContextsService(TTSService):
                     if first:
                         await self.stop_ttfb_metrics()
                         first = False
-                    await self.append_to_audio_context(cid, TTSAudioRawFrame(
-                        audio=event["pcm"], sample_rate=context.sample_rate, num_channels=1, context_id=cid))
+                    await self.append_to_audio_context(
+                        cid,
+                        TTSAudioRawFrame(
+                            audio=event["pcm"], sample_rate=context.sample_rate, num_channels=1, context_id=cid
+                        ),
+                    )
                 elif event["type"] == "words":
                     await self.add_word_timestamps([(w["word"], w["start"]) for w in event["words"]], cid)
         except ClientError as err:
@@ -122,13 +142,23 @@ class TTSServerService(_ContextsService):
     (``{"word": "/IPA/" or "respelling"}``) and ``seed`` as for the server's ``start``; other keywords go to
     Pipecat's TTSService (``text_aggregation_mode``, ...)."""
 
-    def __init__(self, *, url: str | None = None, pool: ContextPool | None = None, api_key: str | None = None,
-                 contexts_per_connection: int = 4, sample_rate: int = 24_000, **kwargs):
-        if pool is None and url is None:
-            raise ValueError("TTSServerService needs the server's url (or a ContextPool)")
+    def __init__(
+        self,
+        *,
+        url: str | None = None,
+        pool: ContextPool | None = None,
+        api_key: str | None = None,
+        contexts_per_connection: int = 4,
+        sample_rate: int = 24_000,
+        **kwargs,
+    ):
         self._own_pool = pool is None
-        pool = pool or ContextPool(url, api_key=api_key, contexts_per_connection=contexts_per_connection,
-                                   sample_rate=sample_rate)
+        if pool is None:
+            if url is None:
+                raise ValueError("TTSServerService needs the server's url (or a ContextPool)")
+            pool = ContextPool(
+                url, api_key=api_key, contexts_per_connection=contexts_per_connection, sample_rate=sample_rate
+            )
         super().__init__(pool, **kwargs)
 
     async def start(self, frame: StartFrame):

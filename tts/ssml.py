@@ -17,6 +17,7 @@ words (or a pause, or a rate) and refuses malformed ones with `MarkupError` (a `
     <break strength="weak"/>                           none 0, x-weak 100, weak 250, medium 500, strong 750,
                                                        x-strong 1000 ms; or time="300ms" / "1.5s" (at most 10 s)
 """
+
 from __future__ import annotations
 
 import re
@@ -66,7 +67,8 @@ def element_words(name: str, attrs: str, inner: str) -> str:
 
 def _characters(text: str, _format) -> str | None:
     names = [LETTER_NAMES.get(c.lower()) or (digits(c) if c.isdigit() else None) for c in text if not c.isspace()]
-    return None if not names or None in names else " ".join(names)
+    said = [name for name in names if name is not None]
+    return " ".join(said) if said and len(said) == len(names) else None
 
 
 def _cardinal(text: str, _format) -> str | None:
@@ -87,8 +89,12 @@ def _date_words(text: str, form: str | None) -> str | None:
     """A date's parts in ``form``'s order ("mdy" unless given); the missing parts are not said."""
     form = (form or ("ymd" if re.fullmatch(r"\d{4}-\d\d?-\d\d?", text) else "mdy")).lower()
     parts = re.split(r"[-/.]", text)
-    if not re.fullmatch(r"[dmy]{1,3}", form) or len(set(form)) != len(form) or len(parts) != len(form) \
-            or not all(p.isdigit() for p in parts):
+    if (
+        not re.fullmatch(r"[dmy]{1,3}", form)
+        or len(set(form)) != len(form)
+        or len(parts) != len(form)
+        or not all(p.isdigit() for p in parts)
+    ):
         return None
     got = dict(zip(form, map(int, parts)))
     if "m" in got and "d" in got and "y" in got:
@@ -126,9 +132,17 @@ def _rule(rule, text: str) -> str | None:
     return " ".join(said) if said else None
 
 
-_SAY_AS = {"characters": _characters, "spell-out": _characters, "cardinal": _cardinal, "number": _cardinal,
-           "ordinal": _ordinal, "digits": _digits, "date": _date_words, "time": _time_words,
-           "telephone": _telephone}
+_SAY_AS = {
+    "characters": _characters,
+    "spell-out": _characters,
+    "cardinal": _cardinal,
+    "number": _cardinal,
+    "ordinal": _ordinal,
+    "digits": _digits,
+    "date": _date_words,
+    "time": _time_words,
+    "telephone": _telephone,
+}
 
 
 def pause_ms(attrs: str) -> int:
@@ -155,6 +169,8 @@ def prosody_rate(attrs: str) -> float | None:
     if value is None and percent:
         value = float(percent.group(1)) / (100 if percent.group(2) else 1)
     if value is None or not SPEED_RANGE[0] <= value <= SPEED_RANGE[1]:
-        raise MarkupError(f"<prosody{attrs}>: rate must be one of {list(RATES)}, a percentage or a factor from "
-                          f"{SPEED_RANGE[0]} to {SPEED_RANGE[1]}, not {rate!r}")
+        raise MarkupError(
+            f"<prosody{attrs}>: rate must be one of {list(RATES)}, a percentage or a factor from "
+            f"{SPEED_RANGE[0]} to {SPEED_RANGE[1]}, not {rate!r}"
+        )
     return value
