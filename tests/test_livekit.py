@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("livekit.agents", reason='needs pip install "tts[livekit]"')
 
-from helpers import wait_until  # noqa: E402
 from livekit.agents import APIConnectionError, APIConnectOptions, APIStatusError  # noqa: E402
 from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT  # noqa: E402
 
+from testkit import wait_until  # noqa: E402
 from tts.livekit import TTS  # noqa: E402
 
 REPLY = "The birch canoe slid on the smooth planks. Glue the sheet to the dark blue background."

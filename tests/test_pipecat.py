@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from helpers import wait_until
+
+from testkit import wait_until
 
 pytest.importorskip("pipecat", reason='needs pip install "tts[pipecat]"')
 
