@@ -40,6 +40,7 @@ its CPU and its event loop's lag, the server process its threads' CPU by role an
 takes to answer a trivial request (`host`): a run says whether the host side, not the device, limited it.
 `--grace-s` ends turns still speaking that long after the run's end (counted as cut, their audio kept).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,16 @@ import time
 
 import numpy as np
 
-from bench.agent_load import (MEASURED_TICK_MS, FULL, HostLoad, capacity_streams, client_load, cpu_per_audio_s,
-                              limited_by, loop_lag)
+from bench.agent_load import (
+    FULL,
+    MEASURED_TICK_MS,
+    HostLoad,
+    capacity_streams,
+    client_load,
+    cpu_per_audio_s,
+    limited_by,
+    loop_lag,
+)
 from bench.common import harvard, percentiles
 from tts import SAMPLE_RATE
 
@@ -99,8 +108,13 @@ class Player:
         return 0.0 if self.play_end is None else self.play_end - now
 
     def result(self) -> dict:
-        return {"ttfa_ms": None if self.first_audio is None else (self.first_audio - self.sent_at) * 1000,
-                "stalls": self.stalls, "stall_s": self.stall_s, "audio_s": self.received, "words": sum(self.sizes)}
+        return {
+            "ttfa_ms": None if self.first_audio is None else (self.first_audio - self.sent_at) * 1000,
+            "stalls": self.stalls,
+            "stall_s": self.stall_s,
+            "audio_s": self.received,
+            "words": sum(self.sizes),
+        }
 
     def _inside_sentence(self, position: float) -> bool:
         for first, size in zip(self.firsts, self.sizes):
@@ -117,6 +131,7 @@ async def agent(url: str, index: int, deadline: float, sentences: list[str], ahe
     """One client's turns until ``deadline``. Cancelled (the run's grace is over), it records the turn it was
     speaking as cut, with what it received."""
     import websockets
+
     rng = random.Random(index)
     await asyncio.sleep(rng.uniform(0, 5))  # clients arrive over the first seconds, not in one instant
     ws = None
@@ -221,8 +236,9 @@ def _sentences() -> list[str]:
     return [s for s in harvard(720) if re.fullmatch(r"[A-Za-z' ]+\.", s)]
 
 
-def sample_server(server, engine, stop: threading.Event, used: list[int], held: list[int],
-                  full_ticks: list[float]) -> None:
+def sample_server(
+    server, engine, stop: threading.Event, used: list[int], held: list[int], full_ticks: list[float]
+) -> None:
     """Every 0.1 s: the engine's slots in use and the server's open connections; while the slots are full
     (`agent_load.FULL`), the newest ticks' times. Every 30 s a progress line on stderr."""
     last_line = time.perf_counter()
@@ -234,12 +250,17 @@ def sample_server(server, engine, stop: threading.Event, used: list[int], held: 
             full_ticks.extend(engine.tick_ms.values(last=2).tolist())
         if time.perf_counter() - last_line >= 30:
             last_line = time.perf_counter()
-            print(f"agent: {held[-1]} connections, {used[-1]} slots used, parks {stats['parks']}, "
-                  f"tick {stats['tick_ms']}", file=sys.stderr, flush=True)
+            print(
+                f"agent: {held[-1]} connections, {used[-1]} slots used, parks {stats['parks']}, "
+                f"tick {stats['tick_ms']}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
-def clients(url: str, indices: list[int], seconds: float, ahead_s: float, grace_s: float | None = None,
-            ready=None, go=None) -> tuple[dict[int, list], dict]:
+def clients(
+    url: str, indices: list[int], seconds: float, ahead_s: float, grace_s: float | None = None, ready=None, go=None
+) -> tuple[dict[int, list], dict]:
     """The clients ``indices`` in this process for ``seconds`` (turns still speaking ``grace_s`` later are
     cut); with ``ready`` (a queue) and ``go`` (an event), it says it is ready and starts on ``go``, so that
     every process starts together. Returns each client's turns and this process's load: CPU, wall time and
@@ -262,6 +283,7 @@ def clients(url: str, indices: list[int], seconds: float, ahead_s: float, grace_
             task.cancel()
         await asyncio.gather(*late, return_exceptions=True)
         watch.cancel()
+
     cpu, wall = time.process_time(), time.perf_counter()
     asyncio.run(everyone())
     return results, {"cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall, "lag_ms": lag}
@@ -271,17 +293,23 @@ def _client_process(out, *args) -> None:
     out.put(clients(*args))
 
 
-def run_elsewhere(url: str, count: int, seconds: float, ahead_s: float, processes: int = 1,
-                  grace_s: float | None = None) -> tuple[list[list], list[dict]]:
+def run_elsewhere(
+    url: str, count: int, seconds: float, ahead_s: float, processes: int = 1, grace_s: float | None = None
+) -> tuple[list[list], list[dict]]:
     """``count`` clients in ``processes`` processes of their own (client i in process i mod P, so that they
     do not share the server's interpreter lock, nor one another's), started together. Returns each client's
     turns, in client order, and each process's load."""
     processes = max(1, min(processes, count))
     context = multiprocessing.get_context("spawn")
     out, ready, go = context.Queue(), context.Queue(), context.Event()
-    workers = [context.Process(target=_client_process, daemon=True,
-                               args=(out, url, list(range(p, count, processes)), seconds, ahead_s, grace_s, ready, go))
-               for p in range(processes)]
+    workers = [
+        context.Process(
+            target=_client_process,
+            daemon=True,
+            args=(out, url, list(range(p, count, processes)), seconds, ahead_s, grace_s, ready, go),
+        )
+        for p in range(processes)
+    ]
     for worker in workers:
         worker.start()
     for _ in workers:
@@ -303,8 +331,18 @@ def run_elsewhere(url: str, count: int, seconds: float, ahead_s: float, processe
     return [results[i] for i in range(count)], loads
 
 
-def report(results: list[list], held: list[int], used: list[int], engine, args, load_before, before,
-           full_ticks: list[float], host: dict, run_s: float) -> dict:
+def report(
+    results: list[list],
+    held: list[int],
+    used: list[int],
+    engine,
+    args,
+    load_before,
+    before,
+    full_ticks: list[float],
+    host: dict,
+    run_s: float,
+) -> dict:
     turns = [t for per in results for t in per if "error" not in t]
     errors = [t["error"] for per in results for t in per if "error" in t]
     spoke = [per for per in results if any("error" not in t and t["audio_s"] > 0 for t in per)]
@@ -321,32 +359,48 @@ def report(results: list[list], held: list[int], used: list[int], engine, args, 
     stats = engine.stats()
     parking = stats["parking"]
     return {
-        "engine": "tiny_random" if args.tiny else "shipped", "step_kind": stats["step_kind"],
+        "engine": "tiny_random" if args.tiny else "shipped",
+        "step_kind": stats["step_kind"],
         "frame_codec": bool(getattr(args, "frame_codec", False)),
         "text_process": os.environ.get("TTS_TEXT_PROCESS", "") not in ("", "0"),
-        "device": args.device, "cpu_cores": os.cpu_count(), "load_avg_1m_before": load_before,
-        "load_avg_1m_after": load_average(), "clients": args.clients, "slots": args.slots,
-        "minutes": args.minutes, "park_after_s": engine.parking.park_after_s,
-        "disk_after_s": engine.parking.disk_after_s, "max_host_bytes": engine.parking.max_host_bytes,
+        "device": args.device,
+        "cpu_cores": os.cpu_count(),
+        "load_avg_1m_before": load_before,
+        "load_avg_1m_after": load_average(),
+        "clients": args.clients,
+        "slots": args.slots,
+        "minutes": args.minutes,
+        "park_after_s": engine.parking.park_after_s,
+        "disk_after_s": engine.parking.disk_after_s,
+        "max_host_bytes": engine.parking.max_host_bytes,
         "connections_held": {"p50": int(np.median(held)) if held else 0, "max": max(held, default=0)},
         "slots_used": {"p50": float(np.median(used)) if used else 0, "max": max(used, default=0)},
-        "turns": len(turns), "turns_cut": sum(1 for t in turns if t.get("cut")), "errors": len(errors),
-        "error_kinds": sorted(set(errors))[:5], "run_s": round(run_s, 1),
-        "audio_s": round(audio_s, 1), "delivered_streams": round(audio_s / (args.minutes * 60), 2),
+        "turns": len(turns),
+        "turns_cut": sum(1 for t in turns if t.get("cut")),
+        "errors": len(errors),
+        "error_kinds": sorted(set(errors))[:5],
+        "run_s": round(run_s, 1),
+        "audio_s": round(audio_s, 1),
+        "delivered_streams": round(audio_s / (args.minutes * 60), 2),
         "offered_streams": offered and round(offered, 2),
-        "capacity_streams": capacity and round(capacity, 1), "tick_ms_full": tick_full,
+        "capacity_streams": capacity and round(capacity, 1),
+        "tick_ms_full": tick_full,
         "clients_at_capacity": offered and capacity and round(capacity * args.clients / offered),
         "words_per_audio_s": words_per_s and round(words_per_s, 2),
         "real_time_fraction": round(len(steady) / len(spoke), 3) if spoke else None,
-        "clients_spoke": len(spoke), "stalls": sum(t["stalls"] for t in turns),
+        "clients_spoke": len(spoke),
+        "stalls": sum(t["stalls"] for t in turns),
         "stall_s": round(sum(t["stall_s"] for t in turns), 2),
         "ttfa_ms": percentiles(ttfa) if ttfa else None,
         **{name: stats[name] - before[name] for name in ("parks", "restores", "slot_waits")},
         "slot_wait_ms": stats["slot_wait_ms"],
         "tiers_ms": {kind: parking[f"{kind}_ms"] for kind in ("park", "restore", "spill", "load")},
-        "tick_ms": stats["tick_ms"], "step_ms": stats["step_ms"], "tick_parts_ms": tick_parts(engine),
+        "tick_ms": stats["tick_ms"],
+        "step_ms": stats["step_ms"],
+        "tick_parts_ms": tick_parts(engine),
         "server_cpu_ms_per_audio_s": cpu_per_audio_s(host, audio_s),
-        "host": host, "limited_by": limited_by(offered, capacity, tick_full and tick_full["p50"], frame_ms, host),
+        "host": host,
+        "limited_by": limited_by(offered, capacity, tick_full and tick_full["p50"], frame_ms, host),
     }
 
 
@@ -357,22 +411,33 @@ def tick_parts(engine) -> dict | None:
     phases = getattr(engine, "tick_phases", None)
     if phases is None or not len(phases):
         return None
+    from streaming.engine import TICK_PHASES
+
     values = phases.values(last=2000) * 1000
-    return {name: percentiles(values[:, i]) for i, name in enumerate(("events", "launch", "wait", "hand_out"))}
+    return {name: percentiles(values[:, i]) for i, name in enumerate(TICK_PHASES)}
 
 
 def offered_only(args) -> dict:
     """`--offered-only`: the offered load against the capacity of ``--slots`` at ``--tick-ms``."""
     from tts.codec import CodecConfig
+
     frame_ms = 1000 / CodecConfig().frame_rate
     tick_ms = args.tick_ms or MEASURED_TICK_MS[args.device.split(":")[0]]
     streams = offered_streams(args.clients, args.minutes * 60, args.ahead_s, args.words_per_s)
     capacity = capacity_streams(args.slots, tick_ms, frame_ms)
-    return {"clients": args.clients, "minutes": args.minutes, "ahead_s": args.ahead_s,
-            "words_per_s": args.words_per_s, "offered_streams": round(streams, 2), "slots": args.slots,
-            "device": args.device, "tick_ms": tick_ms, "capacity_streams": round(capacity, 1),
-            "clients_at_capacity": round(capacity * args.clients / streams) if streams else None,
-            "real_time_possible": streams <= capacity}
+    return {
+        "clients": args.clients,
+        "minutes": args.minutes,
+        "ahead_s": args.ahead_s,
+        "words_per_s": args.words_per_s,
+        "offered_streams": round(streams, 2),
+        "slots": args.slots,
+        "device": args.device,
+        "tick_ms": tick_ms,
+        "capacity_streams": round(capacity, 1),
+        "clients_at_capacity": round(capacity * args.clients / streams) if streams else None,
+        "real_time_possible": streams <= capacity,
+    }
 
 
 def worker_engine(args, parking, max_streams: int, max_open: int):
@@ -386,58 +451,89 @@ def build_engine(args, parking):
     tiny random-weight model, on either."""
     if args.device == "cpu" and not args.tiny:
         from tts.api import get_engine
+
         engine = get_engine(max_streams=args.slots, compile=True, max_open=HEADROOM * args.clients)
         engine.parking = parking  # before any stream: the store reads it when it first spills
         engine.store.config = parking
         return engine
     import kernels
     from streaming.engine import Engine
+
     if args.tiny:
-        from tests.helpers import tiny_model_and_codec
+        from testkit import tiny_model_and_codec
+
         model, codec, voices = tiny_model_and_codec()
     else:
         from tts.voices import load_shipped
+
         model, codec, voices = load_shipped(device=args.device)
     cuda = args.device.startswith("cuda")
-    engine = Engine(model.to(args.device), codec.to(args.device), voices, max_streams=args.slots,
-                    device=args.device, step_factory=kernels.default_step_factory(args.device) if cuda else None,
-                    max_open=HEADROOM * args.clients, parking=parking,
-                    frame_codec=True if getattr(args, "frame_codec", False) else None)
+    engine = Engine(
+        model.to(args.device),
+        codec.to(args.device),
+        voices,
+        max_streams=args.slots,
+        device=args.device,
+        step_factory=kernels.default_step_factory(args.device) if cuda else None,
+        max_open=HEADROOM * args.clients,
+        parking=parking,
+        frame_codec=True if getattr(args, "frame_codec", False) else None,
+    )
     if cuda:
         engine.warm_up()
     return engine
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.serve --agent", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.serve --agent", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--minutes", type=float, default=2.0)
     parser.add_argument("--ahead-s", type=float, default=2.0, help="how far ahead a player reads (default 2 s)")
     parser.add_argument("--park-after-s", type=float, default=None, help="the engine's grace (default its own)")
     parser.add_argument("--disk-after-s", type=float, default=None, help="the engine's disk tier idle time")
-    parser.add_argument("--max-host-gb", type=float, default=None,
-                        help="parked states kept in host memory before the oldest spill to disk (default its own)")
+    parser.add_argument(
+        "--max-host-gb",
+        type=float,
+        default=None,
+        help="parked states kept in host memory before the oldest spill to disk (default its own)",
+    )
     parser.add_argument("--tiny", action="store_true", help="the tiny random-weight engine")
-    parser.add_argument("--frame-codec", action="store_true",
-                        help="--tiny on the CPU: decode every frame in the tick and hand chunks out as a GPU does "
-                             "(`FrameCodec`, `AudioOutbox`), so that the host side a GPU server runs shows")
-    parser.add_argument("--text-process", action="store_true",
-                        help="read sentences in a process of their own per engine (TTS_TEXT_PROCESS=1, "
-                             "`streaming.sentence_reader.ProcessReader`)")
+    parser.add_argument(
+        "--frame-codec",
+        action="store_true",
+        help="--tiny on the CPU: decode every frame in the tick and hand chunks out as a GPU does "
+        "(`FrameCodec`, `AudioOutbox`), so that the host side a GPU server runs shows",
+    )
+    parser.add_argument(
+        "--text-process",
+        action="store_true",
+        help="read sentences in a process of their own per engine (TTS_TEXT_PROCESS=1, "
+        "`streaming.sentence_reader.ProcessReader`)",
+    )
     parser.add_argument("--device", default="cpu", help="where the engine runs: cpu (default) or cuda")
     parser.add_argument("--client-processes", type=int, default=1, help="processes the clients run in")
-    parser.add_argument("--grace-s", type=float, default=None,
-                        help="cut turns still speaking this long after the run's end (default: wait for them)")
+    parser.add_argument(
+        "--grace-s",
+        type=float,
+        default=None,
+        help="cut turns still speaking this long after the run's end (default: wait for them)",
+    )
     parser.add_argument("--warm-up-clients", type=int, default=1, help="clients of the warm-up (default 1)")
     parser.add_argument("--warm-up-s", type=float, default=5.0, help="length of the warm-up (default 5 s)")
     parser.add_argument("--offered-only", action="store_true", help="print the offered load alone (no server)")
     parser.add_argument("--workers", type=int, default=1, help="server processes (`tts serve --workers`)")
     parser.add_argument("--words-per-s", type=float, default=3.18, help="speaking rate for --offered-only")
-    parser.add_argument("--tick-ms", type=float, default=None,
-                        help="--offered-only: whole-tick ms with the slots full (default: the last measured, "
-                             + ", ".join(f"{d} {ms}" for d, ms in MEASURED_TICK_MS.items()) + ")")
+    parser.add_argument(
+        "--tick-ms",
+        type=float,
+        default=None,
+        help="--offered-only: whole-tick ms with the slots full (default: the last measured, "
+        + ", ".join(f"{d} {ms}" for d, ms in MEASURED_TICK_MS.items())
+        + ")",
+    )
     args = parser.parse_args(argv)
     if args.offered_only:
         print(json.dumps(offered_only(args)))
@@ -446,6 +542,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.text_process:  # every engine of the run, in this process and in the workers (they inherit it)
         os.environ["TTS_TEXT_PROCESS"] = "1"
     from streaming.parking import ParkingConfig
+
     parking = ParkingConfig()
     if args.park_after_s is not None:
         parking.park_after_s = args.park_after_s
@@ -455,12 +552,13 @@ def main(argv: list[str] | None = None) -> None:
         parking.max_host_bytes = int(args.max_host_gb * 2**30)
     building = time.perf_counter()
     from server import ServerProcesses, ServerThread
+
     room = HEADROOM * args.clients
-    limits = dict(max_connections=room, max_connections_per_client=room, max_streams_per_client=room,
-                  max_queue=room)
-    if args.workers > 1:  # (procs) N server processes, each its own engine of slots / N (streaming/workers.py)
-        serving = ServerProcesses(functools.partial(worker_engine, args, parking), args.workers, args.slots,
-                                  parking, **limits).start()
+    limits = dict(max_connections=room, max_connections_per_client=room, max_streams_per_client=room, max_queue=room)
+    if args.workers > 1:  # (procs) N server processes, each its own engine of slots / N (serving/workers.py)
+        serving = ServerProcesses(
+            functools.partial(worker_engine, args, parking), args.workers, args.slots, parking, **limits
+        ).start()
         engine = serving.hub  # the workers' /health, summed
     else:
         engine = build_engine(args, parking)
@@ -470,13 +568,15 @@ def main(argv: list[str] | None = None) -> None:
     with serving as server:
         warm_up(server, engine, args)
         used, held, full_ticks, stop, before = [], [], [], threading.Event(), engine.stats()
-        sampler = threading.Thread(target=sample_server, args=(server, engine, stop, used, held, full_ticks),
-                                   daemon=True)
+        sampler = threading.Thread(
+            target=sample_server, args=(server, engine, stop, used, held, full_ticks), daemon=True
+        )
         host, started = HostLoad(server.url).start(), time.perf_counter()
         workers_cpu = args.workers > 1 and server.cpu_seconds()
         sampler.start()
-        results, loads = run_elsewhere(server.ws_url, args.clients, args.minutes * 60, args.ahead_s,
-                                       args.client_processes, args.grace_s)
+        results, loads = run_elsewhere(
+            server.ws_url, args.clients, args.minutes * 60, args.ahead_s, args.client_processes, args.grace_s
+        )
         run_s = time.perf_counter() - started
         stop.set()
         sampler.join()
@@ -484,9 +584,18 @@ def main(argv: list[str] | None = None) -> None:
         if args.workers > 1:  # (procs) server_process_cores is this parent's alone; the workers' own:
             host["worker_process_cores"] = round((server.cpu_seconds() - workers_cpu) / run_s, 3)
         result = report(results, held, used, engine, args, load_before, before, full_ticks, host, run_s)
-        print(json.dumps({**result, "engine_start_s": engine_start_s, "workers": args.workers,
-                          **(gpu_figures(args.device) if args.workers == 1 else {})}, indent=2),
-              flush=True)
+        print(
+            json.dumps(
+                {
+                    **result,
+                    "engine_start_s": engine_start_s,
+                    "workers": args.workers,
+                    **(gpu_figures(args.device) if args.workers == 1 else {}),
+                },
+                indent=2,
+            ),
+            flush=True,
+        )
     engine.close()
 
 
@@ -495,13 +604,18 @@ def warm_up(server, engine, args) -> None:
     until the server holds no connection and no slot (at most 30 s)."""
     warm = min(args.warm_up_clients, args.clients)
     if warm > 1:
-        run_elsewhere(server.ws_url, warm, args.warm_up_s, args.ahead_s, min(args.client_processes, warm),
-                      None if args.grace_s is None else 0.0)
+        run_elsewhere(
+            server.ws_url,
+            warm,
+            args.warm_up_s,
+            args.ahead_s,
+            min(args.client_processes, warm),
+            None if args.grace_s is None else 0.0,
+        )
     else:
         clients(server.ws_url, [0], args.warm_up_s, args.ahead_s)
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (server.hub.admission.stats()["connections"]
-                                           or engine.stats()["slots_used"]):
+    while time.monotonic() < deadline and (server.hub.admission.stats()["connections"] or engine.stats()["slots_used"]):
         time.sleep(0.1)
 
 
@@ -510,6 +624,7 @@ def gpu_figures(device: str) -> dict:
     if not device.startswith("cuda"):
         return {}
     import torch
+
     return {"gpu": torch.cuda.get_device_name(device), "gpu_peak_bytes": torch.cuda.max_memory_allocated(device)}
 
 

@@ -3,6 +3,7 @@ loop takes to answer a trivial request, the client processes' CPU and event-loop
 from the tick with the slots full. Cheap enough to run alongside every run (a probe every 0.5 s, two readings
 of the threads' CPU).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,6 +39,7 @@ def thread_cpu() -> dict[str, float] | None:
     (psutil missing, or no per-thread /proc)."""
     try:
         import psutil  # the bench extra's (imported here: the tests import this module without it)
+
         threads = psutil.Process().threads()
     except Exception:  # noqa: BLE001 - a figure we can do without, on any system
         return None
@@ -45,8 +47,15 @@ def thread_cpu() -> dict[str, float] | None:
     roles: dict[str, float] = {}
     for t in threads:
         name = names.get(t.id)
-        role = ("native" if name is None else name.split("_")[0] if name.startswith("tts-")
-                else "main" if name == "MainThread" else "other")
+        role = (
+            "native"
+            if name is None
+            else name.split("_")[0]
+            if name.startswith("tts-")
+            else "main"
+            if name == "MainThread"
+            else "other"
+        )
         roles[role] = roles.get(role, 0.0) + t.user_time + t.system_time
     return roles
 
@@ -62,7 +71,7 @@ class HostLoad:
         self._stop = threading.Event()
         self._prober = threading.Thread(target=self._probe, name="agent-probe", daemon=True)
 
-    def start(self) -> "HostLoad":
+    def start(self) -> HostLoad:
         self._cpu, self._roles, self._wall = time.process_time(), thread_cpu(), time.perf_counter()
         self._prober.start()
         return self
@@ -72,14 +81,25 @@ class HostLoad:
         self._prober.join()
         wall = time.perf_counter() - self._wall
         used, roles = (time.process_time() - self._cpu) / wall, thread_cpu()
-        by_role = None if roles is None or self._roles is None else {
-            role: round((s - self._roles.get(role, 0.0)) / wall, 3) for role, s in sorted(roles.items())}
-        return {"server_wall_s": round(wall, 2), "server_process_cores": round(used, 3),
-                "server_thread_cores": by_role,
-                "server_python_cores": by_role and round(sum(v for r, v in by_role.items() if r != "native"), 3),
-                "server_probe_ms": {**percentiles(self.probe_ms), "max": round(max(self.probe_ms), 3),
-                                    "probes": len(self.probe_ms)} if self.probe_ms else None,
-                "server_probe_failures": self.probe_failures}
+        by_role = (
+            None
+            if roles is None or self._roles is None
+            else {role: round((s - self._roles.get(role, 0.0)) / wall, 3) for role, s in sorted(roles.items())}
+        )
+        return {
+            "server_wall_s": round(wall, 2),
+            "server_process_cores": round(used, 3),
+            "server_thread_cores": by_role,
+            "server_python_cores": by_role and round(sum(v for r, v in by_role.items() if r != "native"), 3),
+            "server_probe_ms": {
+                **percentiles(self.probe_ms),
+                "max": round(max(self.probe_ms), 3),
+                "probes": len(self.probe_ms),
+            }
+            if self.probe_ms
+            else None,
+            "server_probe_failures": self.probe_failures,
+        }
 
     def _probe(self) -> None:
         connection = None
@@ -103,9 +123,10 @@ def cpu_per_audio_s(host: dict, audio_s: float) -> dict | None:
         return None
     per_s = 1000 * host["server_wall_s"] / audio_s
     threads = host["server_thread_cores"]
-    return {"process": round(host["server_process_cores"] * per_s, 2),
-            "host_side": threads and round(sum(threads.get(role, 0.0) for role in ("tts-server", "tts-io")) * per_s,
-                                           2)}
+    return {
+        "process": round(host["server_process_cores"] * per_s, 2),
+        "host_side": threads and round(sum(threads.get(role, 0.0) for role in ("tts-server", "tts-io")) * per_s, 2),
+    }
 
 
 async def loop_lag(samples: list[float], every_s: float = 0.05) -> None:
@@ -120,14 +141,18 @@ def client_load(per_process: list[dict]) -> dict:
     """The client processes' reports (`bench.agent.clients`) merged: cores each used, loop lag over all."""
     lag = [ms for p in per_process for ms in p["lag_ms"]]
     cores = [p["cpu_s"] / p["wall_s"] for p in per_process if p["wall_s"] > 0]
-    return {"client_processes": len(per_process),
-            "client_process_cores": {"max": round(max(cores), 3), "mean": round(float(np.mean(cores)), 3)}
-            if cores else None,
-            "client_loop_lag_ms": {**percentiles(lag), "max": round(max(lag), 3)} if lag else None}
+    return {
+        "client_processes": len(per_process),
+        "client_process_cores": {"max": round(max(cores), 3), "mean": round(float(np.mean(cores)), 3)}
+        if cores
+        else None,
+        "client_loop_lag_ms": {**percentiles(lag), "max": round(max(lag), 3)} if lag else None,
+    }
 
 
-def limited_by(offered: float | None, capacity: float | None, tick_full_ms: float | None, frame_ms: float,
-               host: dict) -> list[str]:
+def limited_by(
+    offered: float | None, capacity: float | None, tick_full_ms: float | None, frame_ms: float, host: dict
+) -> list[str]:
     """What held the run back, by these rules (empty: nothing found): the offered load above the slots'
     capacity; the tick with the slots full slower than a frame; the server's event-loop thread busy
     (>= BUSY_CORE of a core) or its answers slow (probe p99 >= SLOW_PROBE_MS); one of the engine's own

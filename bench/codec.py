@@ -11,6 +11,7 @@
 per sentence by DNSMOS (OVRL, SIG, BAK) and Whisper WER, teacher against round trip (``bench.modern.compare_decoder``,
 which a new decoder can be handed directly); ``--out`` keeps the per-sentence rows.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,7 @@ def decoder_rtf(codec, seconds: float = 10.0, chunks: tuple[int, ...] = (CHUNK_S
     def streamed(chunk: int) -> None:
         state = codec.decoder.init_state(1)
         for t in range(0, frames, chunk):
-            codec.decoder.step(latents[..., t:t + chunk], state)
+            codec.decoder.step(latents[..., t : t + chunk], state)
 
     def rtf(run) -> float:
         times = []
@@ -53,24 +54,41 @@ def decoder_rtf(codec, seconds: float = 10.0, chunks: tuple[int, ...] = (CHUNK_S
 
     with torch.inference_mode():
         codec.decoder(latents[..., :50])
-        return {"offline": rtf(lambda: codec.decoder(latents)),
-                "streaming": {str(chunk): rtf(lambda: streamed(chunk)) for chunk in chunks}}
+        return {
+            "offline": rtf(lambda: codec.decoder(latents)),
+            "streaming": {str(chunk): rtf(lambda: streamed(chunk)) for chunk in chunks},
+        }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--corpus", type=Path, default=ROOT / "corpus-heldout")
-    parser.add_argument("--set", choices=("corpus", "modern"), default="corpus", dest="text_set",
-                        help="the held-out corpus (corpus-heldout/), or the modern set (bench.modern)")
+    parser.add_argument(
+        "--set",
+        choices=("corpus", "modern"),
+        default="corpus",
+        dest="text_set",
+        help="the held-out corpus (corpus-heldout/), or the modern set (bench.modern)",
+    )
     parser.add_argument("--split", choices=modern.SPLITS, default="test", help="--set modern: test (reported) or dev")
-    parser.add_argument("--out", type=Path, help="also write the JSON here (with --set modern: every sentence's scores)")
+    parser.add_argument(
+        "--out", type=Path, help="also write the JSON here (with --set modern: every sentence's scores)"
+    )
     parser.add_argument("--per-voice", type=int, help="default: 100 corpus utterances, every modern sentence")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--voices", nargs="*", help="only these voices (default: all of the held-out corpus; "
-                        "joe, slt, rms and kumo of the modern set)")
-    parser.add_argument("--skip", type=int, default=0, help="leave out each voice's first N utterances: a "
-                        "validation split, so a checkpoint is chosen without looking at the reported ones")
+    parser.add_argument(
+        "--voices",
+        nargs="*",
+        help="only these voices (default: all of the held-out corpus; joe, slt, rms and kumo of the modern set)",
+    )
+    parser.add_argument(
+        "--skip",
+        type=int,
+        default=0,
+        help="leave out each voice's first N utterances: a "
+        "validation split, so a checkpoint is chosen without looking at the reported ones",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
@@ -78,17 +96,25 @@ def main() -> None:
     # Timed first: once Whisper has run, CTranslate2's idle worker threads share the 2 cores and slowed
     # the decoder by a third here, which the server, holding no ASR model, never sees.
     rtf = decoder_rtf(codec)
-    cfg = {"decoder_rtf": rtf["streaming"][str(CHUNK_SCHEDULE[-1])], "decoder_rtf_detail": rtf,
-           "frame_rate": codec.cfg.frame_rate, "codebooks": codec.cfg.codebooks,
-           "codebook_size": codec.cfg.codebook_size, "threads": args.threads}
-    report = ({**modern_report(codec, args), **cfg} if args.text_set == "modern" else
-              {**corpus_report(codec, args), **cfg})
+    cfg = {
+        "decoder_rtf": rtf["streaming"][str(CHUNK_SCHEDULE[-1])],
+        "decoder_rtf_detail": rtf,
+        "frame_rate": codec.cfg.frame_rate,
+        "codebooks": codec.cfg.codebooks,
+        "codebook_size": codec.cfg.codebook_size,
+        "threads": args.threads,
+    }
+    report = (
+        {**modern_report(codec, args), **cfg} if args.text_set == "modern" else {**corpus_report(codec, args), **cfg}
+    )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     if args.text_set == "modern":  # the rows go to --out only: 200 sentences a voice would flood the terminal
-        report = {**report, "voices": {v: {k: x for k, x in r.items() if k != "rows"}
-                                       for v, r in report["voices"].items()}}
+        report = {
+            **report,
+            "voices": {v: {k: x for k, x in r.items() if k != "rows"} for v, r in report["voices"].items()},
+        }
     print(json.dumps(report, indent=1))
 
 
@@ -107,15 +133,19 @@ def corpus_report(codec, args) -> dict:
     for row in rows:
         audio, sr = sf.read(args.corpus / row["path"], dtype="float32")
         codes = codec.encode(torch.from_numpy(audio)[None])
-        decoded = codec.decode(codes)[0].numpy()[:len(audio)]
+        decoded = codec.decode(codes)[0].numpy()[: len(audio)]
         stats = per_voice.setdefault(row["voice"], {"wer_original": [], "wer_roundtrip": [], "mel_l1": []})
         stats["wer_original"].append(wer(row["text"], transcribe(audio, sr)))
         stats["wer_roundtrip"].append(wer(row["text"], transcribe(decoded, sr)))
         stats["mel_l1"].append(log_mel_l1(audio, decoded))
-    summary = {v: {k: round(float(np.mean(x)), 4) for k, x in s.items()} | {"utterances": len(s["mel_l1"])}
-               for v, s in per_voice.items()}
-    everything = {k: round(float(np.mean([x for s in per_voice.values() for x in s[k]])), 4)
-                  for k in ("wer_original", "wer_roundtrip", "mel_l1")}
+    summary = {
+        v: {k: round(float(np.mean(x)), 4) for k, x in s.items()} | {"utterances": len(s["mel_l1"])}
+        for v, s in per_voice.items()
+    }
+    everything = {
+        k: round(float(np.mean([x for s in per_voice.values() for x in s[k]])), 4)
+        for k in ("wer_original", "wer_roundtrip", "mel_l1")
+    }
     return {**everything, "utterances": len(rows), "per_voice": summary}
 
 

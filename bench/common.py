@@ -1,4 +1,5 @@
 """Shared helpers for the benchmarks: timing percentiles, log-mel distance, DNSMOS, held-out data."""
+
 from __future__ import annotations
 
 import json
@@ -26,18 +27,21 @@ def log_mel_l1(a: np.ndarray, b: np.ndarray, sample_rate: int = 24_000) -> float
     import torch  # here, not at the top: bench.paths imports this module and must not load torch itself
 
     from training.losses import mel_filters
+
     n = min(len(a), len(b))
     window, filters = torch.hann_window(1024), mel_filters(1024, 80, sample_rate)
 
     def mel(x):
         spec = torch.stft(torch.from_numpy(x[:n]).float(), 1024, 256, window=window, return_complex=True).abs()
         return torch.log(filters @ spec + 1e-5)
+
     return float((mel(a) - mel(b)).abs().mean())
 
 
 def corpus_form(audio: np.ndarray, sr: int) -> np.ndarray:
     """24 kHz, silence trimmed to 0.1 s margins, -20 dBFS RMS: the form of every corpus utterance."""
     from training.corpus import finish_audio
+
     return finish_audio(audio, sr, np.array([len(audio) / sr]))[0]
 
 
@@ -45,6 +49,7 @@ def dnsmos(audio: np.ndarray, sr: int = 24_000) -> dict[str, float]:
     """P.835 OVRL/SIG/BAK and P.808 MOS of one clip, resampled to 16 kHz and peak-normalised."""
     import soxr
     from speechmos import dnsmos as model
+
     audio16 = soxr.resample(audio.astype(np.float32), sr, 16_000)
     scores = model.run(np.clip(audio16 / max(np.abs(audio16).max(), 1e-6), -1, 1), 16_000)
     return {key: float(scores[f"{key}_mos"]) for key in ("ovrl", "sig", "bak", "p808")}
@@ -63,10 +68,12 @@ def heldout_rows(corpus: Path, per_voice: int, voices: list[str] | None = None, 
     for manifest in sorted(corpus.glob("*.jsonl")):
         if voices and manifest.stem not in voices:
             continue
-        rows += [json.loads(line) for line in manifest.read_text().splitlines()[skip:skip + per_voice]]
+        rows += [json.loads(line) for line in manifest.read_text().splitlines()[skip : skip + per_voice]]
     if not rows:
-        raise SystemExit(f"no held-out corpus in {corpus}: build it with "
-                         "python -m training.corpus --out corpus-heldout --heldout 125")
+        raise SystemExit(
+            f"no held-out corpus in {corpus}: build it with "
+            "python -m training.corpus --out corpus-heldout --heldout 125"
+        )
     return rows
 
 
@@ -85,12 +92,17 @@ class ServeProcess:
         self.port = free_port()
         self.url, self.ws_url = f"http://127.0.0.1:{self.port}", f"ws://127.0.0.1:{self.port}/v1/stream"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        self.child = subprocess.Popen([sys.executable, "-m", "tts.cli", "serve", "--port", str(self.port), *flags],
-                                      stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.child = subprocess.Popen(
+            [sys.executable, "-m", "tts.cli", "serve", "--port", str(self.port), *flags],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
 
-    def wait(self, seconds: float = 600) -> "ServeProcess":
+    def wait(self, seconds: float = 600) -> ServeProcess:
         """Until ``/health`` answers; SystemExit with the log's tail if the child ends or the time runs out."""
         import httpx2 as httpx
+
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline and self.child.poll() is None:
             try:
@@ -114,6 +126,7 @@ class ServeProcess:
 
     def health(self) -> dict:
         import httpx2 as httpx
+
         return httpx.get(self.url + "/health", timeout=10).json()
 
     def tracebacks(self) -> int:
@@ -124,7 +137,7 @@ class ServeProcess:
         self.child.wait(timeout=30)
         os.unlink(self.log.name)
 
-    def __enter__(self) -> "ServeProcess":
+    def __enter__(self) -> ServeProcess:
         return self
 
     def __exit__(self, *exc) -> None:

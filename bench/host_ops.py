@@ -19,6 +19,7 @@ events, slot grants, parking and the batched device updates including the text e
 `collect`: handing out audio), the torch calls counted by a `TorchFunctionMode` on the engine thread, per
 tick and in all, and the events handled (the inbox's messages).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,6 @@ import threading
 import time
 from collections import Counter
 
-import numpy as np
-import torch
 from torch.overrides import TorchFunctionMode
 
 from bench.agent import TOKENS_PER_WORD, _sentences
@@ -54,6 +53,7 @@ def instrument(engine, counter: Counter) -> None:
         def counted(*args, _inner=inner, _key=key, **kwargs):
             with _Count(counter, _key):
                 return _inner(*args, **kwargs)
+
         setattr(engine, name, counted)
     prefill = engine._prefill
 
@@ -61,12 +61,14 @@ def instrument(engine, counter: Counter) -> None:
         counter["prefills"] += 1
         counter["prefill_rows"] += len(chosen)
         return prefill(chosen)
+
     engine._prefill = prefilled
 
     class Inbox(type(engine._inbox)):
         def popleft(self):
             counter["inbox_events"] += 1
             return super().popleft()
+
     engine._inbox = Inbox(engine._inbox)
 
 
@@ -100,8 +102,9 @@ def read(stream, stop: threading.Event, got: list) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.host_ops", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.host_ops", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=20.0)
@@ -110,17 +113,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from streaming.engine import Engine
     from streaming.parking import ParkingConfig
-    from tests.helpers import tiny_model_and_codec
+    from testkit import tiny_model_and_codec
+
     if args.shipped:
         from tts.voices import load_shipped
+
         model, codec, voices = load_shipped(device="cpu")
     else:
         model, codec, voices = tiny_model_and_codec()
     parking = ParkingConfig()
     if args.park_after_s is not None:
         parking.park_after_s = args.park_after_s
-    engine = Engine(model, codec, voices, max_streams=args.slots, frame_codec=True, max_open=args.streams,
-                    parking=parking)
+    engine = Engine(
+        model, codec, voices, max_streams=args.slots, frame_codec=True, max_open=args.streams, parking=parking
+    )
     counter: Counter = Counter()
     sentences, stop, threads, got = _sentences(), threading.Event(), [], []
     warm = engine.open(seed=0)
@@ -134,8 +140,10 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     for i in range(args.streams):
         stream = engine.open(seed=i + 1, wait_s=5)
-        threads += [threading.Thread(target=feed, args=(stream, i, sentences, stop), daemon=True),
-                    threading.Thread(target=read, args=(stream, stop, got), daemon=True)]
+        threads += [
+            threading.Thread(target=feed, args=(stream, i, sentences, stop), daemon=True),
+            threading.Thread(target=read, args=(stream, stop, got), daemon=True),
+        ]
     for thread in threads:
         thread.start()
     time.sleep(args.seconds)
@@ -147,17 +155,34 @@ def main(argv: list[str] | None = None) -> None:
     stats = engine.stats()
     engine.close()
     audio_s = sum(got) / engine.sample_rate
-    print(json.dumps({
-        "model": "shipped" if args.shipped else "tiny", "streams": args.streams, "slots": args.slots, "seconds": args.seconds, "ticks": ticks,
-        "audio_s": round(audio_s, 1), "inbox_events": counter["inbox_events"],
-        "prefills": counter["prefills"], "prefill_rows": counter["prefill_rows"],
-        "torch_calls": {key: counter[key] for key in ("events", "launch", "collect")},
-        "torch_calls_per_tick": {key: round(counter[key] / max(ticks, 1), 1) for key in ("events", "launch", "collect")},
-        "torch_calls_per_audio_s": round(sum(counter[k] for k in ("events", "launch", "collect")) / max(audio_s, 1e-9), 1),
-        "tick_ms": percentiles(engine.tick_ms.values()) if len(engine.tick_ms) else None,
-        "parks": stats["parks"], "restores": stats["restores"], "run_s": round(run_s, 1),
-        "load_avg_1m": round(__import__("os").getloadavg()[0], 2),
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "model": "shipped" if args.shipped else "tiny",
+                "streams": args.streams,
+                "slots": args.slots,
+                "seconds": args.seconds,
+                "ticks": ticks,
+                "audio_s": round(audio_s, 1),
+                "inbox_events": counter["inbox_events"],
+                "prefills": counter["prefills"],
+                "prefill_rows": counter["prefill_rows"],
+                "torch_calls": {key: counter[key] for key in ("events", "launch", "collect")},
+                "torch_calls_per_tick": {
+                    key: round(counter[key] / max(ticks, 1), 1) for key in ("events", "launch", "collect")
+                },
+                "torch_calls_per_audio_s": round(
+                    sum(counter[k] for k in ("events", "launch", "collect")) / max(audio_s, 1e-9), 1
+                ),
+                "tick_ms": percentiles(engine.tick_ms.values()) if len(engine.tick_ms) else None,
+                "parks": stats["parks"],
+                "restores": stats["restores"],
+                "run_s": round(run_s, 1),
+                "load_avg_1m": round(__import__("os").getloadavg()[0], 2),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

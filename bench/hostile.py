@@ -15,6 +15,7 @@ expires), threads_8_api (8 threads calling tts.synthesize_stream() at once on a 
 voice_empty (WebSocket and HTTP: unknown_voice), put_speech (405 with Allow: POST), server_log (no traceback
 in either server's log).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,7 @@ NUMBER = "The number is " + "7" * 400 + "."
 SPEECH = "Please call me back when you have a moment this afternoon."
 
 
-async def utterance(url: str, text: str, start: dict | None = None, audio_enough: int | None = None,
-                    **connect) -> dict:
+async def utterance(url: str, text: str, start: dict | None = None, audio_enough: int | None = None, **connect) -> dict:
     """One WebSocket utterance: start, the text, end; reads to its done (or, with `audio_enough`, cancels once
     that much audio came). Returns the error codes, the audio bytes and the done."""
     got = {"errors": [], "audio": 0, "done": None}
@@ -69,9 +69,13 @@ async def beside_another(url: str, text: str, audio_enough: int | None = None) -
     await asyncio.sleep(0.05)
     hostile = await utterance(url, text, audio_enough=audio_enough)
     other = await other
-    return {"hostile_errors": hostile["errors"], "hostile_audio_bytes": hostile["audio"],
-            "other_completed": completed(other), "other_errors": other["errors"],
-            "ok": completed(other) and not {"engine_error", "internal"} & set(hostile["errors"] + other["errors"])}
+    return {
+        "hostile_errors": hostile["errors"],
+        "hostile_audio_bytes": hostile["audio"],
+        "other_completed": completed(other),
+        "other_errors": other["errors"],
+        "ok": completed(other) and not {"engine_error", "internal"} & set(hostile["errors"] + other["errors"]),
+    }
 
 
 async def speech(http: httpx.AsyncClient, body: dict, keep: int | None = None) -> dict:
@@ -94,38 +98,58 @@ async def http_rows(server: ServeProcess) -> list[dict]:
         number = await speech(http, {"input": NUMBER, "voice": "alloy", "response_format": "pcm"}, keep=65536)
         empty = await speech(http, {"input": "Hello.", "voice": ""})
         put = await http.put("/v1/audio/speech", json={"input": "Hello."})
-        many = await asyncio.gather(*(speech(http, {"input": SPEECH, "voice": "alloy", "response_format": "pcm"})
-                                      for _ in range(16)))
+        many = await asyncio.gather(
+            *(speech(http, {"input": SPEECH, "voice": "alloy", "response_format": "pcm"}) for _ in range(16))
+        )
     return [
-        {"row": "nul_http", "status": nul["status"], "code": nul.get("error", {}).get("code"),
-         "ok": nul["status"] == 400 and nul["error"]["code"] == "bad_text"},
+        {
+            "row": "nul_http",
+            "status": nul["status"],
+            "code": nul.get("error", {}).get("code"),
+            "ok": nul["status"] == 400 and nul["error"]["code"] == "bad_text",
+        },
         {"row": "number_http", **number, "ok": number["status"] == 200 or 400 <= number["status"] < 500},
-        {"row": "voice_empty_http", "status": empty["status"], "code": empty.get("error", {}).get("code"),
-         "ok": empty["status"] == 400 and empty["error"]["code"] == "unknown_voice"},
-        {"row": "put_speech", "status": put.status_code, "allow": put.headers.get("allow"),
-         "ok": put.status_code == 405 and "POST" in put.headers.get("allow", "")},
+        {
+            "row": "voice_empty_http",
+            "status": empty["status"],
+            "code": empty.get("error", {}).get("code"),
+            "ok": empty["status"] == 400 and empty["error"]["code"] == "unknown_voice",
+        },
+        {
+            "row": "put_speech",
+            "status": put.status_code,
+            "allow": put.headers.get("allow"),
+            "ok": put.status_code == 405 and "POST" in put.headers.get("allow", ""),
+        },
         _all_complete("http_16_default", many),
     ]
 
 
 def _all_complete(row: str, results: list[dict]) -> dict:
     statuses = [r["status"] for r in results]
-    return {"row": row, "requests": len(results), "completed": statuses.count(200),
-            "refused": len(results) - statuses.count(200),
-            "slowest_s": max(r.get("seconds", 0) for r in results), "ok": statuses.count(200) == len(results)}
+    return {
+        "row": row,
+        "requests": len(results),
+        "completed": statuses.count(200),
+        "refused": len(results) - statuses.count(200),
+        "slowest_s": max(r.get("seconds", 0) for r in results),
+        "ok": statuses.count(200) == len(results),
+    }
 
 
 async def origin_rows(server: ServeProcess) -> list[dict]:
     rows = []
-    for row, origin in (("origin_evil", "https://evil.example"), ("origin_null", "null"),
-                        ("origin_own", server.url)):
+    for row, origin in (("origin_evil", "https://evil.example"), ("origin_null", "null"), ("origin_own", server.url)):
         try:
             got = await utterance(server.ws_url, "Hi.", additional_headers={"Origin": origin})
             answer = {"accepted": True, "completed": completed(got)}
         except websockets.InvalidStatus as refused:
             body = json.loads(refused.response.body or b"{}")
-            answer = {"accepted": False, "status": refused.response.status_code,
-                      "code": body.get("error", {}).get("code")}
+            answer = {
+                "accepted": False,
+                "status": refused.response.status_code,
+                "code": body.get("error", {}).get("code"),
+            }
         # a refused upgrade is a plain 403 (docs/protocol.md: uvicorn's answer to a close before accept)
         ok = answer.get("completed") if row == "origin_own" else answer.get("status") == 403
         rows.append({"row": row, "origin": origin, **answer, "ok": bool(ok)})
@@ -162,18 +186,27 @@ async def aborts(server: ServeProcess, count: int = 30) -> dict:
     while time.monotonic() < deadline and (health := server.health())["connections"]:
         await asyncio.sleep(0.5)
     again = await utterance(server.ws_url, SPEECH)  # the aborting address, once its sessions expired
-    return {"row": "aborts_30", "aborted": count, "refused": dict(Counter(refused)),
-            "other_client_completed": completed(after), "awaiting_resume_after": waiting,
-            "connections_after_window": health["connections"],
-            "engine_streams_after_window": health["engine"]["active_streams"],
-            "same_client_after_window_completed": completed(again),
-            "ok": completed(after) and completed(again) and set(refused) <= {"1013 client_limit"}
-            and health["connections"] == 0 and health["engine"]["active_streams"] == 0}
+    return {
+        "row": "aborts_30",
+        "aborted": count,
+        "refused": dict(Counter(refused)),
+        "other_client_completed": completed(after),
+        "awaiting_resume_after": waiting,
+        "connections_after_window": health["connections"],
+        "engine_streams_after_window": health["engine"]["active_streams"],
+        "same_client_after_window_completed": completed(again),
+        "ok": completed(after)
+        and completed(again)
+        and set(refused) <= {"1013 client_limit"}
+        and health["connections"] == 0
+        and health["engine"]["active_streams"] == 0,
+    }
 
 
 async def idle_noop_cancels(server: ServeProcess, idle_timeout_s: float, count: int = 16) -> dict:
     """`count` sockets that never speak but send a cancel every second; a newcomer from another loopback
     address meanwhile."""
+
     async def idler() -> tuple[float, int | None, str | None]:
         opened = time.monotonic()
         async with websockets.connect(server.ws_url) as ws:
@@ -195,16 +228,22 @@ async def idle_noop_cancels(server: ServeProcess, idle_timeout_s: float, count: 
     closed = await asyncio.gather(*idlers)
     lived = [round(s, 1) for s, _, _ in closed]
     reasons = sorted({reason for _, _, reason in closed})
-    return {"row": "idle_noop_cancels", "idle_sockets": count, "idle_timeout_s": idle_timeout_s,
-            "newcomer_completed": completed(newcomer), "closed_after_s": [min(lived), max(lived)],
-            "close_reasons": reasons, "ok": completed(newcomer) and reasons == ["idle_timeout"]
-            and max(lived) < idle_timeout_s + 3}
+    return {
+        "row": "idle_noop_cancels",
+        "idle_sockets": count,
+        "idle_timeout_s": idle_timeout_s,
+        "newcomer_completed": completed(newcomer),
+        "closed_after_s": [min(lived), max(lived)],
+        "close_reasons": reasons,
+        "ok": completed(newcomer) and reasons == ["idle_timeout"] and max(lived) < idle_timeout_s + 3,
+    }
 
 
 async def four_slot_rows(server: ServeProcess, idle_timeout_s: float) -> list[dict]:
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
-        many = await asyncio.gather(*(speech(http, {"input": SPEECH, "voice": "alloy", "response_format": "pcm"})
-                                      for _ in range(12)))
+        many = await asyncio.gather(
+            *(speech(http, {"input": SPEECH, "voice": "alloy", "response_format": "pcm"}) for _ in range(12))
+        )
     return [_all_complete("http_12_on_4_slots", many), await idle_noop_cancels(server, idle_timeout_s)]
 
 
@@ -212,6 +251,7 @@ def threads_api(threads: int = 8, slots: int = 4) -> dict:
     """`threads` threads calling tts.synthesize_stream() at once on the process-wide engine with `slots` slots."""
     import tts
     from tts.api import get_engine
+
     get_engine(max_streams=slots)
     results: list = [None] * threads
 
@@ -229,8 +269,15 @@ def threads_api(threads: int = 8, slots: int = 4) -> dict:
     for worker in workers:
         worker.join()
     errors = [r["error"] for r in results if "error" in r]
-    return {"row": "threads_8_api", "threads": threads, "slots": slots, "completed": threads - len(errors),
-            "errors": errors, "slowest_s": round(max(r.get("seconds", 0) for r in results), 2), "ok": not errors}
+    return {
+        "row": "threads_8_api",
+        "threads": threads,
+        "slots": slots,
+        "completed": threads - len(errors),
+        "errors": errors,
+        "slowest_s": round(max(r.get("seconds", 0) for r in results), 2),
+        "ok": not errors,
+    }
 
 
 def main() -> None:
@@ -244,6 +291,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     try:
+
         async def server_rows():
             emit({"row": "nul_ws", **await beside_another(default.ws_url, "Hello\u0000 world.")})
             emit({"row": "number_ws", **await beside_another(default.ws_url, NUMBER, audio_enough=96000)})
@@ -255,15 +303,24 @@ def main() -> None:
             for row in await four_slot_rows(small, idle_timeout_s):
                 emit(row)
             emit(await aborts(default))
+
         asyncio.run(server_rows())
-        emit({"row": "server_log", "tracebacks": default.tracebacks() + small.tracebacks(),
-              "ok": default.tracebacks() + small.tracebacks() == 0})
+        emit(
+            {
+                "row": "server_log",
+                "tracebacks": default.tracebacks() + small.tracebacks(),
+                "ok": default.tracebacks() + small.tracebacks() == 0,
+            }
+        )
     finally:
         default.stop()
         small.stop()
     emit(threads_api())
-    print(json.dumps({"rows": len(rows), "ok": sum(r["ok"] for r in rows),
-                      "failed": [r["row"] for r in rows if not r["ok"]]}))
+    print(
+        json.dumps(
+            {"rows": len(rows), "ok": sum(r["ok"] for r in rows), "failed": [r["row"] for r in rows if not r["ok"]]}
+        )
+    )
 
 
 if __name__ == "__main__":

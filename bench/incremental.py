@@ -27,11 +27,13 @@ minute of audio; ``least_margin_ms`` (p5/p50 over the sentences): per sentence, 
 player once speaking (when it reaches a chunk's first frame less when the chunk came: `least_margin`), what tells
 a lucky stall-free run from a safe one; ``demo_player``: the same for the demo's player, which (re)starts once
 100 ms of audio wait
-(``first_sound_ms``: when it first sounds); ``wer`` (Whisper tiny.en, `tts.asr`) and ``dnsmos`` (speechmos OVRL) of the audio, with the
+(``first_sound_ms``: when it first sounds); ``wer`` (Whisper tiny.en, `tts.asr`) and ``dnsmos`` (speechmos OVRL) of
+the audio, with the
 same for the sentences sent whole. Each sentence is spoken with the same seed both ways, so word by word and
 whole differ only where their units or holds differ. ``1.2x`` is 1.2 times the speaking rate of the whole
 sentences (words per second of their audio), the slowest text the targets promise no stall for.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +48,8 @@ import numpy as np
 import soxr
 
 from bench.common import harvard, percentiles
-from tts import SAMPLE_RATE
 from streaming.textstream import engine_lookahead
+from tts import SAMPLE_RATE
 from tts.asr import transcribe, wer
 
 STALL_S = 0.02
@@ -61,7 +63,8 @@ def words_of(sentence: str) -> list[str]:
 class TextClock:
     """When the text thread has handed a stream what the engine's first step needs: units 0..`ahead` encoded,
     so ``ahead + 1`` units (`engine_lookahead`; without speculative encoding each with `text_lookahead` units of
-    right context: ``text_lookahead + ahead + 1``), or fewer, once closed by a flush or the end. Wraps the engine's text worker's hand-off; `since` reads the latest. The
+    right context: ``text_lookahead + ahead + 1``), or fewer, once closed by a flush or the end. Wraps the engine's
+    text worker's hand-off; `since` reads the latest. The
     first chunk (2 frames) needs the steps through its 2nd frame (the delay pattern: step 8), whose unit's
     lookahead asks for a few units more (about 14), so ``engine_ms`` includes any wait for those."""
 
@@ -85,8 +88,9 @@ class TextClock:
         return None if ready is None else ready - started
 
 
-def speak_engine(engine, sentence: str, rate: float | None, lookahead, seed: int, clock: TextClock | None = None,
-                 hold: bool = True):
+def speak_engine(
+    engine, sentence: str, rate: float | None, lookahead, seed: int, clock: TextClock | None = None, hold: bool = True
+):
     """Audio of ``sentence`` pushed word by word at ``rate`` words/s (None: whole), (seconds since the first
     word, samples) per chunk, and the seconds until the engine had its first step's units (with a clock).
     ``hold=False``: without the start hold (a request's ``hold: false``)."""
@@ -114,8 +118,14 @@ def speak_engine(engine, sentence: str, rate: float | None, lookahead, seed: int
     return np.concatenate(chunks), arrivals, clock and clock.since(started)
 
 
-def speak_server(url: str, sentence: str, rate: float | None, clock: TextClock | None = None,
-                 starts: list | None = None, seed: int | None = None):
+def speak_server(
+    url: str,
+    sentence: str,
+    rate: float | None,
+    clock: TextClock | None = None,
+    starts: list | None = None,
+    seed: int | None = None,
+):
     """The same through the WebSocket protocol with the project's client (default lookahead); ``starts`` gets
     when the first word was sent (perf_counter), the moment the chunks' times count from."""
     from tts.client import connect
@@ -204,6 +214,7 @@ def margin_percentiles(runs: list) -> dict:
 
 def dnsmos(audio: np.ndarray) -> float:
     from speechmos import dnsmos as model
+
     audio16 = soxr.resample(audio.astype(np.float32), SAMPLE_RATE, 16_000)
     return float(model.run(np.clip(audio16 / max(np.abs(audio16).max(), 1e-6), -1, 1), 16_000)["ovrl_mos"])
 
@@ -237,8 +248,12 @@ def measure(speak, sentences: list[str], rates: list, lookaheads: list, score: S
     whole = [speak(s, None, None, seed) for s, seed in takes]
     whole_scores = [score(s, audio) for s, (audio, *_) in zip(texts, whole)]
     speech_rate = sum(len(s.split()) for s in texts) / sum(len(a) / SAMPLE_RATE for a, *_ in whole)
-    report = {"sentences": len(sentences), "seeds": seeds, "speaking_rate_wps": round(speech_rate, 2),
-              "whole": summary([a for a, *_ in whole], whole_scores, whole, seeds)}
+    report = {
+        "sentences": len(sentences),
+        "seeds": seeds,
+        "speaking_rate_wps": round(speech_rate, 2),
+        "whole": summary([a for a, *_ in whole], whole_scores, whole, seeds),
+    }
     for lookahead in lookaheads:
         block = report.setdefault(f"lookahead_{'default' if lookahead is None else lookahead}", {})
         for rate in rates:
@@ -271,11 +286,16 @@ def summary(audios: list, scores: list, runs: list | None, seeds: int = 1) -> di
         out["stalls_per_min"] = round(sum(c for c, _ in counted) / minutes, 2)
         out["least_margin_ms"] = margin_percentiles([arrivals for _, arrivals, _ in runs])
         out["stall_seconds"] = round(sum(s for _, s in counted), 3)
-        out["stalls"] = [{"take": i, "chunk": k, "at_ms": round(at * 1000, 1), "silent_ms": round(gap * 1000, 1)}
-                         for i, (_, arrivals, _) in enumerate(runs) for k, at, gap in stalled_chunks(arrivals)]
+        out["stalls"] = [
+            {"take": i, "chunk": k, "at_ms": round(at * 1000, 1), "silent_ms": round(gap * 1000, 1)}
+            for i, (_, arrivals, _) in enumerate(runs)
+            for k, at, gap in stalled_chunks(arrivals)
+        ]
         demo = [play(arrivals, DEMO_PREBUFFER_S) for _, arrivals, _ in runs]
-        out["demo_player"] = {"first_sound_ms": percentiles([first * 1000 for first, _, _ in demo]),
-                              "stalls_per_min": round(sum(c for _, c, _ in demo) / minutes, 2)}
+        out["demo_player"] = {
+            "first_sound_ms": percentiles([first * 1000 for first, _, _ in demo]),
+            "stalls_per_min": round(sum(c for _, c, _ in demo) / minutes, 2),
+        }
     return out
 
 
@@ -285,19 +305,43 @@ def serve_report(sentences: list[str], rates: list, with_dnsmos: bool, seeds: in
     and it spoke one sentence. No text clock (the server's marks are in its own process): first audio after the
     first word, stalls, WER and DNSMOS."""
     from bench.common import ServeProcess
+
     with ServeProcess() as server:
         server.wait()
         swapped = server.wait_for_log("step in use:", 300)
         speak_server(server.ws_url, sentences[0], 10)  # warm-up, not counted
-        report = {"sentences": "harvard", "path": "tts serve (child process)", "step_swapped_in": swapped,
-                  "load_avg_1min_start": round(os.getloadavg()[0], 2)}
-        report.update(measure(lambda s, r, _, k: speak_server(server.ws_url, s, r, seed=k), sentences, rates,
-                              [None], Scorer(with_dnsmos), seeds))
+        report = {
+            "sentences": "harvard",
+            "path": "tts serve (child process)",
+            "step_swapped_in": swapped,
+            "load_avg_1min_start": round(os.getloadavg()[0], 2),
+        }
+        report.update(
+            measure(
+                lambda s, r, _, k: speak_server(server.ws_url, s, r, seed=k),
+                sentences,
+                rates,
+                [None],
+                Scorer(with_dnsmos),
+                seeds,
+            )
+        )
         engine = server.health()["engine"]  # parks, restores and tick times over the run
-        report["server_engine"] = {k: engine[k] for k in ("parks", "restores", "tick_ms", "step_ms", "codec_ms",
-                                                          "slowest_ticks_ms", "step_kind",
-                                                          "start_latency_ms", "units_spoken_speculative",
-                                                          "confirmed_units")}
+        report["server_engine"] = {
+            k: engine[k]
+            for k in (
+                "parks",
+                "restores",
+                "tick_ms",
+                "step_ms",
+                "codec_ms",
+                "slowest_ticks_ms",
+                "step_kind",
+                "start_latency_ms",
+                "units_spoken_speculative",
+                "confirmed_units",
+            )
+        }
         report["server_tracebacks"] = server.tracebacks()
     return report
 
@@ -308,9 +352,11 @@ def units_report(sentences: list[str], lookaheads: list, rates: list[float]) -> 
     step are there (the first step reads `ahead` units past the first, encoded speculatively: ahead + 1 units,
     `engine_lookahead`)."""
     from rapidfuzz.distance import Levenshtein
+
     from streaming.textstream import TextStream
     from tts.model import MODEL_PRESETS
     from tts.text import SYMBOLS, text_to_sentences
+
     cfg = MODEL_PRESETS["shipped"]
     needed = engine_lookahead(cfg)[0]
     report = {"units_for_first_step": needed}
@@ -332,9 +378,12 @@ def units_report(sentences: list[str], lookaheads: list, rates: list[float]) -> 
             whole = "".join(u for s in text_to_sentences(sentence) for u in s)
             same, edits, total = same + (got == whole), edits + Levenshtein.distance(got, whole), total + len(whole)
         report[str(lookahead)] = {
-            "identical_sentences": same, "sentences": len(sentences), "unit_edit_rate": round(edits / total, 5),
+            "identical_sentences": same,
+            "sentences": len(sentences),
+            "unit_edit_rate": round(edits / total, 5),
             "take_ms": round(1000 * (time.perf_counter() - started) / takes, 3),
-            "text_ready_ms": {str(r): percentiles([1000 * k / r for k in ready_at]) for r in rates}}
+            "text_ready_ms": {str(r): percentiles([1000 * k / r for k in ready_at]) for r in rates},
+        }
     return report
 
 
@@ -347,8 +396,13 @@ def burst_report(counts: list[int], sentences: int, shipped: bool) -> dict:
     The tiny random engine by default: the AR step costs little, so what shows is the text front end's cost per
     stream and how the text thread shares the interpreter with the engine's."""
     text = " ".join(harvard(sentences))
-    report = {"engine": "shipped" if shipped else "tiny_random", "sentences": sentences, "chars": len(text),
-              "cpu_cores": os.cpu_count(), "loads": []}
+    report = {
+        "engine": "shipped" if shipped else "tiny_random",
+        "sentences": sentences,
+        "chars": len(text),
+        "cpu_cores": os.cpu_count(),
+        "loads": [],
+    }
     for n in counts:
         engine = _burst_engine(n, shipped)
         speak_engine(engine, text, None, None, 0)  # warm-up: the step, the phonemiser, the word cache
@@ -359,6 +413,7 @@ def burst_report(counts: list[int], sentences: int, shipped: bool) -> dict:
             if isinstance(news, tuple) and news[0] and stream not in first_units:
                 first_units[stream] = time.perf_counter()
             deliver(stream, news)
+
         engine.text_worker.deliver = timed
         starts, first_audio, streams = [0.0] * n, [0.0] * n, [None] * n
         gate = threading.Barrier(n)
@@ -371,6 +426,7 @@ def burst_report(counts: list[int], sentences: int, shipped: bool) -> dict:
             stream.end()
             while stream.read(timeout=120) is not None:
                 first_audio[i] = first_audio[i] or time.perf_counter()
+
         load = os.getloadavg()[0]
         text_threads = [t for t in threading.enumerate() if t.name.startswith("tts-text")]
         text_cpu = _cpu_seconds(text_threads)
@@ -382,10 +438,14 @@ def burst_report(counts: list[int], sentences: int, shipped: bool) -> dict:
         text_cpu = _cpu_seconds(text_threads) - text_cpu
         units_ms = [1000 * (first_units[s] - t0) for s, t0 in zip(streams, starts)]
         audio_ms = [1000 * (t1 - t0) for t0, t1 in zip(starts, first_audio)]
-        row = {"streams": n, "load_avg_1min": round(load, 2), "text_threads": len(text_threads),
-               "text_thread_cpu_ms_per_stream": round(1000 * text_cpu / n, 3),
-               "first_units_ms": {**percentiles(units_ms), "max": round(max(units_ms), 3)},
-               "first_audio_ms": {**percentiles(audio_ms), "max": round(max(audio_ms), 3)}}
+        row = {
+            "streams": n,
+            "load_avg_1min": round(load, 2),
+            "text_threads": len(text_threads),
+            "text_thread_cpu_ms_per_stream": round(1000 * text_cpu / n, 3),
+            "first_units_ms": {**percentiles(units_ms), "max": round(max(units_ms), 3)},
+            "first_audio_ms": {**percentiles(audio_ms), "max": round(max(audio_ms), 3)},
+        }
         print(json.dumps(row), file=sys.stderr, flush=True)
         report["loads"].append(row)
         engine.close()
@@ -407,17 +467,20 @@ def _cpu_seconds(threads: list[threading.Thread]) -> float:
 
 def _burst_engine(n: int, shipped: bool):
     if not shipped:
-        from tests.helpers import tiny_random
+        from testkit import tiny_random
+
         return tiny_random(max_streams=n)
     import kernels
     from streaming.engine import Engine
     from tts.voices import load_shipped
+
     model, codec, presets = load_shipped()
     return Engine(model, codec, presets, max_streams=n, step_factory=kernels.default_step_factory("cpu", True))
 
 
-def simulate_report(sentences: list[str], rates: list, hold: bool = True, speculative: bool = True,
-                    stretch: float | None = None) -> dict:
+def simulate_report(
+    sentences: list[str], rates: list, hold: bool = True, speculative: bool = True, stretch: float | None = None
+) -> dict:
     """Without timing noise: the text front end driven on a virtual clock (word i at i / rate, `end` after the
     last) and the engine's rules for when it may step, each unit's frames from the shipped model's durations
     (default voice), fixed costs for the work (SIM_COSTS_S: a first prefill, an AR step, a codec call; about
@@ -434,6 +497,7 @@ def simulate_report(sentences: list[str], rates: list, hold: bool = True, specul
     from streaming.slots import CHUNK_SCHEDULE, INCREMENTAL_CHUNKS, PACE_STRETCH
     from streaming.textstream import TextStream
     from tts.voices import load_shipped
+
     stretch = PACE_STRETCH if stretch is None else stretch
     model, _, presets = load_shipped()
     cfg, frames = model.cfg, _durations(model, presets)
@@ -468,15 +532,22 @@ def simulate_report(sentences: list[str], rates: list, hold: bool = True, specul
         wps = 1.2 * speech_rate if rate == "1.2x" else float(rate)
         runs = [chunks(s, wps) for s in sentences]
         minutes = sum(n for c in runs for _, n in c) / SAMPLE_RATE / 60
-        start = [max(at - played for (at, _), played in zip(c, np.cumsum([0] + [n for _, n in c[:-1]]) / SAMPLE_RATE))
-                 for c in runs]
-        report[str(rate)] = {"words_per_s": round(wps, 2), "first_audio_ms": percentiles([c[0][0] * 1000 for c in runs]),
-                             "stalls_per_min": round(sum(stalls(c)[0] for c in runs) / minutes, 2),
-                             "least_margin_ms": margin_percentiles(runs),
-                             "stall_free_start_ms": percentiles([1000 * t for t in start])}
+        start = [
+            max(at - played for (at, _), played in zip(c, np.cumsum([0] + [n for _, n in c[:-1]]) / SAMPLE_RATE))
+            for c in runs
+        ]
+        report[str(rate)] = {
+            "words_per_s": round(wps, 2),
+            "first_audio_ms": percentiles([c[0][0] * 1000 for c in runs]),
+            "stalls_per_min": round(sum(stalls(c)[0] for c in runs) / minutes, 2),
+            "least_margin_ms": margin_percentiles(runs),
+            "stall_free_start_ms": percentiles([1000 * t for t in start]),
+        }
         demo = [play(c, DEMO_PREBUFFER_S) for c in runs]
-        report[str(rate)]["demo_player"] = {"first_sound_ms": percentiles([first * 1000 for first, _, _ in demo]),
-                                            "stalls_per_min": round(sum(n for _, n, _ in demo) / minutes, 2)}
+        report[str(rate)]["demo_player"] = {
+            "first_sound_ms": percentiles([first * 1000 for first, _, _ in demo]),
+            "stalls_per_min": round(sum(n for _, n, _ in demo) / minutes, 2),
+        }
     return report
 
 
@@ -489,6 +560,7 @@ def sim_start_latency(cfg) -> float:
     codec call. Example, the shipped shapes (8 codebooks) and chunks (4, ...): 0.02 + (4 + 7) * 0.006 + 0.008 =
     0.094 s."""
     from streaming.slots import CHUNK_SCHEDULE
+
     first_cost, step_cost, codec_cost = SIM_COSTS_S
     return first_cost + (CHUNK_SCHEDULE[0] + cfg.codebooks - 1) * step_cost + codec_cost
 
@@ -497,8 +569,10 @@ def _durations(model, presets):
     """units -> frames of each before rounding (the model's durations, default voice, speed 1; `predicted_frames`
     rounds them): what `_simulated_chunks` needs."""
     import torch
+
     from tts.alignment import unrounded_frames
     from tts.voices import blend_preset
+
     preset = blend_preset(next(n for n, p in presets.items() if p.get("default")), presets, 0.7)
     weights = torch.zeros(1, model.cfg.voices)
     for row, weight in preset["mix"].items():
@@ -508,6 +582,7 @@ def _durations(model, presets):
         with torch.no_grad():
             log_durations = model.text(torch.tensor([units]), weights)[1][0]
         return unrounded_frames(log_durations, preset["pace"]).tolist()
+
     return frames
 
 
@@ -518,6 +593,7 @@ def stalls_report(engine, sentences: list[str], rates: list, hold: bool = True) 
     that does not is the engine's (its CPU: load, a slow tick). Per rate: ``stalls_per_min`` as the timed run
     counts them, ``text_stalls_per_min`` (at most the real count, per run), ``engine_stalls_per_min``."""
     from streaming.slots import CHUNK_SCHEDULE, INCREMENTAL_CHUNKS
+
     frames = _durations(engine.model, engine.voices)
     whole = [speak_engine(engine, s, None, None, k)[0] for k, s in enumerate(sentences)]
     speech_rate = sum(len(s.split()) for s in sentences) / sum(len(a) / SAMPLE_RATE for a in whole)
@@ -531,6 +607,7 @@ def stalls_report(engine, sentences: list[str], rates: list, hold: bool = True) 
             total = (handed[-1][1] if handed else 0) + len(news[0])
             handed.append((time.perf_counter(), total, bool(news[2]), list(news[0])))
         deliver(stream, news)
+
     engine.text_worker.deliver = spy
     report = {}
     try:
@@ -545,28 +622,34 @@ def stalls_report(engine, sentences: list[str], rates: list, hold: bool = True) 
                 replay = [(at - started, n, ended) for at, n, ended, _ in handed]
                 replay[-1] = (*replay[-1][:2], True)
                 schedule = INCREMENTAL_CHUNKS if at_once[0] else CHUNK_SCHEDULE
-                simulated = _simulated_chunks(replay, frames(units), engine.model.cfg, schedule,
-                                              engine.speculative, engine.slots.stretch_max)
+                simulated = _simulated_chunks(
+                    replay, frames(units), engine.model.cfg, schedule, engine.speculative, engine.slots.stretch_max
+                )
                 count = stalls(arrivals)[0]
                 real, text = real + count, text + min(count, stalls(simulated)[0])
                 minutes += len(audio) / SAMPLE_RATE / 60
-            report[str(rate)] = {"words_per_s": round(wps, 2), "stalls_per_min": round(real / minutes, 2),
-                                 "text_stalls_per_min": round(text / minutes, 2),
-                                 "engine_stalls_per_min": round((real - text) / minutes, 2)}
+            report[str(rate)] = {
+                "words_per_s": round(wps, 2),
+                "stalls_per_min": round(real / minutes, 2),
+                "text_stalls_per_min": round(text / minutes, 2),
+                "engine_stalls_per_min": round((real - text) / minutes, 2),
+            }
             print(f"{rate}: {report[str(rate)]}", file=sys.stderr, flush=True)
     finally:
         engine.text_worker.deliver = deliver
     return report
 
 
-def _simulated_chunks(arrived: list, raw: list[float], cfg, schedule: tuple, speculative: bool = True,
-                      stretch: float = 1.0) -> list:
+def _simulated_chunks(
+    arrived: list, raw: list[float], cfg, schedule: tuple, speculative: bool = True, stretch: float = 1.0
+) -> list:
     """(seconds, samples) of each chunk, given when units arrived (seconds, units so far, ended) and each unit's
     frames before rounding (``raw``, `_durations`). Elastic pacing (`Slots.pace`, up to ``stretch``): each
     tick's text (the arrivals before its step) gives the units encoded and not yet started or confirmed their
     frames at the factor of then, from the lead of the units received over the aligned unit of the last step,
     while the text is open and came in more than one piece (the factor kept while it came in one)."""
     from streaming.slots import pace_factor
+
     first_cost, step_cost, codec_cost = SIM_COSTS_S
     raw, total, books, look = np.asarray(raw, dtype=float), len(raw), cfg.codebooks, cfg.text_lookahead
     durations = np.zeros(total, dtype=np.int64)
@@ -629,7 +712,8 @@ class Timeline:
     """When each hand-off of a stream's start first happened, by spying on public methods (nothing in the engine
     changes): the text arriving (`TextStream.push`), read into units and the hold (`TextStream.marks`), handed to
     the engine (the text worker's hand-off), the engine's first tick with it (the stream's "prefill" mark: the
-    tick that encoded its first units; `Stream.schedule` hears only of confirmed units, later with speculation), its first chunk due (`CodecWorker.decode`), decoded (`Stream.deliver`).
+    tick that encoded its first units; `Stream.schedule` hears only of confirmed units, later with speculation), its
+    first chunk due (`CodecWorker.decode`), decoded (`Stream.deliver`).
     The reader's side (a read, or bytes on the client's socket) the bench adds."""
 
     STAGES = ("pushed", "read", "enough", "released", "handed", "first_tick", "chunk_due", "delivered")
@@ -638,10 +722,10 @@ class Timeline:
         self.engine, self.marks = engine, {}
         self._open, engine.open = engine.open, self._opened
         self._handed, engine.text_worker.deliver = engine.text_worker.deliver, self._hand
-        self._decode, engine.codec_worker.decode = engine.codec_worker.decode, self._decoding
+        self._decode, engine.codec_path.worker.decode = engine.codec_path.worker.decode, self._decoding
 
     def close(self) -> None:
-        del self.engine.open, self.engine.codec_worker.decode
+        del self.engine.open, self.engine.codec_path.worker.decode
         self.engine.text_worker.deliver = self._handed
 
     def _opened(self, *args, **kwargs):
@@ -656,6 +740,7 @@ class Timeline:
         def delivered(chunk):
             marks.setdefault("delivered", time.perf_counter())
             deliver(chunk)
+
         stream.text.push, stream.deliver = pushed, delivered
         return stream
 
@@ -677,7 +762,8 @@ class Timeline:
         if "prefill" in stream.marks:
             marks["first_tick"] = stream.marks["prefill"]
         return {k: round(1000 * (marks[k] - started), 2) for k in self.STAGES if k in marks} | {
-            "heard": round(1000 * (heard - started), 2)}
+            "heard": round(1000 * (heard - started), 2)
+        }
 
 
 def timeline_report(engine, sentences: list[str], rate: float, server_url: str | None = None) -> dict:
@@ -703,16 +789,26 @@ def timeline_report(engine, sentences: list[str], rate: float, server_url: str |
     finally:
         timeline.close()
     stages = [s for s in (*Timeline.STAGES, "heard") if all(s in r for r in rows)]
-    report = {"words_per_s": rate, "sentences": len(rows), "path": "server" if server_url else "engine",
-              "ms_after_first_word": {s: {"p50": round(float(np.median([r[s] for r in rows])), 1),
-                                          "p90": round(float(np.percentile([r[s] for r in rows], 90)), 1)}
-                                      for s in stages},
-              "step_kind": engine.step_kind, "load_avg_1min": round(os.getloadavg()[0], 2),
-              "step_ms_p50": round(float(np.nanmedian(engine.step_ms.values())), 2),
-              "tick_ms_p50": round(float(np.nanmedian(engine.tick_ms.values())), 2),
-              "codec_ms_p50": round(float(np.nanmedian(engine.codec_ms.values()[:, 0])), 2)}
-    report["breakdown_p50_ms"] = {f"{a}->{b}": round(float(np.median([r[b] - r[a] for r in rows])), 1)
-                                  for a, b in zip(stages, stages[1:])}
+    report = {
+        "words_per_s": rate,
+        "sentences": len(rows),
+        "path": "server" if server_url else "engine",
+        "ms_after_first_word": {
+            s: {
+                "p50": round(float(np.median([r[s] for r in rows])), 1),
+                "p90": round(float(np.percentile([r[s] for r in rows], 90)), 1),
+            }
+            for s in stages
+        },
+        "step_kind": engine.step_kind,
+        "load_avg_1min": round(os.getloadavg()[0], 2),
+        "step_ms_p50": round(float(np.nanmedian(engine.step_ms.values())), 2),
+        "tick_ms_p50": round(float(np.nanmedian(engine.tick_ms.values())), 2),
+        "codec_ms_p50": round(float(np.nanmedian(engine.codec_ms.values()[:, 0])), 2),
+    }
+    report["breakdown_p50_ms"] = {
+        f"{a}->{b}": round(float(np.median([r[b] - r[a] for r in rows])), 1) for a, b in zip(stages, stages[1:])
+    }
     if words_by_release:
         report["words_sent_by_release_p50"] = float(np.median(words_by_release))
     return report
@@ -728,8 +824,8 @@ def pauses_report(engine, lengths_ms: list[int]) -> dict:
         gaps, wers = [], []
         for seed in range(3):
             audio, *_ = speak_engine(engine, text, None, None, seed)
-            frames = audio[:len(audio) // 480 * 480].reshape(-1, 480)
-            quiet = 20 * np.log10(np.sqrt((frames ** 2).mean(1)) + 1e-9) < 20 * np.log10(np.abs(audio).max()) - 40
+            frames = audio[: len(audio) // 480 * 480].reshape(-1, 480)
+            quiet = 20 * np.log10(np.sqrt((frames**2).mean(1)) + 1e-9) < 20 * np.log10(np.abs(audio).max()) - 40
             run = best = 0
             for q in quiet[5:-5]:  # inside the utterance
                 run = run + 1 if q else 0
@@ -747,8 +843,9 @@ def main() -> None:
     parser.add_argument("--rates", nargs="+", default=["5", "10", "20", "1.2x"])
     parser.add_argument("--lookahead", nargs="+", default=[None], help="words; 'auto'; default: the engine's")
     parser.add_argument("--server", action="store_true", help="through the real server on loopback")
-    parser.add_argument("--serve", action="store_true",
-                        help="through `tts serve` in a child process (default flags), as a user runs it")
+    parser.add_argument(
+        "--serve", action="store_true", help="through `tts serve` in a child process (default flags), as a user runs it"
+    )
     parser.add_argument("--units", action="store_true", help="no model: units word by word against whole")
     parser.add_argument("--pauses", action="store_true", help="silence a <break> gives, per length")
     parser.add_argument("--burst", type=int, nargs="+", help="N streams starting at once, per N (no model quality)")
@@ -759,13 +856,22 @@ def main() -> None:
     parser.add_argument("--stalls", action="store_true", help="whose stalls: the text's or the engine's")
     parser.add_argument("--no-hold", action="store_true", help="no start hold (the engine path, --simulate, --stalls)")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--no-speculative", action="store_true",
-                        help="encode units only once their right context is there (the engine before issue 29)")
-    parser.add_argument("--stretch", type=float, help="elastic pacing's most (`Slots.pace`; 1: none; default: "
-                        "streaming.slots.PACE_STRETCH)")
+    parser.add_argument(
+        "--no-speculative",
+        action="store_true",
+        help="encode units only once their right context is there (the engine before issue 29)",
+    )
+    parser.add_argument(
+        "--stretch",
+        type=float,
+        help="elastic pacing's most (`Slots.pace`; 1: none; default: streaming.slots.PACE_STRETCH)",
+    )
     parser.add_argument("--timeline", action="store_true", help="where the first audio's time goes, stage by stage")
-    parser.add_argument("--greedy", action="store_true", help="greedy decoding (no sampling's luck in the WER; the "
-                        "engine path, not --serve)")
+    parser.add_argument(
+        "--greedy",
+        action="store_true",
+        help="greedy decoding (no sampling's luck in the WER; the engine path, not --serve)",
+    )
     args = parser.parse_args()
     lookaheads = [None if a in (None, "default") else a if a == "auto" else int(a) for a in args.lookahead]
     if args.quick:
@@ -775,24 +881,36 @@ def main() -> None:
         return
     sentences = harvard(args.n)
     if args.simulate:
-        print(json.dumps(simulate_report(sentences, args.rates, not args.no_hold, not args.no_speculative,
-                                                    args.stretch), indent=1))
+        print(
+            json.dumps(
+                simulate_report(sentences, args.rates, not args.no_hold, not args.no_speculative, args.stretch),
+                indent=1,
+            )
+        )
         return
     if args.units:
         rates = [float(r) for r in args.rates if r != "1.2x"]
-        print(json.dumps(units_report(harvard(max(args.n, 200)), lookaheads if lookaheads != [None] else
-                                      [0, 1, 2, "auto"], rates), indent=1))
+        print(
+            json.dumps(
+                units_report(
+                    harvard(max(args.n, 200)), lookaheads if lookaheads != [None] else [0, 1, 2, "auto"], rates
+                ),
+                indent=1,
+            )
+        )
         return
     if args.serve:
         print(json.dumps(serve_report(sentences, args.rates, not args.no_dnsmos, args.seeds), indent=1))
         return
     from tts.api import get_engine
+
     engine = get_engine(compile=True)  # as `tts serve` runs it
     engine.speculative = not args.no_speculative
     if args.stretch is not None:
         engine.slots.stretch_max = args.stretch
     if args.greedy:
         from streaming.engine import SamplingConfig
+
         engine.sampling = SamplingConfig(temperature=0.0)
     if args.pauses:
         print(json.dumps(pauses_report(engine, [250, 500, 1000, 2000]), indent=1))
@@ -806,6 +924,7 @@ def main() -> None:
         rates = [float(r) for r in args.rates if r != "1.2x"]
         if args.server:
             from server import ServerThread
+
             with ServerThread(engine) as server:
                 report = [timeline_report(engine, sentences, r, server.ws_url) for r in rates]
         else:
@@ -814,18 +933,41 @@ def main() -> None:
         return
     score = Scorer(not args.no_dnsmos)
     clock = TextClock(engine)
-    report = {"sentences": "harvard", "path": "server" if args.server else "engine", "hold": not args.no_hold,
-              "speculative": engine.speculative, "stretch": engine.slots.stretch_max, "greedy": args.greedy,
-              "load_avg_1min_start": round(os.getloadavg()[0], 2)}
+    report = {
+        "sentences": "harvard",
+        "path": "server" if args.server else "engine",
+        "hold": not args.no_hold,
+        "speculative": engine.speculative,
+        "stretch": engine.slots.stretch_max,
+        "greedy": args.greedy,
+        "load_avg_1min_start": round(os.getloadavg()[0], 2),
+    }
     if args.server:
         from server import ServerThread
+
         with ServerThread(engine) as server:
-            report.update(measure(lambda s, r, _, k: speak_server(server.ws_url, s, r, clock, seed=k), sentences,
-                                  args.rates, [None], score, args.seeds))
+            report.update(
+                measure(
+                    lambda s, r, _, k: speak_server(server.ws_url, s, r, clock, seed=k),
+                    sentences,
+                    args.rates,
+                    [None],
+                    score,
+                    args.seeds,
+                )
+            )
     else:
         hold = not args.no_hold
-        report.update(measure(lambda s, r, lookahead, k: speak_engine(engine, s, r, lookahead, k, clock, hold),
-                              sentences, args.rates, lookaheads, score, args.seeds))
+        report.update(
+            measure(
+                lambda s, r, lookahead, k: speak_engine(engine, s, r, lookahead, k, clock, hold),
+                sentences,
+                args.rates,
+                lookaheads,
+                score,
+                args.seeds,
+            )
+        )
     print(json.dumps(report, indent=1))
 
 

@@ -9,7 +9,8 @@
 
 Step times are AR step + sampling per frame tick, after warm-up; on the CPU the engine's step is the one
 every user path gets (ONNX Runtime) unless ``--step`` says otherwise, and so is the codec decoder
-(ONNX Runtime, `kernels.ort_codec`) unless ``--codec torch``. Baselines run eagerly, batch 1, on the same weights: ``ring`` is our step through
+(ONNX Runtime, `kernels.ort_codec`) unless ``--codec torch``. Baselines run eagerly, batch 1, on the same weights:
+``ring`` is our step through
 the ring caches, ``no_cache`` recomputes the whole prefix for every step, ``concat_cache`` grows a
 concatenated KV cache and attends to everything (what a default dynamic cache does). The speed-ups compare
 the baselines with ``ring``, measured the same way in the same run.
@@ -18,8 +19,10 @@ On a GPU (``--device cuda``) the report is the load table instead: one engine, a
 (a) all starting in the same instant and (b) arriving as a Poisson process at ``--arrival-rate`` a second;
 per load: real-time or not, whole-tick, AR step and codec call p50/p99, time to first audio p50/p99, and
 GPU memory per stream; the tick's parts (`Engine.tick_phases`), the parts of the slowest 1 % of ticks, the
-tick once every stream has had its first audio (past the start burst), and the garbage collections. ``--profile DIR`` adds a torch-profiler trace of ticks at the largest real-time load.
+tick once every stream has had its first audio (past the start burst), and the garbage collections. ``--profile DIR``
+adds a torch-profiler trace of ticks at the largest real-time load.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +42,8 @@ import torch
 
 import kernels
 from bench.common import harvard, percentiles
-from streaming.decode import StepCaches, decode_step
-from streaming.engine import Engine
+from streaming.engine import TICK_PHASES, Engine
+from streaming.step_caches import StepCaches, decode_step
 from tts.api import synthesize, synthesize_stream
 from tts.model import TTSModel
 from tts.voices import load_shipped
@@ -105,8 +108,14 @@ def flatness(engine: Engine, marks_s: list[int]) -> list[dict]:
         produced += len(chunk)
         if produced / engine.sample_rate >= marks[0]:
             recent = list(engine.step_ms)[-250:]
-            rows.append({"audio_s": marks.pop(0), "step_ms": percentiles(recent), "rss_mb": round(rss_mb(), 1),
-                         "kv_bytes_per_stream": engine.caches.nbytes // engine.max_streams})
+            rows.append(
+                {
+                    "audio_s": marks.pop(0),
+                    "step_ms": percentiles(recent),
+                    "rss_mb": round(rss_mb(), 1),
+                    "kv_bytes_per_stream": engine.caches.nbytes // engine.max_streams,
+                }
+            )
     stop.set()
     stream.cancel()
     wait_idle(engine)
@@ -150,7 +159,9 @@ def baseline_step_ms(model: TTSModel, frames: int, kind: str, device: str, repea
         def run():
             def grow(i, k, v, p):
                 return torch.cat([keys[i], k], 2), torch.cat([values[i], v], 2), torch.cat([key_pos, p], 1)
+
             return model(tokens, pos, pos // 3, prefix, text_kv, text_phoneme, grow, window=everything)
+
     run()
     times = []
     for _ in range(repeats):
@@ -160,8 +171,11 @@ def baseline_step_ms(model: TTSModel, frames: int, kind: str, device: str, repea
             torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1000)
     kv = cfg.layers * 2 * cfg.heads * frames * cfg.head_dim * 4
-    memory = {"ring": caches.nbytes if kind == "ring" else 0, "concat_cache": kv,
-              "no_cache": cfg.heads * (frames + 1) ** 2 * 4}[kind]
+    memory = {
+        "ring": caches.nbytes if kind == "ring" else 0,
+        "concat_cache": kv,
+        "no_cache": cfg.heads * (frames + 1) ** 2 * 4,
+    }[kind]
     return {"step_ms": round(float(np.median(times)), 3), "memory_bytes": memory}
 
 
@@ -182,11 +196,13 @@ def cpu_codec_step(codec, device: str, choice: str):
     """The codec decode step of ``--codec``: "default", what every user path gets (`kernels.auto.faster_codec_step`:
     ONNX Runtime, built now if the disk cache lacks it, and waited for; None if it cannot be had); "torch", None."""
     from kernels.auto import faster_codec_step
+
     return faster_codec_step(codec, device).result(timeout=900) if choice == "default" else None
 
 
-def concurrency(model, codec, presets, device: str, counts: list[int], factory, codec_step=None,
-                jitter_s: float = 0.2) -> list[dict]:
+def concurrency(
+    model, codec, presets, device: str, counts: list[int], factory, codec_step=None, jitter_s: float = 0.2
+) -> list[dict]:
     """N streams at once on an engine of N slots; a stream is real-time if no chunk arrives after its
     playback deadline (first chunk's arrival + the audio before it + a ``jitter_s`` buffer)."""
     rows = []
@@ -226,13 +242,19 @@ def load(engine: Engine, text: str, starts_s: list[float], jitter_s: float = 0.2
         t.start()
     for t in threads:
         t.join()
-    return {"late_chunks": sum(late), "realtime": not any(late), "ttfa_ms": percentiles(ttfas),
-            "tick_ms": percentiles(list(engine.tick_ms)), "step_ms": percentiles(list(engine.step_ms)),
-            "codec_ms": percentiles([ms for ms, _ in engine.codec_ms]),
-            "tick_ms_once_all_spoke": percentiles(list(engine.tick_ms)[max(first_tick):]), **tick_parts(engine)}
+    return {
+        "late_chunks": sum(late),
+        "realtime": not any(late),
+        "ttfa_ms": percentiles(ttfas),
+        "tick_ms": percentiles(list(engine.tick_ms)),
+        "step_ms": percentiles(list(engine.step_ms)),
+        "codec_ms": percentiles([ms for ms, _ in engine.codec_ms]),
+        "tick_ms_once_all_spoke": percentiles(list(engine.tick_ms)[max(first_tick) :]),
+        **tick_parts(engine),
+    }
 
 
-PHASES = ("events", "launch", "wait", "hand_out")  # `Engine.tick_phases`
+PHASES = TICK_PHASES  # `Engine.tick_phases`
 GC_PAUSES: list = []  # (generation, ms) of the collections during a load (`watch_gc`)
 
 
@@ -245,18 +267,27 @@ def tick_parts(engine: Engine) -> dict:
         return {}
     slow = ticks >= np.percentile(ticks, 99)
     pauses = list(GC_PAUSES)
-    return {"phases_ms": {name: percentiles(list(phases[:, i])) for i, name in enumerate(PHASES)},
-            "slowest_1pct_ticks_ms": {"ticks": int(slow.sum()), "tick": round(float(ticks[slow].mean()), 3),
-                                      **{name: round(float(phases[slow, i].mean()), 3)
-                                         for i, name in enumerate(PHASES)}},
-            "gc": {f"gen{g}": {"count": sum(1 for gen, _ in pauses if gen == g),
-                               "max_ms": round(max([ms for gen, ms in pauses if gen == g], default=0.0), 3)}
-                   for g in (0, 1, 2)}}
+    return {
+        "phases_ms": {name: percentiles(list(phases[:, i])) for i, name in enumerate(PHASES)},
+        "slowest_1pct_ticks_ms": {
+            "ticks": int(slow.sum()),
+            "tick": round(float(ticks[slow].mean()), 3),
+            **{name: round(float(phases[slow, i].mean()), 3) for i, name in enumerate(PHASES)},
+        },
+        "gc": {
+            f"gen{g}": {
+                "count": sum(1 for gen, _ in pauses if gen == g),
+                "max_ms": round(max([ms for gen, ms in pauses if gen == g], default=0.0), 3),
+            }
+            for g in (0, 1, 2)
+        },
+    }
 
 
 def watch_gc() -> None:
     """Time every garbage collection into GC_PAUSES."""
     import gc
+
     started = {}
 
     def callback(phase, info):
@@ -264,27 +295,44 @@ def watch_gc() -> None:
             started["at"] = time.perf_counter()
         elif "at" in started:
             GC_PAUSES.append((info["generation"], (time.perf_counter() - started.pop("at")) * 1000))
+
     gc.callbacks.append(callback)
 
 
-def gpu_table(model, codec, presets, device: str, counts: list[int], rate: float, text: str,
-              profile: Path | None, poisson_max: int | None = None) -> dict:
+def gpu_table(
+    model,
+    codec,
+    presets,
+    device: str,
+    counts: list[int],
+    rate: float,
+    text: str,
+    profile: Path | None,
+    poisson_max: int | None = None,
+) -> dict:
     """The load table on one engine of max(counts) slots (a load of N steps a bucket of N slots). Poisson
     arrivals run for loads up to ``poisson_max``: at ``rate`` a second they hold about rate x utterance length
     streams at once whatever N is, so larger N only makes the run longer."""
     watch_gc()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    engine = Engine(model, codec, presets, max_streams=max(counts), device=device,
-                    step_factory=kernels.default_step_factory(device))
+    engine = Engine(
+        model, codec, presets, max_streams=max(counts), device=device, step_factory=kernels.default_step_factory(device)
+    )
     warm = time.perf_counter()
     engine.warm_up()  # every bucket's graphs
     load(engine, TEN_WORDS, [i * 0.002 for i in range(max(counts))])
-    result = {"device": torch.cuda.get_device_name(), "step": engine.step_kind, "max_streams": engine.max_streams,
-              "warm_up_s": round(time.perf_counter() - warm, 1), "arrival_rate_per_s": rate,
-              "text_audio_s": round(len(synthesize(text, engine=engine)) / engine.sample_rate, 2),
-              "gpu_bytes_per_stream": (torch.cuda.memory_allocated() - before) // engine.max_streams,
-              "kv_bytes_per_stream": engine.caches.nbytes // engine.max_streams, "loads": []}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "step": engine.step_kind,
+        "max_streams": engine.max_streams,
+        "warm_up_s": round(time.perf_counter() - warm, 1),
+        "arrival_rate_per_s": rate,
+        "text_audio_s": round(len(synthesize(text, engine=engine)) / engine.sample_rate, 2),
+        "gpu_bytes_per_stream": (torch.cuda.memory_allocated() - before) // engine.max_streams,
+        "kv_bytes_per_stream": engine.caches.nbytes // engine.max_streams,
+        "loads": [],
+    }
     rng = random.Random(0)
     for n in counts:
         poisson, t = [], 0.0
@@ -310,6 +358,7 @@ def profile_ticks(engine: Engine, text: str, n: int, folder: Path) -> str:
     """A torch-profiler trace of about 0.4 s of ticks, three seconds into a load of ``n`` streams starting at
     once (past the start: steady speech): chrome trace (gzipped), and the ops by GPU and by CPU time."""
     from torch.profiler import ProfilerActivity, profile
+
     folder.mkdir(parents=True, exist_ok=True)
     runner = threading.Thread(target=load, args=(engine, text, [0.0] * n))
     runner.start()
@@ -330,15 +379,20 @@ def profile_ticks(engine: Engine, text: str, n: int, folder: Path) -> str:
     trace.unlink()
     averages = prof.key_averages()
     (folder / f"tick_ops_{n}.txt").write_text(
-        f"{ticks} ticks profiled\n" + averages.table(sort_by="cuda_time_total", row_limit=40)
-        + "\n" + averages.table(sort_by="self_cpu_time_total", row_limit=40))
+        f"{ticks} ticks profiled\n"
+        + averages.table(sort_by="cuda_time_total", row_limit=40)
+        + "\n"
+        + averages.table(sort_by="self_cpu_time_total", row_limit=40)
+    )
     return f"{trace}.gz"
 
 
 def plot(rows: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for name, series in rows.items():
         ax.plot([s for s, _ in series], [ms for _, ms in series], marker="o", label=name)
@@ -357,20 +411,39 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--streams", type=int, nargs="*",
-                        help="loads to try (default 1 2 4 6 8; --quick: 1 4; cuda: 64 128 256 512 1024)")
-    parser.add_argument("--slots", type=int, default=1,
-                        help="engine slots for the single-stream figures (1: batch 1; see concurrency for more)")
-    parser.add_argument("--step", choices=["default", "compiled", "eager"], default="default",
-                        help="CPU step: the default paths' (ONNX Runtime), TorchInductor's, or plain eager")
-    parser.add_argument("--codec", choices=["default", "torch"], default="default",
-                        help="CPU codec decoder: the default paths' (ONNX Runtime) or the torch decoder")
+    parser.add_argument(
+        "--streams",
+        type=int,
+        nargs="*",
+        help="loads to try (default 1 2 4 6 8; --quick: 1 4; cuda: 64 128 256 512 1024)",
+    )
+    parser.add_argument(
+        "--slots",
+        type=int,
+        default=1,
+        help="engine slots for the single-stream figures (1: batch 1; see concurrency for more)",
+    )
+    parser.add_argument(
+        "--step",
+        choices=["default", "compiled", "eager"],
+        default="default",
+        help="CPU step: the default paths' (ONNX Runtime), TorchInductor's, or plain eager",
+    )
+    parser.add_argument(
+        "--codec",
+        choices=["default", "torch"],
+        default="default",
+        help="CPU codec decoder: the default paths' (ONNX Runtime) or the torch decoder",
+    )
     parser.add_argument("--arrival-rate", type=float, default=25.0, help="cuda: Poisson arrivals a second")
     parser.add_argument("--poisson-max", type=int, help="cuda: Poisson arrivals only for loads up to this")
     parser.add_argument("--sentences", type=int, default=8, help="Harvard sentences each stream speaks")
     parser.add_argument("--profile", type=Path, help="cuda: write a profiler trace of the largest real-time load")
-    parser.add_argument("--switch-interval", type=float,
-                        help="Python's thread switch interval in seconds (sys.setswitchinterval; default 0.005)")
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        help="Python's thread switch interval in seconds (sys.setswitchinterval; default 0.005)",
+    )
     parser.add_argument("--plot", type=Path, default=Path(__file__).parent / "step_vs_length.png")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -380,8 +453,22 @@ def main() -> None:
     model, codec, presets = load_shipped(device=args.device)
     if args.device.startswith("cuda"):
         text = " ".join(harvard(args.sentences))
-        print(json.dumps(gpu_table(model, codec, presets, args.device, args.streams or [64, 128, 256, 512, 1024],
-                                   args.arrival_rate, text, args.profile, args.poisson_max), indent=1))
+        print(
+            json.dumps(
+                gpu_table(
+                    model,
+                    codec,
+                    presets,
+                    args.device,
+                    args.streams or [64, 128, 256, 512, 1024],
+                    args.arrival_rate,
+                    text,
+                    args.profile,
+                    args.poisson_max,
+                ),
+                indent=1,
+            )
+        )
         return
     factory = cpu_step_factory(model, args.device, args.step)
     engine = Engine(model, codec, presets, max_streams=args.slots, device=args.device, step_factory=factory)
@@ -391,35 +478,59 @@ def main() -> None:
     engine.warm_up()
     synthesize(TEN_WORDS, engine=engine)  # warm-up
     step, rtf = steady_state(engine)
-    result = {"device": args.device, "step": engine.step_kind, "codec": getattr(codec_step, "kind", "torch"),
-              "threads": args.threads, "slots": args.slots, "load_avg_1min": round(os.getloadavg()[0], 2),
-              "frame_ms": frame_ms,
-              "step_ms_p50": step["p50"], "step_ms_p99": step["p99"],
-              "tick_ms": percentiles(list(engine.tick_ms)),
-              "step_p50_fraction_of_frame": round(step["p50"] / frame_ms, 3), "rtf": round(rtf, 3)}
+    result = {
+        "device": args.device,
+        "step": engine.step_kind,
+        "codec": getattr(codec_step, "kind", "torch"),
+        "threads": args.threads,
+        "slots": args.slots,
+        "load_avg_1min": round(os.getloadavg()[0], 2),
+        "frame_ms": frame_ms,
+        "step_ms_p50": step["p50"],
+        "step_ms_p99": step["p99"],
+        "tick_ms": percentiles(list(engine.tick_ms)),
+        "step_p50_fraction_of_frame": round(step["p50"] / frame_ms, 3),
+        "rtf": round(rtf, 3),
+    }
     first = ttfa(engine, 5 if args.quick else 20)
     result.update(ttfa_ms_p50=first["p50"], ttfa_ms_p99=first["p99"])
     marks = [10, 20] if args.quick else [10, 60, 600]
     result["flatness"] = flatness(engine, marks)
     lengths = [10, 60] if args.quick else [5, 10, 20, 40, 60]
-    baselines = {kind: {s: baseline_step_ms(model, int(s * codec.cfg.frame_rate), kind, args.device,
-                                                 repeats=1 if args.quick else 3)
-                        for s in lengths} for kind in ("ring", "no_cache", "concat_cache")}
+    baselines = {
+        kind: {
+            s: baseline_step_ms(model, int(s * codec.cfg.frame_rate), kind, args.device, repeats=1 if args.quick else 3)
+            for s in lengths
+        }
+        for kind in ("ring", "no_cache", "concat_cache")
+    }
     ring = baselines["ring"][60]["step_ms"]
     result["baselines"] = {kind: {f"{s}s": v for s, v in rows.items()} for kind, rows in baselines.items()}
     result["speedup_vs_no_cache_60s"] = round(baselines["no_cache"][60]["step_ms"] / ring, 2)
     result["speedup_vs_concat_cache_60s"] = round(baselines["concat_cache"][60]["step_ms"] / ring, 2)
-    load_rows = concurrency(model, codec, presets, args.device,
-                            args.streams or ([1, 4] if args.quick else [1, 2, 4, 6, 8]), factory, codec_step)
+    load_rows = concurrency(
+        model,
+        codec,
+        presets,
+        args.device,
+        args.streams or ([1, 4] if args.quick else [1, 2, 4, 6, 8]),
+        factory,
+        codec_step,
+    )
     result["concurrency"] = load_rows
     result["load_avg_1min_end"] = round(os.getloadavg()[0], 2)
     passing = [row for row in load_rows if row["realtime"]]
     result["streams_realtime"] = max((row["streams"] for row in passing), default=0)
     result["step_ms_p99_at_that_load"] = passing[-1]["step_ms"]["p99"] if passing else None
     if not args.quick:
-        plot({"ring cache (ours)": [(s, v["step_ms"]) for s, v in baselines["ring"].items()],
-              "no cache": [(s, v["step_ms"]) for s, v in baselines["no_cache"].items()],
-              "concatenated cache": [(s, v["step_ms"]) for s, v in baselines["concat_cache"].items()]}, args.plot)
+        plot(
+            {
+                "ring cache (ours)": [(s, v["step_ms"]) for s, v in baselines["ring"].items()],
+                "no cache": [(s, v["step_ms"]) for s, v in baselines["no_cache"].items()],
+                "concatenated cache": [(s, v["step_ms"]) for s, v in baselines["concat_cache"].items()],
+            },
+            args.plot,
+        )
         result["plot"] = str(args.plot)
     print(json.dumps(result, indent=1))
 

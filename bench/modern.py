@@ -11,6 +11,7 @@ judged with ``compare_decoder``, re-speaks and re-scores nothing. Piper samples 
 cached take *is* the reference: delete the folder to draw a new one. ``CACHE`` is ``TTS_MODERN_CACHE`` or
 ``cache/modern-teacher`` in the checkout (ignored by git).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,9 +19,9 @@ import contextlib
 import csv
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import soundfile as sf
@@ -61,6 +62,7 @@ def teacher_audio(voice: str, sentence: Sentence, cache: Path = CACHE) -> np.nda
         return sf.read(path, dtype="float32")[0]
     from training.corpus import speak_teacher
     from tts.text import normalize
+
     if voice not in TEACHERS:
         raise ValueError(f"{voice!r} has no teacher (one of {sorted(TEACHERS)})")
     audio, sr = speak_teacher(voice, normalize(sentence.text))[:2]  # the words our front end speaks, as in training
@@ -79,9 +81,9 @@ def teacher_audio(voice: str, sentence: Sentence, cache: Path = CACHE) -> np.nda
 def clip_scores(text: str, audio: np.ndarray, sr: int = 24_000) -> dict:
     """DNSMOS P.835 OVRL/SIG/BAK (16 kHz, peak-normalised) and Whisper tiny.en WER of one clip."""
     from tts.asr import transcribe, wer
+
     heard = transcribe(audio, sr)
-    return {**{k: round(v, 4) for k, v in dnsmos(audio, sr).items()}, "wer": round(wer(text, heard), 4),
-            "heard": heard}
+    return {**{k: round(v, 4) for k, v in dnsmos(audio, sr).items()}, "wer": round(wer(text, heard), 4), "heard": heard}
 
 
 def teacher_scores(voice: str, sentence: Sentence, cache: Path = CACHE) -> dict:
@@ -104,13 +106,20 @@ def mean_scores(rows: list[dict]) -> dict:
     return out
 
 
-def compare_decoder(decode: Callable, voices: tuple[str, ...] = ("joe",), split: str = "test", n: int | None = None,
-                    encode: Callable | None = None, cache: Path = CACHE) -> dict:
+def compare_decoder(
+    decode: Callable,
+    voices: tuple[str, ...] = ("joe",),
+    split: str = "test",
+    n: int | None = None,
+    encode: Callable | None = None,
+    cache: Path = CACHE,
+) -> dict:
     """Teacher against its round trip through ``encode`` then ``decode``, per sentence and on average, per voice.
 
-    ``decode(codes) -> audio``: codes [batch 1, codebooks, frames] (int64, 50 Hz) -> 24 kHz audio, any shape that
-    flattens to [samples] (a tensor on any device, or an array). ``encode`` (audio [1, samples] float32 tensor -> codes) is the
-    shipped codec's by default, so a new decoder is judged on today's tokens. Example, today's decoder::
+    ``decode(codes) -> audio``: codes [batch 1, codebooks, frames] (int64, 50 Hz) -> 24 kHz audio, any shape
+    that flattens to [samples] (a tensor on any device, or an array). ``encode`` (audio [1, samples] float32
+    tensor -> codes) is the shipped codec's by default, so a new decoder is judged on today's tokens. Example,
+    today's decoder::
 
         from tts.codec import load_codec; from tts.voices import VOICES_DIR
         codec = load_codec(VOICES_DIR)
@@ -123,9 +132,11 @@ def compare_decoder(decode: Callable, voices: tuple[str, ...] = ("joe",), split:
     import torch
 
     from bench.common import log_mel_l1
+
     if encode is None:
         from tts.codec import load_codec
         from tts.voices import VOICES_DIR
+
         encode = load_codec(VOICES_DIR).encode
     chosen = sentences(split)[:n]
     report = {"split": split, "sentences": len(chosen), "voices": {}}
@@ -137,16 +148,26 @@ def compare_decoder(decode: Callable, voices: tuple[str, ...] = ("joe",), split:
                 decoded = decode(encode(torch.from_numpy(audio)[None]))
             if isinstance(decoded, torch.Tensor):  # a decoder may run on the GPU, in half precision
                 decoded = decoded.detach().float().cpu().numpy()
-            decoded = np.asarray(decoded, dtype=np.float32).reshape(-1)[:len(audio)]
-            rows.append({"id": sentence.id, "category": sentence.category,
-                         "teacher": teacher_scores(voice, sentence, cache),
-                         "roundtrip": {**clip_scores(sentence.text, decoded),
-                                       "mel_l1": round(log_mel_l1(audio, decoded), 4)}})
+            decoded = np.asarray(decoded, dtype=np.float32).reshape(-1)[: len(audio)]
+            rows.append(
+                {
+                    "id": sentence.id,
+                    "category": sentence.category,
+                    "teacher": teacher_scores(voice, sentence, cache),
+                    "roundtrip": {
+                        **clip_scores(sentence.text, decoded),
+                        "mel_l1": round(log_mel_l1(audio, decoded), 4),
+                    },
+                }
+            )
         teacher, roundtrip = (mean_scores([r[part] for r in rows]) for part in ("teacher", "roundtrip"))
         roundtrip["mel_l1"] = round(float(np.mean([r["roundtrip"]["mel_l1"] for r in rows])), 4)
-        report["voices"][voice] = {"teacher": teacher, "roundtrip": roundtrip,
-                                   **{f"gap_{k}": round(roundtrip[k] - teacher[k], 4) for k in ("ovrl", "sig", "wer")},
-                                   "rows": rows}
+        report["voices"][voice] = {
+            "teacher": teacher,
+            "roundtrip": roundtrip,
+            **{f"gap_{k}": round(roundtrip[k] - teacher[k], 4) for k in ("ovrl", "sig", "wer")},
+            "rows": rows,
+        }
     return report
 
 

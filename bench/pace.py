@@ -8,6 +8,7 @@ Speaks held-out corpus sentences (`corpus-heldout`, never trained on and not the
 at each pace and scores Whisper tiny.en WER. A pace below 1 gives every phoneme more frames than the
 duration predictor's estimate of the teacher's: slower, and for a small model, clearer speech.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,7 @@ def main() -> None:
     rows = heldout_rows(args.corpus, 10_000)
     report = {}
     for voice in args.voices or list(engine.voices):
-        texts = [r["text"] for r in rows if r["voice"] == voice][-args.n:]
+        texts = [r["text"] for r in rows if r["voice"] == voice][-args.n :]
         preset = engine.voices[voice]
         shipped = dict(preset)
         scores = {}

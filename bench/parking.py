@@ -42,6 +42,7 @@ parked rows' pool at the end (`streaming.parking.RowPool`: rows, rows in use, an
 free row and allocated one). ``gc_pauses_ms``: the garbage collections after the warm-up, per round and
 generation (count, longest, total): each holds the GIL, so every thread waits through it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,10 +58,10 @@ import numpy as np
 import torch
 
 import kernels
-
 from bench.common import harvard
 from streaming.engine import Engine, SamplingConfig
 from streaming.parking import Parked, ParkingConfig
+from testkit import wait_until
 
 
 def speak(engine: Engine, sentence: str, seed: int, cut: int | None) -> tuple[np.ndarray, object]:
@@ -116,12 +117,10 @@ def read_all(stream, timeout=120.0) -> np.ndarray:
     return np.concatenate(chunks)
 
 
-def wait_until(condition, seconds=60.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the engine did not get there in time")
-        time.sleep(0.01)
+def reached(condition, seconds=60.0) -> None:
+    """Wait for ``condition`` (`testkit.wait_until`); TimeoutError after ``seconds``."""
+    if not wait_until(condition, seconds):
+        raise TimeoutError("the engine did not get there in time")
 
 
 def parked_round(engine: Engine, sentences: list[str], disk: bool, restores: dict) -> list[np.ndarray]:
@@ -131,15 +130,22 @@ def parked_round(engine: Engine, sentences: list[str], disk: bool, restores: dic
     tier = "disk" if disk else "host"
     # polled through the store's tier counts: `Engine.stats` every 10 ms (percentiles of every figure, Python on
     # this thread) would compete for the GIL with the engine thread during the very parks being timed
-    wait_until(lambda: engine.store.tiers()[tier] == len(streams))
+    reached(lambda: engine.store.tiers()[tier] == len(streams))
     done = len(engine.store.times["restore"])
     for stream, sentence in zip(streams, sentences):
         finish_text(stream, sentence)
     audio = [read_all(s) for s in streams]
     engine.stats()  # reads the device's timings
     times = list(engine.store.times["restore"])[done:]
-    restores[f"{tier}_round"] = {"count": len(times), "p50": round(float(np.percentile(times, 50)), 3),
-                                 "p99": round(float(np.percentile(times, 99)), 3)} if times else None
+    restores[f"{tier}_round"] = (
+        {
+            "count": len(times),
+            "p50": round(float(np.percentile(times, 50)), 3),
+            "p99": round(float(np.percentile(times, 99)), 3),
+        }
+        if times
+        else None
+    )
     return audio
 
 
@@ -161,9 +167,10 @@ def trace_slots(engine: Engine) -> dict:
     park, occupy = engine._park, engine._occupy
 
     def note(kind, u, slot):
-        live = np.flatnonzero(engine._live)
-        events.setdefault(u.stream.seed, []).append((kind, int(slot), u.stream.samples,
-                                                     int(live[-1]) + 1 if len(live) else 0))
+        live = np.flatnonzero(engine.table.live)
+        events.setdefault(u.stream.seed, []).append(
+            (kind, int(slot), u.stream.samples, int(live[-1]) + 1 if len(live) else 0)
+        )
 
     def traced_park(u):
         note("park", u, u.slot)
@@ -186,11 +193,17 @@ def trace_batches(engine: Engine, where: dict) -> list[dict]:
 
     def traced(kind, started, cpu, timer, count):
         note(kind, started, cpu, timer, count)
-        batches.append({"round": where["round"], "kind": kind, "streams": count,
-                        "own": (timer.marks[1], timer.marks[-1]) if timer.cuda else times[kind][-1] * count,
-                        "wait": (timer.marks[0], timer.marks[1]) if timer.cuda else None,
-                        "host_ms": times[f"{kind}_host"][-1] * count,
-                        "host_cpu_ms": times[f"{kind}_host_cpu"][-1] * count})
+        batches.append(
+            {
+                "round": where["round"],
+                "kind": kind,
+                "streams": count,
+                "own": (timer.marks[1], timer.marks[-1]) if timer.cuda else times[kind][-1] * count,
+                "wait": (timer.marks[0], timer.marks[1]) if timer.cuda else None,
+                "host_ms": times[f"{kind}_host"][-1] * count,
+                "host_cpu_ms": times[f"{kind}_host_cpu"][-1] * count,
+            }
+        )
 
     engine.mover._note = traced
     return batches
@@ -198,14 +211,25 @@ def trace_batches(engine: Engine, where: dict) -> list[dict]:
 
 def batch_figures(batches: list[dict]) -> list[dict]:
     """`trace_batches`' records with their device times read (ms, for the whole call)."""
+
     def ms(value):
         if isinstance(value, tuple):
             value[1].synchronize()
             return round(value[0].elapsed_time(value[1]), 3)
         return None if value is None else round(value, 3)
-    return [{"round": b["round"], "kind": b["kind"], "streams": b["streams"], "ms": ms(b["own"]),
-             "wait_ms": ms(b["wait"]), "host_ms": ms(b["host_ms"]), "host_cpu_ms": ms(b["host_cpu_ms"])}
-            for b in batches]
+
+    return [
+        {
+            "round": b["round"],
+            "kind": b["kind"],
+            "streams": b["streams"],
+            "ms": ms(b["own"]),
+            "wait_ms": ms(b["wait"]),
+            "host_ms": ms(b["host_ms"]),
+            "host_cpu_ms": ms(b["host_cpu_ms"]),
+        }
+        for b in batches
+    ]
 
 
 def traced(rounds: list[dict], got: list[np.ndarray], want: list[np.ndarray]) -> list:
@@ -214,23 +238,37 @@ def traced(rounds: list[dict], got: list[np.ndarray], want: list[np.ndarray]) ->
     rows = []
     for i, (g, w) in enumerate(zip(got, want)):
         seed = 100 + i % (len(got) // 2)
-        bad = np.flatnonzero(np.abs(g[:len(w)] - w[:len(g)]) > 1e-4)
+        bad = np.flatnonzero(np.abs(g[: len(w)] - w[: len(g)]) > 1e-4)
         first = int(bad[0]) if len(bad) else (None if len(g) == len(w) else -1)
-        rows.append({"round": "host" if i < len(got) // 2 else "disk", "stream": i % (len(got) // 2),
-                     "first_bad": first, "length": [len(g), len(w)], "reference": rounds[0].get(seed),
-                     "events": rounds[1 + i // (len(got) // 2)].get(seed)})
+        rows.append(
+            {
+                "round": "host" if i < len(got) // 2 else "disk",
+                "stream": i % (len(got) // 2),
+                "first_bad": first,
+                "length": [len(g), len(w)],
+                "reference": rounds[0].get(seed),
+                "events": rounds[1 + i // (len(got) // 2)].get(seed),
+            }
+        )
     return rows
 
 
 def disk_tier(parking: dict, restores: dict, store=None) -> dict:
     """The host <-> disk tier per stream, p50/p99 ms (see the module's docstring), the store's I/O threads and
     failures, and (given the ``store``) its slowest loads."""
-    return {"spill": parking["spill_ms"], "load": parking["load_ms"],
-            "load_row_wait": parking.get("load_row_wait_ms"), "load_read": parking.get("load_read_ms"),
-            "load_wait": parking.get("load_wait_ms"),
-            "spill_cpu": parking.get("spill_cpu_ms"), "load_cpu": parking.get("load_cpu_ms"),
-            "restore_disk_round": restores.get("disk_round"), "io_threads": parking.get("io_threads", 1),
-            "failures": parking.get("failures"), **({"slowest_loads": slowest_loads(store)} if store else {})}
+    return {
+        "spill": parking["spill_ms"],
+        "load": parking["load_ms"],
+        "load_row_wait": parking.get("load_row_wait_ms"),
+        "load_read": parking.get("load_read_ms"),
+        "load_wait": parking.get("load_wait_ms"),
+        "spill_cpu": parking.get("spill_cpu_ms"),
+        "load_cpu": parking.get("load_cpu_ms"),
+        "restore_disk_round": restores.get("disk_round"),
+        "io_threads": parking.get("io_threads", 1),
+        "failures": parking.get("failures"),
+        **({"slowest_loads": slowest_loads(store)} if store else {}),
+    }
 
 
 def slowest_loads(store, n: int = 5) -> list[dict]:
@@ -240,8 +278,10 @@ def slowest_loads(store, n: int = 5) -> list[dict]:
     9.8, "read_ms": 2.3, "cpu_ms": 1.1}: the load waited for a device copy out of its row."""
     kinds = ("load", "load_row_wait", "load_read", "load_cpu")  # one value of each per load, at the same index
     loads = sorted(zip(*(list(store.times[kind]) for kind in kinds)), reverse=True)[:n]
-    return [{"ms": round(ms, 3), "row_wait_ms": round(wait, 3), "read_ms": round(read, 3), "cpu_ms": round(cpu, 3)}
-            for ms, wait, read, cpu in loads]
+    return [
+        {"ms": round(ms, 3), "row_wait_ms": round(wait, 3), "read_ms": round(read, 3), "cpu_ms": round(cpu, 3)}
+        for ms, wait, read, cpu in loads
+    ]
 
 
 def store_only(engine: Engine, rounds: int) -> dict:
@@ -253,11 +293,11 @@ def store_only(engine: Engine, rounds: int) -> dict:
     flat = torch.empty(layout.row_bytes, dtype=torch.uint8, pin_memory=engine.device.type == "cuda")
     layout.copy([layout.packed(flat)], [layout.slot(tensors, 0)])
     if engine.frame_codec:  # the GPU's codec path: the audio outbox travels beside the packed row
-        loose = {"outbox": torch.from_numpy(engine.outbox.audio[0:1].copy())}
+        loose = {"outbox": torch.from_numpy(engine.codec_path.outbox.audio[0:1].copy())}
     else:  # the CPU codec worker's decoder rows
         captured = threading.Event()
         decoder: list[dict] = []
-        engine.codec_worker.capture([0], lambda states: (decoder.extend(states), captured.set()))
+        engine.codec_path.worker.capture([0], lambda states: (decoder.extend(states), captured.set()))
         captured.wait(30)
         loose = decoder[0]
     store = engine.store
@@ -274,7 +314,7 @@ def store_only(engine: Engine, rounds: int) -> dict:
             parked.captured.set()
             states.append(parked)
             store.put(parked)
-        wait_until(lambda: store.stats()["parked"]["disk"] == len(states))
+        reached(lambda: store.stats()["parked"]["disk"] == len(states))
         asked = time.perf_counter()
         for parked in states:
             store.want(parked)
@@ -292,11 +332,19 @@ def store_only(engine: Engine, rounds: int) -> dict:
             rows = store.take(parked)
             assert all(torch.equal(rows[name], t) for name, t in expected.items())
     stats = store.stats()
-    return {"engine": "store_only", "states": engine.max_streams, "rounds": rounds, "state_bytes": states[0].nbytes,
-            "cpu_cores": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
-            "disk_tier_ms_per_stream": disk_tier(stats, {}, store),
-            "ready_after_asking_all_ms": {"p50": round(float(np.percentile(ready_ms, 50)), 3),
-                                          "p99": round(float(np.percentile(ready_ms, 99)), 3)}}
+    return {
+        "engine": "store_only",
+        "states": engine.max_streams,
+        "rounds": rounds,
+        "state_bytes": states[0].nbytes,
+        "cpu_cores": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "disk_tier_ms_per_stream": disk_tier(stats, {}, store),
+        "ready_after_asking_all_ms": {
+            "p50": round(float(np.percentile(ready_ms, 50)), 3),
+            "p99": round(float(np.percentile(ready_ms, 99)), 3),
+        },
+    }
 
 
 class GcPauses:
@@ -320,8 +368,13 @@ class GcPauses:
 
     def figures(self) -> dict:
         """Per round, per generation: collections, the longest and the total pause (ms)."""
-        return {where: {f"gen{g}": {"count": len(ms), "max": round(max(ms), 3), "total": round(sum(ms), 3)}
-                        for g, ms in sorted(gens.items())} for where, gens in self.pauses.items()}
+        return {
+            where: {
+                f"gen{g}": {"count": len(ms), "max": round(max(ms), 3), "total": round(sum(ms), 3)}
+                for g, ms in sorted(gens.items())
+            }
+            for where, gens in self.pauses.items()
+        }
 
 
 def max_diff(got: np.ndarray, want: np.ndarray) -> float:
@@ -342,21 +395,34 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--moved-slots", type=int, default=2,
-                        help="slots of the engine the detached stream is attached to (its batch bucket)")
-    parser.add_argument("--warm-up", action="store_true",
-                        help="build every batch bucket's step (CUDA graphs) before the first round")
-    parser.add_argument("--frame-codec", action="store_true",
-                        help="decode every frame in the tick (the GPU's codec path) on any device")
-    parser.add_argument("--one-bucket", action="store_true",
-                        help="step every slot in every tick (one batch bucket): an experiment on batch invariance")
-    parser.add_argument("--trace", action="store_true",
-                        help="report each parted stream's first differing sample beside its parks and restores")
+    parser.add_argument(
+        "--moved-slots",
+        type=int,
+        default=2,
+        help="slots of the engine the detached stream is attached to (its batch bucket)",
+    )
+    parser.add_argument(
+        "--warm-up", action="store_true", help="build every batch bucket's step (CUDA graphs) before the first round"
+    )
+    parser.add_argument(
+        "--frame-codec", action="store_true", help="decode every frame in the tick (the GPU's codec path) on any device"
+    )
+    parser.add_argument(
+        "--one-bucket",
+        action="store_true",
+        help="step every slot in every tick (one batch bucket): an experiment on batch invariance",
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="report each parted stream's first differing sample beside its parks and restores",
+    )
     parser.add_argument("--store-only", action="store_true", help="the disk tier alone (see above)")
     parser.add_argument("--store-rounds", type=int, default=5, help="rounds of --store-only")
     parser.add_argument("--io-threads", type=int, help="the parking store's I/O threads (default: min(4, cores))")
-    parser.add_argument("--switch-interval", type=float,
-                        help="Python's thread switch interval in seconds (sys.setswitchinterval)")
+    parser.add_argument(
+        "--switch-interval", type=float, help="Python's thread switch interval in seconds (sys.setswitchinterval)"
+    )
     args = parser.parse_args()
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
@@ -365,23 +431,34 @@ def main() -> None:
         parking.io_threads = args.io_threads
     greedy = SamplingConfig(temperature=0.0)
     if args.tiny:
-        from tests.helpers import tiny_model_and_codec
+        from testkit import tiny_model_and_codec
+
         model, codec, voices = tiny_model_and_codec()
     else:
         from tts.voices import load_shipped
+
         model, codec, voices = load_shipped(device=args.device)
     factory = kernels.default_step_factory(args.device) if args.device.startswith("cuda") else None
     frame_codec = True if args.frame_codec else None
-    engine = Engine(model.to(args.device), codec.to(args.device), voices, max_streams=args.streams,
-                    device=args.device, sampling=greedy, parking=parking, step_factory=factory, frame_codec=frame_codec)
-    sentences = [s for s in harvard(64) if len(s.split()) >= 7][:args.streams]
-    sentences = (sentences * args.streams)[:args.streams]
+    engine = Engine(
+        model.to(args.device),
+        codec.to(args.device),
+        voices,
+        max_streams=args.streams,
+        device=args.device,
+        sampling=greedy,
+        parking=parking,
+        step_factory=factory,
+        frame_codec=frame_codec,
+    )
+    sentences = [s for s in harvard(64) if len(s.split()) >= 7][: args.streams]
+    sentences = (sentences * args.streams)[: args.streams]
     if args.store_only:
         print(json.dumps(store_only(engine, args.store_rounds), indent=2))
         engine.close()
         return
     if args.one_bucket:
-        engine._bucket = lambda: engine.max_streams if engine._live.any() else 0
+        engine.table.bucket = lambda max_streams: max_streams if engine.table.live.any() else 0
     if args.warm_up:
         engine.warm_up()
     events = trace_slots(engine) if args.trace else {}
@@ -394,6 +471,7 @@ def main() -> None:
         rounds.append(dict(events))
         events.clear()
         return played
+
     parking.park_after_s = 0  # the reference: never parked
     expected = traced_round(reference_round(engine, sentences))
     again = reference_round(engine, sentences)  # the control: never parked either
@@ -407,36 +485,76 @@ def main() -> None:
     where["round"] = "disk"
     disk = traced_round(parked_round(engine, sentences, disk=True, restores=restores))
     where["round"] = "moved"
-    other = Engine(model, codec, voices, max_streams=args.moved_slots, device=args.device, sampling=greedy,
-                   step_factory=factory, frame_codec=frame_codec)
+    other = Engine(
+        model,
+        codec,
+        voices,
+        max_streams=args.moved_slots,
+        device=args.device,
+        sampling=greedy,
+        step_factory=factory,
+        frame_codec=frame_codec,
+    )
     moved = moved_round(engine, other, sentences[0])
     diffs = [max_diff(got, want) for got, want in zip(host + disk + [moved], expected * 2 + whole)]
     parted = [parting(got, want) for got, want in zip(host + disk + [moved], expected * 2 + whole)]
     stats = engine.stats()
     state_bytes = engine.caches.nbytes // engine.max_streams
-    print(json.dumps({"engine": "tiny_random" if args.tiny else "shipped", "device": args.device,
-                      "cpu_cores": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
-                      "streams": args.streams, "one_bucket": args.one_bucket, "frame_codec": engine.frame_codec,
-                      "switch_interval_s": sys.getswitchinterval(), "parks": stats["parks"], "restores": stats["restores"],
-                      "cache_bytes_per_stream": state_bytes,
-                      "tiers_ms_per_stream": {kind: stats["parking"][f"{kind}_ms"] for kind in
-                                              ("park", "restore", "spill", "load", "park_host", "restore_host",
-                                               "park_wait", "restore_wait", "park_host_cpu", "restore_host_cpu")},
-                      "row_pool": stats["parking"].get("pool"),
-                      "restore_ms_per_stream_by_round": restores,
-                      "disk_tier_ms_per_stream": disk_tier(stats["parking"], restores, engine.store),
-                      "gc_pauses_ms": pauses.figures(),
-                      "max_abs_diff": max(diffs), "identical_streams": sum(d == 0 for d in diffs),
-                      "streams_within_1e-4": sum(d <= 1e-4 for d in diffs), "step": engine.step_kind,
-                      "within_1e-4_by_round": {"host": sum(d <= 1e-4 for d in diffs[:len(host)]),
-                                               "disk": sum(d <= 1e-4 for d in diffs[len(host):-1]),
-                                               "moved": int(diffs[-1] <= 1e-4), "moved_slots": args.moved_slots,
-                                               "unparked_again": sum(max_diff(a, b) <= 1e-4
-                                                                     for a, b in zip(again, expected))},
-                      "compared_streams": len(diffs),
-                      "parted": [(i, p) for i, p in enumerate(parted) if p is not None][:12],
-                      **({"batches": batch_figures(batches), "trace": traced(rounds, host + disk, expected * 2)}
-                         if args.trace else {})}, indent=2))
+    print(
+        json.dumps(
+            {
+                "engine": "tiny_random" if args.tiny else "shipped",
+                "device": args.device,
+                "cpu_cores": os.cpu_count(),
+                "load_avg_1m": round(os.getloadavg()[0], 2),
+                "streams": args.streams,
+                "one_bucket": args.one_bucket,
+                "frame_codec": engine.frame_codec,
+                "switch_interval_s": sys.getswitchinterval(),
+                "parks": stats["parks"],
+                "restores": stats["restores"],
+                "cache_bytes_per_stream": state_bytes,
+                "tiers_ms_per_stream": {
+                    kind: stats["parking"][f"{kind}_ms"]
+                    for kind in (
+                        "park",
+                        "restore",
+                        "spill",
+                        "load",
+                        "park_host",
+                        "restore_host",
+                        "park_wait",
+                        "restore_wait",
+                        "park_host_cpu",
+                        "restore_host_cpu",
+                    )
+                },
+                "row_pool": stats["parking"].get("pool"),
+                "restore_ms_per_stream_by_round": restores,
+                "disk_tier_ms_per_stream": disk_tier(stats["parking"], restores, engine.store),
+                "gc_pauses_ms": pauses.figures(),
+                "max_abs_diff": max(diffs),
+                "identical_streams": sum(d == 0 for d in diffs),
+                "streams_within_1e-4": sum(d <= 1e-4 for d in diffs),
+                "step": engine.step_kind,
+                "within_1e-4_by_round": {
+                    "host": sum(d <= 1e-4 for d in diffs[: len(host)]),
+                    "disk": sum(d <= 1e-4 for d in diffs[len(host) : -1]),
+                    "moved": int(diffs[-1] <= 1e-4),
+                    "moved_slots": args.moved_slots,
+                    "unparked_again": sum(max_diff(a, b) <= 1e-4 for a, b in zip(again, expected)),
+                },
+                "compared_streams": len(diffs),
+                "parted": [(i, p) for i, p in enumerate(parted) if p is not None][:12],
+                **(
+                    {"batches": batch_figures(batches), "trace": traced(rounds, host + disk, expected * 2)}
+                    if args.trace
+                    else {}
+                ),
+            },
+            indent=2,
+        )
+    )
     engine.close()
 
 

@@ -31,6 +31,7 @@ machine would take.
 Targets (issue 22, 2 cores): API RTF <= 0.25, first chunk p50 <= 80 ms from the second call, first call
 <= 3 s; server to /v1/voices <= 5 s, to first audio <= 10 s.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,6 +48,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.common import ROOT, free_port  # nothing here imports torch: the API row times that itself
+
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river."
 CACHE_VARS = ("TTS_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME")
 
@@ -81,6 +83,7 @@ def api_child(sentences: int, launched: float) -> dict:
     row, imported = {}, time.time()
     timeline.mark("python started, importing tts.api")
     from tts.api import get_engine, synthesize_stream
+
     imported = time.time() - imported
     timeline.mark("imported; first call (loads the engine)")
 
@@ -98,9 +101,14 @@ def api_child(sentences: int, launched: float) -> dict:
     called = time.time()
     first, wall, audio = speak(SENTENCE, cpu=True)
     from bench.common import harvard, percentiles
-    row.update(import_s=round(imported, 3), first_chunk_s=round(first, 3),
-               process_to_first_chunk_s=round(called + first - launched, 3), first_call_rtf=round(wall / audio, 3),
-               step_kinds=[get_engine().step_kind])
+
+    row.update(
+        import_s=round(imported, 3),
+        first_chunk_s=round(first, 3),
+        process_to_first_chunk_s=round(called + first - launched, 3),
+        first_call_rtf=round(wall / audio, 3),
+        step_kinds=[get_engine().step_kind],
+    )
     firsts, walls, audios, cpu = [], [], [], time.process_time()
     for text in harvard(sentences):
         first, wall, audio = speak(text)
@@ -108,16 +116,27 @@ def api_child(sentences: int, launched: float) -> dict:
         walls.append(wall)
         audios.append(audio)
         row["step_kinds"].append(get_engine().step_kind)
-    row.update(sentences=sentences, rtf=round(sum(walls) / sum(audios), 3), first_chunk_ms=percentiles(firsts),
-               cpu_s_per_audio_s=round((time.process_time() - cpu) / sum(audios), 3),
-               audio_s=round(sum(audios), 2), timeline=timeline.lines)
+    row.update(
+        sentences=sentences,
+        rtf=round(sum(walls) / sum(audios), 3),
+        first_chunk_ms=percentiles(firsts),
+        cpu_s_per_audio_s=round((time.process_time() - cpu) / sum(audios), 3),
+        audio_s=round(sum(audios), 2),
+        timeline=timeline.lines,
+    )
     return row
 
 
 def api(cache: Path, sentences: int) -> dict:
     launched = time.time()
-    done = subprocess.run([sys.executable, "-m", "bench.paths", "--api-child", str(sentences), str(launched)],
-                          cwd=ROOT, env=child_env(cache), capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.paths", "--api-child", str(sentences), str(launched)],
+        cwd=ROOT,
+        env=child_env(cache),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if done.returncode:
         raise RuntimeError(f"api child failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -138,14 +157,24 @@ def process_cpu_s(pid: int) -> float:
 def cli_file(cache: Path, out: Path) -> dict:
     cpu = children_cpu_s()
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "tts.cli", "say", SENTENCE, "-o", str(out), "-q"], cwd=ROOT,
-                          env=child_env(cache), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "tts.cli", "say", SENTENCE, "-o", str(out), "-q"],
+        cwd=ROOT,
+        env=child_env(cache),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     wall = time.perf_counter() - start
     if done.returncode:
         raise RuntimeError(f"tts say failed ({done.returncode}): {done.stderr[-2000:]}")
     import soundfile
-    return {"wall_s": round(wall, 3), "cpu_s": round(children_cpu_s() - cpu, 3),
-            "audio_s": round(soundfile.info(out).duration, 3)}
+
+    return {
+        "wall_s": round(wall, 3),
+        "cpu_s": round(children_cpu_s() - cpu, 3),
+        "audio_s": round(soundfile.info(out).duration, 3),
+    }
 
 
 def cli_play(cache: Path, tmp: Path) -> dict:
@@ -155,8 +184,13 @@ def cli_play(cache: Path, tmp: Path) -> dict:
     played.unlink(missing_ok=True)
     (tmp / ".asoundrc").write_text(f'pcm.!default {{ type file; slave.pcm "null"; file "{played}"; format "raw" }}\n')
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "tts.cli", "say", SENTENCE, "-q"], cwd=ROOT,
-                            env={**child_env(cache), "HOME": str(tmp)}, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tts.cli", "say", SENTENCE, "-q"],
+        cwd=ROOT,
+        env={**child_env(cache), "HOME": str(tmp)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     first = None
     while proc.poll() is None and first is None:
         if played.exists() and played.stat().st_size:
@@ -165,8 +199,11 @@ def cli_play(cache: Path, tmp: Path) -> dict:
     stderr = proc.communicate(timeout=600)[1]
     if proc.returncode:
         return {"skipped": stderr.strip().splitlines()[-1]}
-    return {"first_sound_s": round(first, 3) if first else None, "wall_s": round(time.perf_counter() - start, 3),
-            "audio_s": round(played.stat().st_size / 4 / 24_000, 3)}
+    return {
+        "first_sound_s": round(first, 3) if first else None,
+        "wall_s": round(time.perf_counter() - start, 3),
+        "audio_s": round(played.stat().st_size / 4 / 24_000, 3),
+    }
 
 
 # ---- the server -----------------------------------------------------------------------------------------
@@ -196,23 +233,35 @@ def first_audio(url: str, started: float) -> tuple[float, float]:
 def server(cache: Path, swap_wait_s: float) -> dict:
     port = free_port()
     started = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "tts.cli", "serve", "--port", str(port)], cwd=ROOT,
-                            env=child_env(cache), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tts.cli", "serve", "--port", str(port)],
+        cwd=ROOT,
+        env=child_env(cache),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     timeline = []
 
     def read_log():
         for line in proc.stderr:
             timeline.append((round(time.perf_counter() - started, 2), line.strip()))
+
     reader = threading.Thread(target=read_log, daemon=True)
     reader.start()
     base = f"http://127.0.0.1:{port}"
     try:
-        row = {"health_s": round(first_ok(f"{base}/health", started, 300), 3),
-               "voices_s": round(first_ok(f"{base}/v1/voices", started, 300), 3)}
+        row = {
+            "health_s": round(first_ok(f"{base}/health", started, 300), 3),
+            "voices_s": round(first_ok(f"{base}/v1/voices", started, 300), 3),
+        }
         row["voices_cpu_s"] = process_cpu_s(proc.pid)
         first, last = first_audio(f"{base}/v1/audio/speech", started)
-        row.update(first_audio_s=round(first, 3), first_audio_cpu_s=process_cpu_s(proc.pid),
-                   first_request_done_s=round(last, 3))
+        row.update(
+            first_audio_s=round(first, 3),
+            first_audio_cpu_s=process_cpu_s(proc.pid),
+            first_request_done_s=round(last, 3),
+        )
         deadline = time.perf_counter() + swap_wait_s
         while time.perf_counter() < deadline and not any("step in use:" in line for _, line in timeline):
             time.sleep(0.1)
@@ -229,8 +278,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", nargs="*", choices=["api", "cli", "server"], default=["api", "cli", "server"])
     parser.add_argument("--sentences", type=int, help="API sentences after the first call (default 20; --quick 8)")
-    parser.add_argument("--swap-wait", type=float, default=120.0,
-                        help="seconds the server row waits for the faster step after its first answer")
+    parser.add_argument(
+        "--swap-wait",
+        type=float,
+        default=120.0,
+        help="seconds the server row waits for the faster step after its first answer",
+    )
     parser.add_argument("--api-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.api_child:
@@ -244,12 +297,16 @@ def main() -> None:
             result["api"] = {"empty_cache": api(tmp / "api", sentences), "warm_cache": api(tmp / "api", sentences)}
         if "cli" in args.only:
             runs = 1 if args.quick else 2
-            result["cli_file"] = {"empty_cache": cli_file(tmp / "cli", tmp / "out.wav"),
-                                  "warm_cache": [cli_file(tmp / "cli", tmp / "out.wav") for _ in range(runs)]}
+            result["cli_file"] = {
+                "empty_cache": cli_file(tmp / "cli", tmp / "out.wav"),
+                "warm_cache": [cli_file(tmp / "cli", tmp / "out.wav") for _ in range(runs)],
+            }
             result["cli_play"] = cli_play(tmp / "cli", tmp)
         if "server" in args.only:
-            result["server"] = {"empty_cache": server(tmp / "server", args.swap_wait),
-                                "warm_cache": server(tmp / "server", args.swap_wait)}
+            result["server"] = {
+                "empty_cache": server(tmp / "server", args.swap_wait),
+                "warm_cache": server(tmp / "server", args.swap_wait),
+            }
     result["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(result, indent=1))
 

@@ -24,6 +24,7 @@ sentences are to its centroid (a yardstick for "the same voice"). Needs the teac
 ``training/corpus.py``) and ``pip install --no-deps resemblyzer==0.1.4 webrtcvad-wheels==2.0.14.post1``
 (resemblyzer's own pin on webrtcvad builds from source and imports the removed ``pkg_resources``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,12 +48,13 @@ SCORES = ("ovrl", "sig", "bak", "p808", "wer")
 
 def heldout_texts(n: int, skip: int = 0, cache: Path = ROOT / "cache") -> list[str]:
     """Utterances ``skip`` to ``skip + n`` from the far end of the corpus text, the end ``--heldout`` speaks."""
-    return make_utterances(fetch_texts(cache))[::-1][skip:skip + n]
+    return make_utterances(fetch_texts(cache))[::-1][skip : skip + n]
 
 
 def median_f0(audio: np.ndarray, sr: int = SAMPLE_RATE) -> float:
     """Median pitch (Hz) of the loud frames: one number that tells a high voice from a low one."""
     import librosa
+
     f0 = librosa.yin(audio, fmin=60, fmax=400, sr=sr, frame_length=1024)
     loud = librosa.feature.rms(y=audio, frame_length=1024, hop_length=256)[0] > 0.05
     f0 = f0[: len(loud)][loud[: len(f0)]]
@@ -62,12 +64,14 @@ def median_f0(audio: np.ndarray, sr: int = SAMPLE_RATE) -> float:
 @lru_cache(maxsize=1)
 def _speaker_encoder():
     from resemblyzer import VoiceEncoder
+
     return VoiceEncoder("cpu", verbose=False)
 
 
 def speaker_embedding(audio: np.ndarray, sr: int = SAMPLE_RATE) -> np.ndarray:
     """A unit-length 256-d embedding of who is speaking (GE2E): near 1 cosine for the same voice."""
     from resemblyzer import preprocess_wav
+
     return _speaker_encoder().embed_utterance(preprocess_wav(audio, source_sr=sr))
 
 
@@ -87,7 +91,9 @@ def summarise(rows: list[dict]) -> dict:
     out = {key: round(float(np.mean([r[key] for r in rows])), 4) for key in (*SCORES, "f0")}
     mean = centroid([r["embedding"] for r in rows])
     out["speaker_self"] = round(float(np.mean([r["embedding"] @ mean for r in rows])), 4)
-    out["ovrl_sem"] = round(float(np.std([r["ovrl"] for r in rows], ddof=1) / np.sqrt(len(rows))), 4) if len(rows) > 1 else None
+    out["ovrl_sem"] = (
+        round(float(np.std([r["ovrl"] for r in rows], ddof=1) / np.sqrt(len(rows))), 4) if len(rows) > 1 else None
+    )
     return out
 
 
@@ -99,13 +105,21 @@ def spoken_now(voice: str, index: int, text: str) -> tuple[np.ndarray, None]:
     return corpus_form(*speak_teacher(voice, text)[:2]), None
 
 
-def measure_voice(engine, codec, voice: str, texts: list[str], parts: list[str],
-                  teacher_audio: Teacher = spoken_now, log: Path | None = None) -> tuple[dict, dict]:
+def measure_voice(
+    engine,
+    codec,
+    voice: str,
+    texts: list[str],
+    parts: list[str],
+    teacher_audio: Teacher = spoken_now,
+    log: Path | None = None,
+) -> tuple[dict, dict]:
     """(scores per part and the gaps between parts, speaker centroid per part). ``teacher_audio(voice, i,
     text)`` gives the teacher's clip of ``texts[i]`` (24 kHz, corpus form) and its DNSMOS and WER if known.
     ``log``: each sentence's scores are appended there as one JSON line per part, as they come (a run cut
     short still leaves what it measured)."""
     from tts.api import synthesize
+
     rows: dict[str, list] = {part: [] for part in parts}
     has_teacher = voice in TEACHERS
 
@@ -113,8 +127,18 @@ def measure_voice(engine, codec, voice: str, texts: list[str], parts: list[str],
         rows[part].append(scores)
         if log:
             with log.open("a") as f:
-                f.write(json.dumps({"voice": voice, "index": index, "part": part,
-                                    **{k: v for k, v in scores.items() if k != "embedding"}}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "voice": voice,
+                            "index": index,
+                            "part": part,
+                            **{k: v for k, v in scores.items() if k != "embedding"},
+                        }
+                    )
+                    + "\n"
+                )
+
     for index, text in enumerate(texts):
         if has_teacher and {"teacher", "codec"} & set(parts):
             teacher, known = teacher_audio(voice, index, text)
@@ -122,7 +146,7 @@ def measure_voice(engine, codec, voice: str, texts: list[str], parts: list[str],
                 keep("teacher", index, score(text, teacher, known))
             if "codec" in parts:
                 with torch.inference_mode():
-                    decoded = codec.decode(codec.encode(torch.from_numpy(teacher)[None]))[0].numpy()[:len(teacher)]
+                    decoded = codec.decode(codec.encode(torch.from_numpy(teacher)[None]))[0].numpy()[: len(teacher)]
                 keep("codec", index, score(text, decoded))
         if "ours" in parts:
             keep("ours", index, score(text, corpus_form(synthesize(text, voice=voice, engine=engine), SAMPLE_RATE)))
@@ -156,6 +180,7 @@ def speaker_similarity(centroids: dict[str, dict]) -> dict:
 def write_opus(path: Path, audio: np.ndarray, bitrate: int = 28_000) -> None:
     """A small Ogg Opus file (``bitrate`` bit/s) of 24 kHz float audio, peak-normalised to -1 dBFS."""
     import av
+
     audio = (audio * (0.89 / max(np.abs(audio).max(), 1e-6))).astype(np.float32)
     with av.open(str(path), "w", format="ogg") as out:
         stream = out.add_stream("libopus", rate=48_000, layout="mono")
@@ -170,6 +195,7 @@ def write_samples(engine, folder: Path, voices: list[str]) -> dict:
     """One short held-out sentence (40-90 characters, a few seconds) per voice: ``NAME-teacher.opus`` beside
     ``NAME.opus`` (ours; a blend has no teacher). Returns the sentence and the files written."""
     from tts.api import synthesize
+
     text = next(t for t in heldout_texts(200) if 40 <= len(t) <= 90)
     folder.mkdir(parents=True, exist_ok=True)
     written = []
@@ -187,30 +213,58 @@ def chosen_texts(args) -> tuple[list[str], Teacher, dict]:
     """(texts, their teacher audio, what to say about them in the report) for ``--set``."""
     if args.text_set == "corpus":
         n = 15 if args.n is None else args.n
-        return heldout_texts(n, args.skip), spoken_now, {"set": "corpus", "skip": args.skip, "text": "held-out "
-                "corpus utterances (training.corpus text, far end), the same for every voice"}
-    chosen = modern.sentences(args.split)[args.skip:None if args.n is None else args.skip + args.n]
+        return (
+            heldout_texts(n, args.skip),
+            spoken_now,
+            {
+                "set": "corpus",
+                "skip": args.skip,
+                "text": "held-out corpus utterances (training.corpus text, far end), the same for every voice",
+            },
+        )
+    chosen = modern.sentences(args.split)[args.skip : None if args.n is None else args.skip + args.n]
 
     def cached(voice: str, i: int, text: str) -> tuple[np.ndarray, dict | None]:
         known = modern.teacher_scores(voice, chosen[i]) if "teacher" in args.only else None
         return modern.teacher_audio(voice, chosen[i]), known
-    return [s.text for s in chosen], cached, {
-        "set": "modern", "split": args.split, "skip": args.skip, "text": "modern held-out sentences (bench/data/modern, "
-        f"{args.split} split, file order), the same for every voice; teacher audio cached in {modern.CACHE}"}
+
+    return (
+        [s.text for s in chosen],
+        cached,
+        {
+            "set": "modern",
+            "split": args.split,
+            "skip": args.skip,
+            "text": "modern held-out sentences (bench/data/modern, "
+            f"{args.split} split, file order), the same for every voice; teacher audio cached in {modern.CACHE}",
+        },
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--set", choices=("corpus", "modern"), default="corpus", dest="text_set",
-                        help="held-out corpus utterances, or the modern set (bench.modern)")
+    parser.add_argument(
+        "--set",
+        choices=("corpus", "modern"),
+        default="corpus",
+        dest="text_set",
+        help="held-out corpus utterances, or the modern set (bench.modern)",
+    )
     parser.add_argument("--split", choices=SPLITS, default="test", help="--set modern: test (reported) or dev")
     parser.add_argument("--n", type=int, help="sentences per voice (default: 15 of the corpus, all of a modern split)")
-    parser.add_argument("--skip", type=int, default=0, help="start this far into the held-out text (--set corpus: "
-                        "a validation set for choosing settings without looking at the reported sentences; --set "
-                        "modern: a share of the split, to run it in parts)")
+    parser.add_argument(
+        "--skip",
+        type=int,
+        default=0,
+        help="start this far into the held-out text (--set corpus: "
+        "a validation set for choosing settings without looking at the reported sentences; --set "
+        "modern: a share of the split, to run it in parts)",
+    )
     parser.add_argument("--voices", nargs="*", help="default: every voice the engine lists")
     parser.add_argument("--only", nargs="+", choices=("teacher", "codec", "ours"), default=["teacher", "codec", "ours"])
-    parser.add_argument("--temperature", type=float, help="sample every voice at this temperature (default: its preset's)")
+    parser.add_argument(
+        "--temperature", type=float, help="sample every voice at this temperature (default: its preset's)"
+    )
     parser.add_argument("--top-k", type=int, help="sample from this many tokens (default: the engine's)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "quality.json")
     parser.add_argument("--log", type=Path, help="append each sentence's scores here (JSON lines) as they come")
@@ -218,6 +272,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_flush_denormal(True)
     from tts.api import get_engine
+
     engine = get_engine()
     if args.top_k is not None:
         engine.sampling.top_k = args.top_k
@@ -230,12 +285,20 @@ def main() -> None:
     texts, teacher_audio, about = chosen_texts(args)
     voices, centroids = {}, {}
     for voice in args.voices or list(engine.voices):
-        voices[voice], centroids[voice] = measure_voice(engine, engine.codec, voice, texts, args.only, teacher_audio,
-                                                        args.log)
+        voices[voice], centroids[voice] = measure_voice(
+            engine, engine.codec, voice, texts, args.only, teacher_audio, args.log
+        )
     for voice, similarity in speaker_similarity(centroids).items():
         voices[voice]["speaker"] = similarity
-    report = {"sentences": len(texts), **about, "sampling": {"top_k": engine.sampling.top_k,
-              "temperature": "per voice preset" if args.temperature is None else args.temperature}, "voices": voices}
+    report = {
+        "sentences": len(texts),
+        **about,
+        "sampling": {
+            "top_k": engine.sampling.top_k,
+            "temperature": "per voice preset" if args.temperature is None else args.temperature,
+        },
+        "voices": voices,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report, indent=1))

@@ -6,7 +6,7 @@ load. One JSON object.
     python -m bench.ray_serve --loads 1 2 4 --rounds 2
     python -m bench.ray_serve --kill [--tiny] [--kill-after-s 1 4] [--trials 3] [--pace sentence]   # failover
 
-For each replica count, Ray Serve runs `streaming.ray_serve` (each replica: one engine, the server app, the
+For each replica count, Ray Serve runs `serving.ray_serve` (each replica: one engine, the server app, the
 machine's cores shared evenly: `ScaleConfig.num_cpus` default) on a local Ray cluster, and `bench.serve.load` drives
 N WebSocket clients through Ray's proxy, each speaking utterances one after another after one warm-up utterance.
 A load is real-time when every utterance's rtf (text sent to `done`, over the audio's duration) is below 1 (its
@@ -18,10 +18,11 @@ server without Ray (what Ray's proxy and the replica processes cost).
 `--cores-per-replica N`: each replica count gets a Ray cluster of its own whose processes may run only on N cores
 per replica (started under a CPU affinity, `cluster`: cores 0..R*N-1 for R replicas, which the replicas share,
 as Ray pins nothing), each replica asking N CPUs, and this process (the clients) runs on the cores after them: on
-a many-core host (the H200 machine's 16), R replicas get R*N cores, as scale-out gives them machines. `ttfa_ms_p50_at_capacity` then compares one
+a many-core host (the H200 machine's 16), R replicas get R*N cores, as scale-out gives them machines.
+`ttfa_ms_p50_at_capacity` then compares one
 replica at the largest load it keeps real-time with two at twice that load.
 
-`--kill`: replica failover (streaming/failover.py) on two replicas. Per trial: one seeded utterance, its text sent
+`--kill`: replica failover (serving/failover.py) on two replicas. Per trial: one seeded utterance, its text sent
 a word every 50 ms by the Python client, spoken uninterrupted (the reference); then the same one again, and once
 its client holds ``kill_after_s`` seconds of audio the replica serving it is killed (`ray.kill`). Reported per
 kill point: `gap_ms` (the kill -> the first audio frame over the resumed connection, p50/p99), `resumed_ms_each`
@@ -29,7 +30,8 @@ kill point: `gap_ms` (the kill -> the first audio frame over the resumed connect
 holds, from the latest checkpoint it holds), `from_checkpoints` (replays that attached a checkpoint rather than
 regenerating the utterance from its start), `exact` (trials whose audio equals the reference: equal length, every
 sample within 3 steps of 16 bits), `max_abs_diff` and `first_diff_s` (where the first sample more than 3 steps
-apart lies, in seconds: before the kill point, the runs had parted before the kill). Ray starts a replacement replica after each kill; the next
+apart lies, in seconds: before the kill point, the runs had parted before the kill). Ray starts a replacement replica
+after each kill; the next
 trial waits until the proxy routes to it. `snapshot` is what a checkpoint costs, measured afterwards in this
 process on the same engine: `Engine.snapshot` of a speaking stream (ms, p50/p99) and its bytes.
 `--checkpoint-audio-s S` checkpoints every S s of an utterance's audio (default 1; 0: none, every replay
@@ -37,6 +39,7 @@ regenerates the utterance from its start, as before checkpoints). `--pace senten
 sentence every 0.5 s instead of a word every 50 ms: the text front end's output depends on when words come, so
 word-paced runs can differ from their reference without a kill; whole sentences test the replay's exactness.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,9 +60,11 @@ PACES = {"word": 0.05, "sentence": 0.5}  # --kill: seconds between the client's 
 def engine_factory(tiny: bool):
     """(factory, kwargs) of the engine each replica (or the direct server) runs."""
     if tiny:
-        from tests.helpers import tiny_random
+        from testkit import tiny_random
+
         return tiny_random, {"max_streams": 8}
     from tts.api import get_engine
+
     return get_engine, {}
 
 
@@ -79,10 +84,15 @@ def climb(url: str, loads: list[int], rounds: int) -> dict:
 def load_limits(clients: int):
     """The server's limits with room for ``clients`` connections from this one address (the default caps one
     address at 16: a single load generator is not the many users it stands for)."""
-    from streaming.limits import Limits
+    from serving.limits import Limits
+
     most = max(clients, Limits.max_connections_per_client)
-    return Limits(max_connections=max(Limits.max_connections, 2 * most), max_connections_per_client=most,
-                  max_streams_per_client=most, max_queue=max(Limits.max_queue, most))
+    return Limits(
+        max_connections=max(Limits.max_connections, 2 * most),
+        max_connections_per_client=most,
+        max_streams_per_client=most,
+        max_queue=max(Limits.max_queue, most),
+    )
 
 
 def on_ray(url: str, replicas: int, loads: list[int], rounds: int, tiny: bool, cpus: float | None = None) -> dict:
@@ -90,7 +100,8 @@ def on_ray(url: str, replicas: int, loads: list[int], rounds: int, tiny: bool, c
     from ray import serve
 
     from server import create_app
-    from streaming import ray_serve
+    from serving import ray_serve
+
     factory, kwargs = engine_factory(tiny)
     scale = ray_serve.ScaleConfig(replicas=replicas, num_cpus=cpus)
     app = ray_serve.application(factory, create_app, scale, kwargs, {"limits": load_limits(max(loads))})
@@ -104,6 +115,7 @@ def on_ray(url: str, replicas: int, loads: list[int], rounds: int, tiny: bool, c
 def direct(loads: list[int], rounds: int, tiny: bool) -> dict:
     """`climb` against `tts serve`'s server without Ray (in this process, as bench.serve runs it)."""
     from server import ServerThread
+
     factory, kwargs = engine_factory(tiny)
     engine = factory(**kwargs)
     with ServerThread(engine, **vars(load_limits(max(loads)))) as server:
@@ -112,12 +124,14 @@ def direct(loads: list[int], rounds: int, tiny: bool) -> dict:
     return result
 
 
-async def utterance(url: str, seed: int, sentences: list[str], pace: str = "word",
-                    kill_at_bytes: int | None = None) -> dict:
+async def utterance(
+    url: str, seed: int, sentences: list[str], pace: str = "word", kill_at_bytes: int | None = None
+) -> dict:
     """One seeded utterance through the Python client, its text a word every 50 ms (``pace`` "word") or a whole
     sentence every PACES["sentence"] s; with ``kill_at_bytes``, the replica serving it is killed once the client
     holds that much audio. {audio, gap_ms, resumed_ms}."""
     from tts.client import connect
+
     pieces = [word + " " for word in " ".join(sentences).split()] if pace == "word" else [s + " " for s in sentences]
 
     async def llm():
@@ -145,6 +159,7 @@ async def utterance(url: str, seed: int, sentences: list[str], pace: str = "word
 
 def kill_replica(replica: str) -> None:
     import ray
+
     ray.kill(ray.get_actor(f"SERVE_REPLICA::tts#tts#{replica}", namespace="serve"), no_restart=True)
 
 
@@ -155,6 +170,7 @@ async def both_serve(url: str, seconds: float = 300) -> None:
     its later ones with the same seed (measured: from the first sample, on the shipped voices), so the reference
     and the killed run must not be a replica's first."""
     import websockets
+
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         async with websockets.connect(url) as a, websockets.connect(url) as b:
@@ -176,16 +192,24 @@ async def warm_up(ws) -> None:
         pass
 
 
-def failover(url: str, kill_after_s: list[float], trials: int, tiny: bool, checkpoint_audio_s: float,
-             pace: str = "word", cpus: float | None = None) -> dict:
+def failover(
+    url: str,
+    kill_after_s: list[float],
+    trials: int,
+    tiny: bool,
+    checkpoint_audio_s: float,
+    pace: str = "word",
+    cpus: float | None = None,
+) -> dict:
     """The kill trials (module docstring) on two replicas, each asking ``cpus`` CPUs (None: `ScaleConfig`'s)."""
     import numpy as np
     import ray
     from ray import serve
 
     from server import create_app
-    from streaming import ray_serve
-    from streaming.failover import journals
+    from serving import ray_serve
+    from serving.failover import journals
+
     factory, kwargs = engine_factory(tiny)
     scale = ray_serve.ScaleConfig(replicas=2, checkpoint_audio_s=checkpoint_audio_s, num_cpus=cpus)
     serve.run(ray_serve.application(factory, create_app, scale, kwargs), name="tts", route_prefix="/")
@@ -204,29 +228,40 @@ def failover(url: str, kill_after_s: list[float], trials: int, tiny: bool, check
                 diff = int(np.abs(a - b).max()) if same_length and len(a) else None
                 exact += same_length and diff is not None and diff <= 3
                 diffs.append(diff)
-                apart = np.flatnonzero(np.abs(a[:len(b)] - b[:len(a)]) > 3)
+                apart = np.flatnonzero(np.abs(a[: len(b)] - b[: len(a)]) > 3)
                 first_diffs.append(round(int(apart[0]) / SAMPLE_RATE, 2) if len(apart) else None)
                 gaps.append(cut["gap_ms"])
                 resumed.append(cut["resumed_ms"])
                 asyncio.run(both_serve(url))
             done = [g for g in gaps if g is not None]
-            rows[str(after_s)] = {"trials": trials, "resumed": len(done), "from_checkpoints":
-                                  ray.get(actor.stats.remote())["from_checkpoints"] - replays,
-                                  "exact": exact, "max_abs_diff": diffs, "first_diff_s": first_diffs,
-                                  "audio_s": round(len(a) / SAMPLE_RATE, 2), "gap_ms": percentiles(done) if done
-                                  else None, "gap_ms_each": [round(g, 1) for g in done],
-                                  "resumed_ms_each": [r and round(r, 1) for r in resumed]}
+            rows[str(after_s)] = {
+                "trials": trials,
+                "resumed": len(done),
+                "from_checkpoints": ray.get(actor.stats.remote())["from_checkpoints"] - replays,
+                "exact": exact,
+                "max_abs_diff": diffs,
+                "first_diff_s": first_diffs,
+                "audio_s": round(len(a) / SAMPLE_RATE, 2),
+                "gap_ms": percentiles(done) if done else None,
+                "gap_ms_each": [round(g, 1) for g in done],
+                "resumed_ms_each": [r and round(r, 1) for r in resumed],
+            }
             print(json.dumps({after_s: rows[str(after_s)]}), file=sys.stderr, flush=True)  # as they come
     finally:
         serve.delete("tts")
-    return {"checkpoint_audio_s": checkpoint_audio_s, "pace": pace, "kills": rows,
-            "snapshot": snapshot_cost(tiny) if checkpoint_audio_s else None}
+    return {
+        "checkpoint_audio_s": checkpoint_audio_s,
+        "pace": pace,
+        "kills": rows,
+        "snapshot": snapshot_cost(tiny) if checkpoint_audio_s else None,
+    }
 
 
 def snapshot_cost(tiny: bool, count: int = 20) -> dict:
     """`Engine.snapshot` of a speaking stream (read as it comes), ``count`` times 0.1 s apart: ms (p50/p99) and
     bytes."""
     import threading
+
     factory, kwargs = engine_factory(tiny)
     engine = factory(**kwargs)
     stream = engine.open(seed=1)
@@ -256,14 +291,20 @@ def cluster(port: int, cores: int = 0):
     on 4-15."""
     import ray
     from ray import serve
+
     mine = os.sched_getaffinity(0)
     if cores and cores >= len(mine):
         raise SystemExit(f"--cores-per-replica: {cores} cores for Ray leave none of {len(mine)} for the clients")
     ray_cores = set(sorted(mine)[:cores]) if cores else mine
     os.sched_setaffinity(0, ray_cores)  # what Ray spawns from here on inherits it
-    ray.init(num_cpus=len(ray_cores), include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
-                                                                                   os.environ.get("PYTHONPATH")]))}})
+    ray.init(
+        num_cpus=len(ray_cores),
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={
+            "env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        },
+    )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     os.sched_setaffinity(0, mine - ray_cores or mine)
     try:
@@ -282,34 +323,64 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--no-direct", action="store_true", help="skip the same loads on `tts serve` without Ray")
     parser.add_argument("--kill", action="store_true", help="replica failover: kill a replica mid-stream")
-    parser.add_argument("--kill-after-s", type=float, nargs="+", default=[1.0, 4.0],
-                        help="audio the client holds when its replica is killed (seconds)")
+    parser.add_argument(
+        "--kill-after-s",
+        type=float,
+        nargs="+",
+        default=[1.0, 4.0],
+        help="audio the client holds when its replica is killed (seconds)",
+    )
     parser.add_argument("--trials", type=int, default=3, help="kills per kill point")
-    parser.add_argument("--checkpoint-audio-s", type=float, default=1.0,
-                        help="checkpoint live utterances every this much audio (0: never)")
-    parser.add_argument("--pace", choices=sorted(PACES), default="word",
-                        help="--kill: the client sends its text a word every 50 ms, or a sentence every 0.5 s")
-    parser.add_argument("--cores-per-replica", type=int, default=0,
-                        help="a Ray cluster per replica count pinned to this many cores per replica (0: the machine's"
-                             " cores shared)")
+    parser.add_argument(
+        "--checkpoint-audio-s",
+        type=float,
+        default=1.0,
+        help="checkpoint live utterances every this much audio (0: never)",
+    )
+    parser.add_argument(
+        "--pace",
+        choices=sorted(PACES),
+        default="word",
+        help="--kill: the client sends its text a word every 50 ms, or a sentence every 0.5 s",
+    )
+    parser.add_argument(
+        "--cores-per-replica",
+        type=int,
+        default=0,
+        help="a Ray cluster per replica count pinned to this many cores per replica (0: the machine's cores shared)",
+    )
     parser.add_argument("--out", help="also write the JSON here (Ray may print a line of its own on stdout)")
     args = parser.parse_args()
-    from streaming.ray_serve import STATS_PERIOD_S
+    from serving.ray_serve import STATS_PERIOD_S
+
     port = free_port()
     url = f"ws://127.0.0.1:{port}/v1/stream"
-    report = {"engine": "tiny_random" if args.tiny else "shipped", "cpu_cores": os.cpu_count(),
-              "cores_per_replica": args.cores_per_replica,
-              "loadavg_at_start": [round(x, 2) for x in os.getloadavg()], "utterances_per_client": args.rounds,
-              "stats_period_s": STATS_PERIOD_S, "replicas": {}}
+    report = {
+        "engine": "tiny_random" if args.tiny else "shipped",
+        "cpu_cores": os.cpu_count(),
+        "cores_per_replica": args.cores_per_replica,
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "utterances_per_client": args.rounds,
+        "stats_period_s": STATS_PERIOD_S,
+        "replicas": {},
+    }
     if args.kill:
         report = {k: report[k] for k in ("engine", "cpu_cores", "cores_per_replica", "loadavg_at_start")}
         with cluster(port, args.cores_per_replica and 2 * args.cores_per_replica):
-            report["failover"] = failover(url, args.kill_after_s, args.trials, args.tiny, args.checkpoint_audio_s,
-                                          args.pace, args.cores_per_replica or None)
+            report["failover"] = failover(
+                url,
+                args.kill_after_s,
+                args.trials,
+                args.tiny,
+                args.checkpoint_audio_s,
+                args.pace,
+                args.cores_per_replica or None,
+            )
     for replicas in [] if args.kill else args.replicas:
         with cluster(port, args.cores_per_replica and replicas * args.cores_per_replica):
-            report["replicas"][str(replicas)] = on_ray(url, replicas, args.loads, args.rounds, args.tiny,
-                                                       args.cores_per_replica or None)
+            report["replicas"][str(replicas)] = on_ray(
+                url, replicas, args.loads, args.rounds, args.tiny, args.cores_per_replica or None
+            )
     if not args.no_direct and not args.kill:
         report["direct_no_ray"] = direct(args.loads, args.rounds, args.tiny)
     report["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -322,9 +393,13 @@ def main() -> None:
         if p50["1"] and p50["2"]:
             report["ttfa_ratio_2_over_1"] = round(p50["2"] / p50["1"], 2)
         at_twice = two["loads"].get(str(2 * one["realtime_streams"]), {}).get("ttfa_ms_p50")
-        report["ttfa_ms_p50_at_capacity"] = {"one_at": int(same), "one": p50["1"], "two_at": 2 * int(same),
-                                             "two": at_twice,
-                                             "ratio": at_twice and p50["1"] and round(at_twice / p50["1"], 2)}
+        report["ttfa_ms_p50_at_capacity"] = {
+            "one_at": int(same),
+            "one": p50["1"],
+            "two_at": 2 * int(same),
+            "two": at_twice,
+            "ratio": at_twice and p50["1"] and round(at_twice / p50["1"], 2),
+        }
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -10,6 +10,7 @@ Reports, as JSON: `resume_ms` p50/p99 (the abort to the first byte of the rest o
 resume handshake, replay), `handshake_ms` p50/p99 (resume sent to `resumed`), and `exact`: how many resumed
 utterances equal the reference bit for bit (the target: all of them). Warm-up: the reference is spoken twice.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,11 @@ async def speak(url: str, drop_after: int | None = None) -> dict:
     """The utterance's audio (and, when dropped, the resume's figures)."""
     audio, events, figures = bytearray(), 0, {}
     ws = await websockets.connect(url)
-    for message in ({"type": "start", "format": "f32le", "seed": SEED}, {"type": "text", "text": TEXT},
-                    {"type": "end"}):
+    for message in (
+        {"type": "start", "format": "f32le", "seed": SEED},
+        {"type": "text", "text": TEXT},
+        {"type": "end"},
+    ):
         await ws.send(json.dumps(message))
     chunks = 0
     while True:
@@ -52,8 +56,9 @@ async def speak(url: str, drop_after: int | None = None) -> dict:
             ws.transport.abort()
             ws = await websockets.connect(url)
             sent = time.perf_counter()
-            await ws.send(json.dumps({"type": "resume", "token": token,
-                                      "contexts": [{"bytes": len(audio), "events": events}]}))
+            await ws.send(
+                json.dumps({"type": "resume", "token": token, "contexts": [{"bytes": len(audio), "events": events}]})
+            )
             assert json.loads(await ws.recv())["type"] == "resumed"
             figures["handshake_ms"] = (time.perf_counter() - sent) * 1000
             first = await ws.recv()
@@ -68,10 +73,13 @@ async def measure(url: str, drops: int) -> dict:
     for _ in range(2):
         reference = (await speak(url))["audio"]
     runs = [await speak(url, drop_after=1 + i % 6) for i in range(drops)]
-    return {"drops": drops, "exact": sum(run["audio"] == reference for run in runs),
-            "resume_ms": percentiles([run["resume_ms"] for run in runs]),
-            "handshake_ms": percentiles([run["handshake_ms"] for run in runs]),
-            "reference_bytes": len(reference)}
+    return {
+        "drops": drops,
+        "exact": sum(run["audio"] == reference for run in runs),
+        "resume_ms": percentiles([run["resume_ms"] for run in runs]),
+        "handshake_ms": percentiles([run["handshake_ms"] for run in runs]),
+        "reference_bytes": len(reference),
+    }
 
 
 def main() -> None:
@@ -80,14 +88,19 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny random-weight engine, not the shipped voices")
     args = parser.parse_args()
     if args.tiny:
-        from tests.helpers import tiny_random
+        from testkit import tiny_random
+
         engine = tiny_random(max_streams=4)
     else:
         from tts.api import get_engine
+
         engine = get_engine(compile=True)  # as `tts serve` runs it (TTS_NO_COMPILE=1: the eager step)
     with ServerThread(engine) as server:
-        report = {"engine": "tiny_random" if args.tiny else "shipped", "cpu_cores": os.cpu_count(),
-                  **asyncio.run(measure(server.ws_url, args.drops))}
+        report = {
+            "engine": "tiny_random" if args.tiny else "shipped",
+            "cpu_cores": os.cpu_count(),
+            **asyncio.run(measure(server.ws_url, args.drops)),
+        }
     print(json.dumps(report, indent=2))
 
 

@@ -13,6 +13,7 @@ audio's duration. Both reported as p50 and p99 over every utterance of every cli
 utterance per client. `server_overhead_ms_p50` is the client's TTFA minus the engine's own (text pushed to
 chunk decoded): what the socket, the audio pump and the client add.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,6 +57,7 @@ async def speak(ws, text: str) -> tuple[float, float, float]:
 
 async def client(url: str, index: int, rounds: int) -> list[tuple[float, float, float]]:
     import websockets
+
     async with websockets.connect(url) as ws:
         await speak(ws, SENTENCES[index % len(SENTENCES)])  # warm-up
         return [await speak(ws, SENTENCES[(index + r) % len(SENTENCES)]) for r in range(rounds)]
@@ -66,8 +68,14 @@ async def load(url: str, clients: int, rounds: int) -> dict:
     runs = [run for per_client in results for run in per_client]
     ttfa, rtf = percentiles([t for t, _, _ in runs]), percentiles([r for _, r, _ in runs])
     overhead = percentiles([t - engine for t, _, engine in runs])  # socket, pump and client, beyond the engine
-    return {"utterances": len(runs), "ttfa_ms_p50": ttfa["p50"], "ttfa_ms_p99": ttfa["p99"],
-            "rtf_p50": rtf["p50"], "rtf_p99": rtf["p99"], "server_overhead_ms_p50": overhead["p50"]}
+    return {
+        "utterances": len(runs),
+        "ttfa_ms_p50": ttfa["p50"],
+        "ttfa_ms_p99": ttfa["p99"],
+        "rtf_p50": rtf["p50"],
+        "rtf_p99": rtf["p99"],
+        "server_overhead_ms_p50": overhead["p50"],
+    }
 
 
 def main() -> None:
@@ -78,18 +86,25 @@ def main() -> None:
     args, rest = parser.parse_known_args()
     if args.agent:
         from bench.agent import main as agent
+
         return agent(rest + (["--tiny"] if args.tiny else []))
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.tiny:
-        from tests.helpers import tiny_random
+        from testkit import tiny_random
+
         engine = tiny_random(max_streams=4)
     else:
         from tts.api import get_engine
+
         engine = get_engine(compile=True)  # as `tts serve` runs it (TTS_NO_COMPILE=1: the eager step)
     rounds = 4 if args.quick else 12
-    report = {"engine": "tiny_random" if args.tiny else "shipped", "cpu_cores": os.cpu_count(),
-              "utterances_per_client": rounds, "concurrency": {}}
+    report = {
+        "engine": "tiny_random" if args.tiny else "shipped",
+        "cpu_cores": os.cpu_count(),
+        "utterances_per_client": rounds,
+        "concurrency": {},
+    }
     with ServerThread(engine) as server:
         for clients in (1, 2, 4):
             report["concurrency"][str(clients)] = asyncio.run(load(server.ws_url, clients, rounds))

@@ -22,6 +22,7 @@ stream opened, text, units back from the text thread, slot, first prefill, first
 job begun, delivered, read by the server, sent): the median of each stage's share over the minute's
 utterances, and the breakdown of the slowest three.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,24 +72,42 @@ class Tally:
         text: to the first audio sent, and to the engine's first chunk) tell where a slow one waited."""
         self.served += 1
         self.first_audio_ms.append((first - sent) * 1000)
-        server = {} if done is None else {"server_ttfa_ms": done.get("ttfa_ms"),
-                                          "engine_ttfa_ms": done.get("engine_ttfa_ms")}
-        self.utterances.append({"kind": kind, "sentence": SENTENCES.index(text), "sent": sent,
-                                "first_audio_ms": round((first - sent) * 1000, 1), **server})
+        server = (
+            {}
+            if done is None
+            else {"server_ttfa_ms": done.get("ttfa_ms"), "engine_ttfa_ms": done.get("engine_ttfa_ms")}
+        )
+        self.utterances.append(
+            {
+                "kind": kind,
+                "sentence": SENTENCES.index(text),
+                "sent": sent,
+                "first_audio_ms": round((first - sent) * 1000, 1),
+                **server,
+            }
+        )
 
     def report(self, rss_mb: float, sends: list[float], engine: dict) -> dict:
         ttfa = np.asarray(self.first_audio_ms) if self.first_audio_ms else np.zeros(1)
         p50, p99 = float(np.percentile(ttfa, 50)), float(np.percentile(ttfa, 99))
-        return {"served": self.served, "aborted": self.aborted, "slow_readers": self.slow,
-                "errors": dict(self.errors), "refusals": self.refusals,
-                "most_awaiting_resume": self.most_awaiting_resume,
-                "first_audio_ms_p50": round(p50, 1), "first_audio_ms_p99": round(p99, 1),
-                "p99_over_p50": round(p99 / p50, 2) if p50 else None, "rss_mb": round(rss_mb, 1),
-                "p50_by_kind": {kind: round(float(np.median([u["first_audio_ms"] for u in self.utterances
-                                                             if u["kind"] == kind])), 1)
-                                for kind in sorted({u["kind"] for u in self.utterances})},
-                "slowest": [_describe(u, sends) for u in sorted(self.utterances, key=lambda u: -u["first_audio_ms"])[:3]],
-                "engine": engine}
+        return {
+            "served": self.served,
+            "aborted": self.aborted,
+            "slow_readers": self.slow,
+            "errors": dict(self.errors),
+            "refusals": self.refusals,
+            "most_awaiting_resume": self.most_awaiting_resume,
+            "first_audio_ms_p50": round(p50, 1),
+            "first_audio_ms_p99": round(p99, 1),
+            "p99_over_p50": round(p99 / p50, 2) if p50 else None,
+            "rss_mb": round(rss_mb, 1),
+            "p50_by_kind": {
+                kind: round(float(np.median([u["first_audio_ms"] for u in self.utterances if u["kind"] == kind])), 1)
+                for kind in sorted({u["kind"] for u in self.utterances})
+            },
+            "slowest": [_describe(u, sends) for u in sorted(self.utterances, key=lambda u: -u["first_audio_ms"])[:3]],
+            "engine": engine,
+        }
 
 
 def _describe(utterance: dict, sends: list[float]) -> dict:
@@ -96,9 +115,11 @@ def _describe(utterance: dict, sends: list[float]) -> dict:
     WebSocket utterances were aborted in the 4 s before it (a dropped session's stream speaks on for up to the
     engine's 4 s queue, waiting for a resume: one more stream than slots meanwhile)."""
     sent = utterance["sent"]
-    return {**{k: v for k, v in utterance.items() if k != "sent"},
-            "sent_in_prior_500ms": sum(sent - 0.5 <= t < sent for t in sends),
-            "ws_aborts_in_prior_4s": sum(sent - 4 <= t < sent for t in WS_ABORTS)}
+    return {
+        **{k: v for k, v in utterance.items() if k != "sent"},
+        "sent_in_prior_500ms": sum(sent - 0.5 <= t < sent for t in sends),
+        "ws_aborts_in_prior_4s": sum(sent - 4 <= t < sent for t in WS_ABORTS),
+    }
 
 
 async def _refused(tally: Tally, code: str, message: str, base: str) -> None:
@@ -107,8 +128,16 @@ async def _refused(tally: Tally, code: str, message: str, base: str) -> None:
     if ("server_full" in code or "client_limit" in code) and len(tally.refusals) < 5:
         async with httpx.AsyncClient(base_url=base, timeout=30) as http:
             health = (await http.get("/health")).json()
-        tally.refusals.append({"code": code, "message": message, "server_after": {
-            name: health.get(name) for name in ("connections", "clients", "awaiting_resume", "streams", "queued")}})
+        tally.refusals.append(
+            {
+                "code": code,
+                "message": message,
+                "server_after": {
+                    name: health.get(name)
+                    for name in ("connections", "clients", "awaiting_resume", "streams", "queued")
+                },
+            }
+        )
 
 
 async def _read_slowly(chunk_bytes: int) -> None:
@@ -175,8 +204,15 @@ async def http_utterance(http: httpx.AsyncClient, text: str, abort: bool, slow: 
     tally.add("http", text, sent, first)
 
 
-async def client(base: str, http: httpx.AsyncClient, index: int, until: float, minutes: list[Tally],
-                 started: float, abort_share: float) -> None:
+async def client(
+    base: str,
+    http: httpx.AsyncClient,
+    index: int,
+    until: float,
+    minutes: list[Tally],
+    started: float,
+    abort_share: float,
+) -> None:
     rng = random.Random(index)
     async with http:
         while time.monotonic() < until:
@@ -198,8 +234,7 @@ async def warm_up(base: str, clients: int) -> float:
     started = time.monotonic()
     async with httpx.AsyncClient(base_url=base, timeout=600) as http:
         for _ in range(2):
-            await asyncio.gather(*(http_utterance(http, SENTENCES[0], False, False, Tally())
-                                   for _ in range(clients)))
+            await asyncio.gather(*(http_utterance(http, SENTENCES[0], False, False, Tally()) for _ in range(clients)))
     return time.monotonic() - started
 
 
@@ -214,8 +249,10 @@ async def soak(base: str, minutes: int, clients: int, server: psutil.Process, ab
     STARTED.append(time.perf_counter())
     tallies = [Tally() for _ in range(minutes)]
     rss_start = server.memory_info().rss / 2**20
-    tasks = [asyncio.create_task(client(base, https[i], i, started + 60 * minutes, tallies, started, abort_share))
-             for i in range(clients)]
+    tasks = [
+        asyncio.create_task(client(base, https[i], i, started + 60 * minutes, tallies, started, abort_share))
+        for i in range(clients)
+    ]
     sampler = asyncio.create_task(_sample_awaiting_resume(base, tallies, started))
     reports = []
     for minute in range(minutes):
@@ -226,12 +263,19 @@ async def soak(base: str, minutes: int, clients: int, server: psutil.Process, ab
     sampler.cancel()
     errors = sum((Counter(r["errors"]) for r in reports), Counter())
     rss = [r["rss_mb"] for r in reports]
-    return {"minutes": reports, "clients": clients, "warm_up_s": round(warm_up_s, 1),
-            "served": sum(r["served"] for r in reports), "aborted": sum(r["aborted"] for r in reports),
-            "slow_readers": sum(r["slow_readers"] for r in reports), "errors": dict(errors),
-            "rss_mb_start": round(rss_start, 1), "rss_mb_end": rss[-1],
-            "rss_growth_after_minute_1_mb": round(rss[-1] - rss[0], 1),
-            "worst_p99_over_p50": max((r["p99_over_p50"] or 0) for r in reports)}
+    return {
+        "minutes": reports,
+        "clients": clients,
+        "warm_up_s": round(warm_up_s, 1),
+        "served": sum(r["served"] for r in reports),
+        "aborted": sum(r["aborted"] for r in reports),
+        "slow_readers": sum(r["slow_readers"] for r in reports),
+        "errors": dict(errors),
+        "rss_mb_start": round(rss_start, 1),
+        "rss_mb_end": rss[-1],
+        "rss_growth_after_minute_1_mb": round(rss[-1] - rss[0], 1),
+        "worst_p99_over_p50": max((r["p99_over_p50"] or 0) for r in reports),
+    }
 
 
 async def _sample_awaiting_resume(base: str, minutes: list[Tally], started: float) -> None:
@@ -251,14 +295,20 @@ async def _engine_figures(base: str) -> dict:
     async with httpx.AsyncClient(base_url=base, timeout=30) as http:
         engine = (await http.get("/health")).json().get("engine", {})
     parking = engine.get("parking", {})
-    return {"tick_ms_p99": engine.get("tick_ms", {}).get("p99"), "step_kind": engine.get("step_kind"),
-            "slot_waits": engine.get("slot_waits"), "parks": engine.get("parks"),
-            "parked_disk": parking.get("parked", {}).get("disk"), "spills": parking.get("spill_ms", {}).get("count"),
-            "slowest_ticks_ms": engine.get("slowest_ticks_ms"), "codec_queued": engine.get("codec_queued")}
+    return {
+        "tick_ms_p99": engine.get("tick_ms", {}).get("p99"),
+        "step_kind": engine.get("step_kind"),
+        "slot_waits": engine.get("slot_waits"),
+        "parks": engine.get("parks"),
+        "parked_disk": parking.get("parked", {}).get("disk"),
+        "spills": parking.get("spill_ms", {}).get("count"),
+        "slowest_ticks_ms": engine.get("slowest_ticks_ms"),
+        "codec_queued": engine.get("codec_queued"),
+    }
 
 
 def timeline_by_minute(lines: list[dict], started: float, minutes: int) -> list[dict]:
-    """The server's timelines (one per stream, `Hub` with TTS_TIMELINE_LOG) of served utterances, by the minute
+    """The server's timelines (one per stream, TTS_TIMELINE_LOG) of served utterances, by the minute
     their request came in: the server's first audio (request to sent) p50/p99, each stage's median (ms since the
     stage before it), and the slowest three stage by stage with the engine ticks from first step to first chunk.
     Stages as `_stages` counts them."""
@@ -273,12 +323,23 @@ def timeline_by_minute(lines: list[dict], started: float, minutes: int) -> list[
         total = np.asarray([line["timeline_ms"]["sent"] for line in those])
         names = [name for name in TIMELINE[1:] if any(name in s for s in stages)]
         slowest = np.argsort(-total)[:3]
-        report.append({"server_first_audio_ms_p50": round(float(np.percentile(total, 50)), 1),
-                       "server_first_audio_ms_p99": round(float(np.percentile(total, 99)), 1),
-                       "stage_ms_p50": {name: round(float(np.median([s.get(name, 0.0) for s in stages])), 1)
-                                        for name in names},
-                       "slowest": [{"first_audio_ms": float(total[i]), "ticks_to_due": those[i]["ticks_to_due"],
-                                    "stages_ms": stages[i]} for i in slowest]})
+        report.append(
+            {
+                "server_first_audio_ms_p50": round(float(np.percentile(total, 50)), 1),
+                "server_first_audio_ms_p99": round(float(np.percentile(total, 99)), 1),
+                "stage_ms_p50": {
+                    name: round(float(np.median([s.get(name, 0.0) for s in stages])), 1) for name in names
+                },
+                "slowest": [
+                    {
+                        "first_audio_ms": float(total[i]),
+                        "ticks_to_due": those[i]["ticks_to_due"],
+                        "stages_ms": stages[i],
+                    }
+                    for i in slowest
+                ],
+            }
+        )
     return report
 
 
@@ -305,6 +366,7 @@ def _trace_memory(every_s: float = 60.0, top: int = 12) -> None:
     JSON lines on stderr. Memory outside Python's allocator (torch tensors, ONNX Runtime) is RSS but untraced."""
     import threading
     import tracemalloc
+
     tracemalloc.start(4)
     me = psutil.Process()
 
@@ -315,12 +377,24 @@ def _trace_memory(every_s: float = 60.0, top: int = 12) -> None:
             snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
             first = first or snapshot
             grown = snapshot.compare_to(first, "traceback")[:top]
-            print(json.dumps({"rss_mb": round(me.memory_info().rss / 2**20, 1),
-                              "traced_mb": round(tracemalloc.get_traced_memory()[0] / 2**20, 1),
-                              "grown_since_first": [{"kb": round(s.size_diff / 1024, 1), "count": s.count_diff,
-                                                     "where": [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}"
-                                                               for f in s.traceback]} for s in grown]}),
-                  file=sys.stderr, flush=True)
+            print(
+                json.dumps(
+                    {
+                        "rss_mb": round(me.memory_info().rss / 2**20, 1),
+                        "traced_mb": round(tracemalloc.get_traced_memory()[0] / 2**20, 1),
+                        "grown_since_first": [
+                            {
+                                "kb": round(s.size_diff / 1024, 1),
+                                "count": s.count_diff,
+                                "where": [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in s.traceback],
+                            }
+                            for s in grown
+                        ],
+                    }
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
 
     threading.Thread(target=report, daemon=True, name="trace-memory").start()
 
@@ -329,7 +403,9 @@ def _serve(port: int, tiny: bool, trace_memory: bool = False) -> None:
     """The child process: the server, as `tts serve` runs it (or on the tiny engine). Each full (generation 2)
     garbage collection is logged to stderr with its pause: one walks the whole heap with the GIL held."""
     import gc
+
     from server import serve
+
     if trace_memory:
         _trace_memory()
     started = {}
@@ -339,13 +415,23 @@ def _serve(port: int, tiny: bool, trace_memory: bool = False) -> None:
             if phase == "start":
                 started["at"] = time.perf_counter()
             else:
-                print(json.dumps({"gc_generation_2_ms": round((time.perf_counter() - started["at"]) * 1000, 1),
-                                  "objects_tracked": len(gc.get_objects())}), file=sys.stderr, flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "gc_generation_2_ms": round((time.perf_counter() - started["at"]) * 1000, 1),
+                            "objects_tracked": len(gc.get_objects()),
+                        }
+                    ),
+                    file=sys.stderr,
+                    flush=True,
+                )
+
     gc.callbacks.append(note)
     engine = None
     if tiny:  # as `tts serve` builds its engine: as many open streams as connections, those waiting parked
-        from streaming.limits import Limits
-        from tests.helpers import tiny_random
+        from serving.limits import Limits
+        from testkit import tiny_random
+
         engine = tiny_random(max_streams=4, max_open=Limits().max_connections)
     serve(port=port, engine=engine, log_level="warning")
 
@@ -363,13 +449,23 @@ def _wait_healthy(base: str, child: subprocess.Popen, seconds: float = 600) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=int, default=10)
-    parser.add_argument("--abort", type=float, default=ABORT,
-                        help=f"share of utterances aborted after their first audio (default {ABORT})")
+    parser.add_argument(
+        "--abort",
+        type=float,
+        default=ABORT,
+        help=f"share of utterances aborted after their first audio (default {ABORT})",
+    )
     parser.add_argument("--tiny", action="store_true", help="the tiny random-weight engine, not the shipped voices")
-    parser.add_argument("--trace-memory", action="store_true",
-                        help="diagnosis: the server's Python allocations that grew, every minute on stderr (slower)")
-    parser.add_argument("--timeline", action="store_true",
-                        help="diagnosis: per minute, where the server's first audios waited (stage by stage)")
+    parser.add_argument(
+        "--trace-memory",
+        action="store_true",
+        help="diagnosis: the server's Python allocations that grew, every minute on stderr (slower)",
+    )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="diagnosis: per minute, where the server's first audios waited (stage by stage)",
+    )
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the child process: serve on this port
     args = parser.parse_args()
     if args.serve:
@@ -382,8 +478,12 @@ def main() -> None:
         handle, timeline = tempfile.mkstemp(prefix="soak-timeline-", suffix=".jsonl")
         os.close(handle)
         env["TTS_TIMELINE_LOG"] = timeline
-    child = subprocess.Popen([sys.executable, "-m", "bench.soak", "--serve", str(port)] + ["--tiny"] * args.tiny
-                             + ["--trace-memory"] * args.trace_memory, env=env)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "bench.soak", "--serve", str(port)]
+        + ["--tiny"] * args.tiny
+        + ["--trace-memory"] * args.trace_memory,
+        env=env,
+    )
     try:
         slots = _wait_healthy(base, child)["slots"]
         report = asyncio.run(soak(base, args.minutes, slots, psutil.Process(child.pid), args.abort))
@@ -396,8 +496,12 @@ def main() -> None:
         os.unlink(timeline)
         for minute, figures in zip(report["minutes"], breakdown):
             minute["timeline"] = figures
-    report = {"engine": "tiny_random" if args.tiny else "shipped", "cpu_cores": os.cpu_count(), "abort": args.abort,
-              **report}
+    report = {
+        "engine": "tiny_random" if args.tiny else "shipped",
+        "cpu_cores": os.cpu_count(),
+        "abort": args.abort,
+        **report,
+    }
     print(json.dumps(report, indent=2))
 
 

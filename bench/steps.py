@@ -21,6 +21,7 @@ CPU time, and ``frame_ms_p50`` = call p50 / (batch x chunk), the decoder's cost 
 ``frame_cpu_ms_p50`` the same from CPU time, less disturbed by other processes).
 ``max_abs_audio_diff`` compares onnxruntime's chunked audio with the torch decoder's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,13 @@ import torch
 
 from streaming.slots import CHUNK_SCHEDULE
 
-KINDS = ("eager", "lean", "onnxruntime", "onnxruntime-int8", "compiled")  # also "aot_inductor", on request: minutes to build
+KINDS = (
+    "eager",
+    "lean",
+    "onnxruntime",
+    "onnxruntime-int8",
+    "compiled",
+)  # also "aot_inductor", on request: minutes to build
 
 
 def aot_inductor_factory(model):
@@ -47,8 +54,12 @@ def aot_inductor_factory(model):
 
     def make(model, caches, batch, device):
         path = ort.cache_dir() / f"aot-b{batch}-{ort.onnx_path(model).stem}.pt2"
-        args = (*step_inputs(model.cfg, batch, 0), caches.text[0].positions, caches.audio[0].positions,
-                *ring_tensors(caches))
+        args = (
+            *step_inputs(model.cfg, batch, 0),
+            caches.text[0].positions,
+            caches.audio[0].positions,
+            *ring_tensors(caches),
+        )
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             program = torch.export.export(lean_module(model), args, strict=False)
@@ -56,26 +67,32 @@ def aot_inductor_factory(model):
         runner = torch._inductor.aoti_load_package(str(path))
 
         def step(model, caches, tokens, frame, unit, active):
-            logits, *writes = runner(tokens, frame, unit, active, caches.text[0].positions,
-                                     caches.audio[0].positions, *ring_tensors(caches))
+            logits, *writes = runner(
+                tokens, frame, unit, active, caches.text[0].positions, caches.audio[0].positions, *ring_tensors(caches)
+            )
             write_rings(caches, *writes)
             return logits
+
         return step
+
     return make
 
 
 def factory(kind: str, model):
     """A step factory for ``kind``, built (and, for onnxruntime, exported) now."""
-    from streaming.decode import decode_step
+    from streaming.step_caches import decode_step
+
     if kind == "eager":
         return lambda model, caches, batch, device: decode_step
     if kind == "lean":
         from kernels.lean import lean_factory
+
         return lean_factory
     if kind.startswith("onnxruntime"):
         return ort_factory(model, kind.endswith("int8"))
     if kind == "compiled":
         from kernels.compiled import CompiledStep
+
         return CompiledStep
     if kind == "aot_inductor":
         return aot_inductor_factory(model)
@@ -86,6 +103,7 @@ def ort_factory(model, int8: bool):
     """The ONNX Runtime step factory, fp32 or int8, exported (and quantised) now if not cached. The
     quantiser runs in a child process as in `kernels.auto` (importing it sets INFO logging)."""
     from kernels import ort
+
     path = ort.load(model, int8)
     if path is None:
         path = ort.onnx_path(model, int8)
@@ -99,11 +117,13 @@ def ort_factory(model, int8: bool):
 
 def full_caches(cfg, batch: int, seed: int = 0):
     """Caches as in steady speech: every ring slot holds a visible position, keys and values random."""
-    from streaming.decode import StepCaches
+    from streaming.step_caches import StepCaches
+
     caches = StepCaches.empty(cfg, batch)
     g = torch.Generator().manual_seed(seed)
-    for tensor in [t for pair in caches.sinks for t in pair] + [t for r in caches.text + caches.audio
-                                                                for t in (r.keys, r.values)]:
+    for tensor in [t for pair in caches.sinks for t in pair] + [
+        t for r in caches.text + caches.audio for t in (r.keys, r.values)
+    ]:
         tensor.copy_(torch.randn(tensor.shape, generator=g) * 0.5)
     caches.audio[0].positions.copy_(torch.arange(1000 - caches.audio[0].capacity, 1000).expand(batch, -1))
     caches.text[0].positions.copy_(torch.arange(330, 330 + caches.text[0].capacity).expand(batch, -1))
@@ -137,14 +157,18 @@ def time_steps(model, kinds: dict, batch: int, rounds: int, per_round: int) -> d
     summary = {}
     for kind in kinds:
         w, c = np.asarray(wall[kind]), np.asarray(cpu[kind])
-        summary[kind] = {"p50": round(float(np.percentile(w, 50)), 3), "p99": round(float(np.percentile(w, 99)), 3),
-                         "cpu_p50": round(float(np.percentile(c, 50)), 3),
-                         "cpu_p99": round(float(np.percentile(c, 99)), 3)}
+        summary[kind] = {
+            "p50": round(float(np.percentile(w, 50)), 3),
+            "p99": round(float(np.percentile(w, 99)), 3),
+            "cpu_p50": round(float(np.percentile(c, 50)), 3),
+            "cpu_p99": round(float(np.percentile(c, 99)), 3),
+        }
     return summary
 
 
 def logit_diff(model, kinds: dict, batch: int = 2, steps: int = 30) -> dict:
-    from streaming.decode import decode_step
+    from streaming.step_caches import decode_step
+
     cfg = model.cfg
     out = {}
     for kind, make in kinds.items():
@@ -162,6 +186,7 @@ def codec_steps(codec, batches: list[int], chunks: list[int], rounds: int, per_r
     """Decode-call times of the torch decoder and ONNX Runtime's (exported now if not cached), interleaved
     in rounds as `time_steps`; random codes, the state carried across calls as in speech."""
     from kernels import ort_codec
+
     path = ort_codec.load(codec)
     if path is None:
         path = ort_codec.onnx_path(codec)
@@ -186,29 +211,36 @@ def codec_steps(codec, batches: list[int], chunks: list[int], rounds: int, per_r
             for kind in steps:
                 p50 = float(np.percentile(wall[kind], 50))
                 result[kind].setdefault(str(chunk), {})[str(batch)] = {
-                    "p50": round(p50, 3), "p99": round(float(np.percentile(wall[kind], 99)), 3),
+                    "p50": round(p50, 3),
+                    "p99": round(float(np.percentile(wall[kind], 99)), 3),
                     "cpu_p50": round(float(np.percentile(cpu[kind], 50)), 3),
                     "frame_ms_p50": round(p50 / (batch * chunk), 3),
-                    "frame_cpu_ms_p50": round(float(np.percentile(cpu[kind], 50)) / (batch * chunk), 3)}
+                    "frame_cpu_ms_p50": round(float(np.percentile(cpu[kind], 50)) / (batch * chunk), 3),
+                }
     return {"codec_ms": result, "max_abs_audio_diff": codec_audio_diff(codec, steps["onnxruntime"])}
 
 
 def codec_audio_diff(codec, step, frames: int = 40, chunk: int = 4) -> float:
     """The largest difference between ``step``'s chunked decode of 2 streams and the torch decoder's."""
-    codes = torch.randint(0, codec.cfg.codebook_size, (2, codec.cfg.codebooks, frames),
-                          generator=torch.Generator().manual_seed(1))
+    codes = torch.randint(
+        0, codec.cfg.codebook_size, (2, codec.cfg.codebooks, frames), generator=torch.Generator().manual_seed(1)
+    )
     want, got = codec.init_state(2), codec.init_state(2)
     worst = 0.0
     for t in range(0, frames, chunk):
-        part = codes[..., t:t + chunk]
+        part = codes[..., t : t + chunk]
         worst = max(worst, float((step(part, got) - codec.decode_step(part, want)).abs().max()))
     return worst
 
 
 def build_in_fresh_process(kind: str, cache: str, threads: int) -> dict:
     env = dict(os.environ, TTS_CACHE_DIR=cache, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))
-    done = subprocess.run([sys.executable, "-m", "bench.steps", "--build-only", kind, "--threads", str(threads)],
-                          env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.steps", "--build-only", kind, "--threads", str(threads)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if done.returncode:
         return {"error": done.stderr.strip().splitlines()[-1:]}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -217,15 +249,23 @@ def build_in_fresh_process(kind: str, cache: str, threads: int) -> dict:
 def build_only(kind: str) -> None:
     """Load the model, then time building ``kind``'s step for batch 1 (what a process pays before its first step)."""
     import psutil
+
     from tts.model import load_model
     from tts.voices import VOICES_DIR
+
     model, _ = load_model(VOICES_DIR)
     rss = psutil.Process().memory_info().rss
     start = time.perf_counter()
     make = factory(kind, model)
     step = make(model, full_caches(model.cfg, 1), 1, "cpu")  # held: the lean step's weights live as long as it
-    print(json.dumps({"build_s": round(time.perf_counter() - start, 2),
-                      "rss_mb": round((psutil.Process().memory_info().rss - rss) / 2**20, 1)}))
+    print(
+        json.dumps(
+            {
+                "build_s": round(time.perf_counter() - start, 2),
+                "rss_mb": round((psutil.Process().memory_info().rss - rss) / 2**20, 1),
+            }
+        )
+    )
     del step
 
 
@@ -235,11 +275,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--kinds", nargs="*", default=None, help=f"default: {' '.join(KINDS)} (--quick: no compiled)")
-    parser.add_argument("--chunks", type=int, nargs="*", default=sorted(set(CHUNK_SCHEDULE)),
-                        help="codec chunk lengths (frames)")
+    parser.add_argument(
+        "--chunks", type=int, nargs="*", default=sorted(set(CHUNK_SCHEDULE)), help="codec chunk lengths (frames)"
+    )
     parser.add_argument("--codec-only", action="store_true", help="only the codec decoder rows")
     parser.add_argument("--quality", type=int, metavar="N", help="only the int8-against-fp32 quality rows, N sentences")
-    parser.add_argument("--skip", type=int, default=100, help="--quality: Harvard sentences to skip (bench.wer uses the first 100)")
+    parser.add_argument(
+        "--skip", type=int, default=100, help="--quality: Harvard sentences to skip (bench.wer uses the first 100)"
+    )
     parser.add_argument("--build-only", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -256,21 +299,30 @@ def main() -> None:
     builds = {}
     with tempfile.TemporaryDirectory() as cache:
         for kind in kinds:
-            builds[kind] = {"cold": build_in_fresh_process(kind, cache, args.threads),
-                            "warm": build_in_fresh_process(kind, cache, args.threads)}
+            builds[kind] = {
+                "cold": build_in_fresh_process(kind, cache, args.threads),
+                "warm": build_in_fresh_process(kind, cache, args.threads),
+            }
     from tts.model import load_model
     from tts.voices import VOICES_DIR
+
     model, _ = load_model(VOICES_DIR)
     made = {kind: factory(kind, model) for kind in kinds}
     load_before = os.getloadavg()[0]
     timings = {str(b): time_steps(model, made, b, rounds, per_round) for b in args.batches}
-    result = {"threads": args.threads, "cores": os.cpu_count(), "torch": torch.__version__,
-              "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-              "step_ms": {kind: {b: timings[b][kind] for b in timings} for kind in kinds},
-              "build": builds, "max_abs_logit_diff": logit_diff(model, made)}
+    result = {
+        "threads": args.threads,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "step_ms": {kind: {b: timings[b][kind] for b in timings} for kind in kinds},
+        "build": builds,
+        "max_abs_logit_diff": logit_diff(model, made),
+    }
     result["codec"] = codec_report(args, rounds, per_round // 5)
     try:
         import onnxruntime
+
         result["onnxruntime"] = onnxruntime.__version__
     except ImportError:
         pass
@@ -284,14 +336,14 @@ def quality(n: int, skip: int) -> dict:
     step differ, the yardstick a gap is judged against). Whisper tiny.en WER and DNSMOS OVRL per sentence
     (`bench.quality`'s trim and normalisation); ``*_minus_fp32``: paired mean differences with their
     standard errors. Largest logit difference from fp32 over 100 steps of steady speech, too."""
-    from bench.common import harvard
-    from bench.common import corpus_form, dnsmos
+    from bench.common import corpus_form, dnsmos, harvard
     from kernels.auto import faster_codec_step
     from streaming.engine import Engine
     from tts import SAMPLE_RATE
     from tts.api import synthesize
     from tts.asr import transcribe, wer
     from tts.voices import load_shipped
+
     model, codec, presets = load_shipped()
     texts, voices = harvard(skip + n)[skip:], list(presets)
     codec_step = faster_codec_step(codec).result(timeout=900)
@@ -303,18 +355,28 @@ def quality(n: int, skip: int) -> dict:
         rows[name] = []
         for i, text in enumerate(texts):
             audio = synthesize(text, voice=voices[i % len(voices)], engine=engine, seed=seeds + i)
-            rows[name].append({"wer": wer(text, transcribe(audio, SAMPLE_RATE)),
-                               "ovrl": dnsmos(corpus_form(audio, SAMPLE_RATE))["ovrl"]})
+            rows[name].append(
+                {
+                    "wer": wer(text, transcribe(audio, SAMPLE_RATE)),
+                    "ovrl": dnsmos(corpus_form(audio, SAMPLE_RATE))["ovrl"],
+                }
+            )
         engine.close()
-    report = {"sentences": n, "skip": skip, "voices": voices,
-              "logit_diff_int8": logit_diff(model, {"int8": ort_factory(model, True)}, steps=100)["int8"]}
+    report = {
+        "sentences": n,
+        "skip": skip,
+        "voices": voices,
+        "logit_diff_int8": logit_diff(model, {"int8": ort_factory(model, True)}, steps=100)["int8"],
+    }
     for name in runs:
         report[name] = {key: round(float(np.mean([r[key] for r in rows[name]])), 4) for key in ("wer", "ovrl")}
     for name in ("int8", "fp32_reseeded"):
         for key in ("wer", "ovrl"):
             gaps = np.array([a[key] - b[key] for a, b in zip(rows[name], rows["fp32"])])
-            report[f"{name}_minus_fp32_{key}"] = {"mean": round(float(gaps.mean()), 4),
-                                                  "sem": round(float(gaps.std(ddof=1) / np.sqrt(len(gaps))), 4)}
+            report[f"{name}_minus_fp32_{key}"] = {
+                "mean": round(float(gaps.mean()), 4),
+                "sem": round(float(gaps.std(ddof=1) / np.sqrt(len(gaps))), 4),
+            }
     return report
 
 
@@ -322,6 +384,7 @@ def codec_report(args, rounds: int, per_round: int) -> dict:
     """The codec rows on the shipped codec, with the machine's load before and after."""
     from tts.codec import load_codec
     from tts.voices import VOICES_DIR
+
     codec = load_codec(VOICES_DIR)
     load_before = os.getloadavg()[0]
     rows = codec_steps(codec, args.batches, args.chunks, rounds, max(per_round, 5))

@@ -13,6 +13,7 @@ abbreviations, Roman numerals: what users paste) and the first 40 Harvard senten
 reference and transcript are normalised the same way (`tts.asr.words`), so "$5M" and a transcript's
 "5 million dollars" agree. Target: the token-heavy WER within 5 points of the plain one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,9 +50,14 @@ def token_check(engine) -> dict:
         scores[name] = rows
     mean = {name: round(float(np.mean([w for w, _, _ in rows])), 4) for name, rows in scores.items()}
     worst = sorted(scores["tokens"], reverse=True)[:5]
-    return {"voice": voice, "sentences": len(token_lines), "wer_tokens": mean["tokens"], "wer_plain": mean["plain"],
-            "gap_points": round(100 * (mean["tokens"] - mean["plain"]), 2),
-            "worst": [{"wer": round(w, 3), "text": t, "heard": h} for w, t, h in worst]}
+    return {
+        "voice": voice,
+        "sentences": len(token_lines),
+        "wer_tokens": mean["tokens"],
+        "wer_plain": mean["plain"],
+        "gap_points": round(100 * (mean["tokens"] - mean["plain"]), 2),
+        "worst": [{"wer": round(w, 3), "text": t, "heard": h} for w, t, h in worst],
+    }
 
 
 def main() -> None:
@@ -77,10 +83,15 @@ def main() -> None:
             teacher_wer.append(wer(text, transcribe(reference, sr)))
             ratios.append(trimmed_seconds(audio, SAMPLE_RATE) / max(trimmed_seconds(reference, sr), 1e-3))
         ratios = np.asarray(ratios)
-        report[voice] = {"wer": round(float(np.mean(ours_wer)), 4), "teacher_wer": round(float(np.mean(teacher_wer)), 4),
-                         "teacher": engine.voices[voice]["teacher"], "sentences": len(sentences),
-                         "duration_ratio_median": round(float(np.median(ratios)), 3),
-                         "runaway": int((ratios > 2.5).sum()), "cut_short": int((ratios < 0.5).sum())}
+        report[voice] = {
+            "wer": round(float(np.mean(ours_wer)), 4),
+            "teacher_wer": round(float(np.mean(teacher_wer)), 4),
+            "teacher": engine.voices[voice]["teacher"],
+            "sentences": len(sentences),
+            "duration_ratio_median": round(float(np.median(ratios)), 3),
+            "runaway": int((ratios > 2.5).sum()),
+            "cut_short": int((ratios < 0.5).sum()),
+        }
     default = engine.default_voice
     summary = {"default_voice": default}
     if default in report:

@@ -9,6 +9,7 @@ word sequences: a word Whisper misheard is left out, not mismatched). Reports th
 |ours - Whisper's| start, over matched words, and the share of written words matched. Issue 23's target: median
 within 80 ms. Whisper's own word timestamps are approximate (tens of ms), so this bounds our error from above.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,11 @@ def start_errors(ours: list[dict], heard: list[tuple[str, float, float]]) -> tup
     mine = [(t[0], w["start"]) for w in ours if (t := words(w["word"]))]
     theirs = [(t[0], start) for word, start, _ in heard if (t := words(word))]
     matcher = difflib.SequenceMatcher(a=[w for w, _ in mine], b=[w for w, _ in theirs], autojunk=False)
-    errors = [abs(mine[block.a + k][1] - theirs[block.b + k][1])
-              for block in matcher.get_matching_blocks() for k in range(block.size)]
+    errors = [
+        abs(mine[block.a + k][1] - theirs[block.b + k][1])
+        for block in matcher.get_matching_blocks()
+        for k in range(block.size)
+    ]
     return errors, len(mine)
 
 
@@ -47,11 +51,23 @@ def main() -> None:
         errors += found
         total += count
     ms = np.array(errors) * 1000
-    print(json.dumps({"voice": args.voice or "default", "sentences": args.n, "words": total,
-                      "matched": len(errors), "matched_share": round(len(errors) / max(total, 1), 3),
-                      "start_error_ms": {"median": round(float(np.median(ms)), 1),
-                                         "p90": round(float(np.percentile(ms, 90)), 1),
-                                         "mean": round(float(ms.mean()), 1)}}, indent=1))
+    print(
+        json.dumps(
+            {
+                "voice": args.voice or "default",
+                "sentences": args.n,
+                "words": total,
+                "matched": len(errors),
+                "matched_share": round(len(errors) / max(total, 1), 3),
+                "start_error_ms": {
+                    "median": round(float(np.median(ms)), 1),
+                    "p90": round(float(np.percentile(ms, 90)), 1),
+                    "mean": round(float(ms.mean()), 1),
+                },
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

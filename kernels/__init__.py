@@ -2,6 +2,7 @@
 `Engine.set_step_factory` (`factory(model, caches, batch, device) -> step`). Kill switches:
 TTS_NO_GRAPH=1 (no CUDA graph), TTS_NO_COMPILE=1 (no compiled step), TTS_NO_ORT=1 (no ONNX Runtime step),
 TTS_NO_QUANT=1 (the ONNX Runtime step keeps fp32 weights instead of int8)."""
+
 from __future__ import annotations
 
 from streaming.codec_worker import fast_path_enabled as enabled
@@ -18,6 +19,8 @@ def default_step_factory(device="cpu", compile: bool = False):
 
         def compiled(model, caches, batch, device):
             return CompiledStep(model, caches, batch, device)
+
         return compiled
-    from kernels.auto import default_step_factory as best
+    from kernels.auto import auto_step_factory as best
+
     return best(device)

@@ -1,6 +1,6 @@
 """The CPU step every path gets by default, with no build wait anyone can see.
 
-`default_step_factory()` returns a factory that, for a model:
+`auto_step_factory()` returns a factory that, for a model:
   1. runs ONNX Runtime at once from the graph shipped for the model's config (`kernels.weightless`: the
      int8 step, or with TTS_NO_QUANT=1 the fp32 one, its weights made from the model at load);
   2. else at once if the model's int8 export is in the disk cache (`kernels.ort`; with TTS_NO_QUANT=1 the
@@ -16,6 +16,7 @@ of the ONNX Runtime decode step, at once from the shipped graph or the disk cach
 export, for `Engine.set_codec_step`; meanwhile, and whenever it cannot be had, the torch decoder decodes.
 Measured choices (2-core machine, one thread): see ``python -m bench.steps`` (``--codec-only``: the decoder).
 """
+
 from __future__ import annotations
 
 import threading
@@ -24,7 +25,8 @@ import weakref
 from concurrent.futures import Future
 from pathlib import Path
 
-from kernels import ort, weightless
+import kernels.ort as ort
+import kernels.weightless as weightless
 from kernels.lean import EagerLeanStep
 
 
@@ -37,7 +39,7 @@ class DefaultStepFactory:
         self.kind = "lean"
         self._lock = threading.Lock()
         self._building = False
-        self._shipped_steps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> factory or None
+        self._shipped_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> factory or None
 
     def prepare(self, model) -> None:
         """Open ``model``'s shipped graph now, while the engine loads, rather than on its first tick (about
@@ -87,21 +89,26 @@ class DefaultStepFactory:
         return shipped
 
     def _cuda(self, model, caches, batch, device):
-        from kernels import enabled
+        from streaming.codec_worker import fast_path_enabled as enabled
+
         if enabled("graph"):
             from kernels.cuda_graph import GraphedStep
+
             self.kind = "cuda_graph"
             return GraphedStep(model, caches, batch, device)
-        from streaming.decode import decode_step
+        from streaming.step_caches import decode_step
+
         self.kind = "eager"
         return decode_step
 
     def when_faster(self, callback) -> None:
         """Call ``callback(factory)`` when a faster factory is ready (at once if it already is; never if
         none will be). Typical: ``factory.when_faster(engine.set_step_factory)``."""
+
         def hand_over(done: Future):
             if done.result() is not None:
                 callback(done.result())
+
         self.faster.add_done_callback(hand_over)
 
     def _resolve(self, value) -> None:
@@ -116,15 +123,21 @@ class DefaultStepFactory:
                 return
             self._building = True
         paths = [ort.onnx_path(model)] + ([ort.onnx_path(model, int8=True)] if int8 else [])
-        build_in_background(model, paths, "kernels.ort", ort.factory, self._resolve,
-                            "ONNX Runtime step unavailable, staying on the step in use")
+        build_in_background(
+            model,
+            paths,
+            "kernels.ort",
+            ort.factory,
+            self._resolve,
+            "ONNX Runtime step unavailable, staying on the step in use",
+        )
 
 
 def shipped_session(module, kind: str, what: str):
-    """`kernels.weightless.session` of ``module``'s graph ``kind``: None when none ships for its key, or
+    """`kernels.weightless.graph_session` of ``module``'s graph ``kind``: None when none ships for its key, or
     (with a warning naming ``what``) when ONNX Runtime cannot use it; the caller then builds instead."""
     try:
-        return weightless.session(module, kind)
+        return weightless.graph_session(module, kind)
     except Exception as err:  # a graph this ONNX Runtime cannot load, say
         warnings.warn(f"shipped {what} graph unusable, building the {what} instead: {err}")
         return None
@@ -148,11 +161,11 @@ def build_in_background(module, paths: list[Path], runner: str, make, resolve, f
     threading.Thread(target=run, name=f"tts-build-{path.stem}", daemon=True).start()
 
 
-def default_step_factory(device="cpu") -> DefaultStepFactory:
+def auto_step_factory(device="cpu") -> DefaultStepFactory:
     """The step factory every path should use (``device`` is where the engine runs; the factory also
     reads it per call). Typical use::
 
-        factory = default_step_factory(device)
+        factory = auto_step_factory(device)
         engine = Engine(model, codec, voices, device=device, step_factory=factory)
         factory.when_faster(engine.set_step_factory)
     """
@@ -169,7 +182,8 @@ def faster_codec_step(codec, device="cpu") -> Future:
 
         faster_codec_step(codec).add_done_callback(lambda done: engine.set_codec_step(done.result()))
     """
-    from kernels import ort_codec
+    import kernels.ort_codec as ort_codec
+
     faster: Future = Future()
     if str(device).startswith("cuda") or not ort.available():
         faster.set_result(None)
@@ -182,6 +196,7 @@ def faster_codec_step(codec, device="cpu") -> Future:
     def resolve(value) -> None:
         if not faster.done():
             faster.set_result(value)
+
     failure = "ONNX Runtime codec decoder unavailable, staying on the torch decoder"
     shared = shipped_session(codec, "codec", "codec decoder")
     if shared is not None:

@@ -6,13 +6,14 @@ a few C++ loops around the matmuls. Shapes are static, so one compile serves the
 Kill switch: TTS_NO_COMPILE=1. Compiling takes tens of seconds (less with a warm inductor cache), so
 long-lived engines (the server, benchmarks) use it and one-shot ones (``tts say``) do not.
 """
+
 from __future__ import annotations
 
 import warnings
 
 import torch
 
-from streaming.decode import StepCaches, decode_step
+from streaming.step_caches import StepCaches, decode_step
 from tts.model import TTSModel
 
 

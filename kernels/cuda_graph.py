@@ -3,11 +3,12 @@
 All shapes are static (B slots, rings of fixed capacity), and the step only writes into the caches in
 place, so one capture serves the whole life of the engine. Inputs are copied into static buffers.
 """
+
 from __future__ import annotations
 
 import torch
 
-from streaming.decode import StepCaches, decode_step
+from streaming.step_caches import StepCaches, decode_step
 from tts.model import TTSModel
 
 
@@ -42,6 +43,7 @@ class GraphedStep:
 
 class CudaGraphSteps:
     """Step factory: a `GraphedStep` for each bucket of slots the engine asks for."""
+
     kind = "cuda_graph"
 
     def __call__(self, model: TTSModel, caches: StepCaches, batch: int, device) -> GraphedStep:

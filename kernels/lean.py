@@ -18,6 +18,7 @@ Worked example of the audio columns (capacity 4, window 4): slot b at frame 6, a
 exactly what the reference sees after writing first: ring [4, 5, 6, 3]. An inactive slot hides the new
 column and writes back the values it already held, so its ring is unchanged.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streaming.decode import StepCaches
+from streaming.step_caches import StepCaches
 from tts.model import TTSModel
 
 
@@ -39,7 +40,7 @@ class LeanStep(nn.Module):
     def __init__(self, model: TTSModel):
         super().__init__()
         cfg = self.cfg = model.cfg
-        scale = cfg.head_dim ** -0.5
+        scale = cfg.head_dim**-0.5
         self.register_buffer("embed", model.audio_embed.weight.detach().clone())  # (K*(N+1), C)
         self.register_buffer("offset", model.codebook_offset.clone())  # (K,)
         half = cfg.head_dim // 2
@@ -82,7 +83,7 @@ class LeanStep(nn.Module):
         x = F.embedding(tokens + self.offset, self.embed).sum(1)  # (B, C)
         new_keys, new_values = [], []
         for i in range(cfg.layers):
-            sink_k, sink_v, text_k, text_v, audio_k, audio_v = kv[6 * i:6 * i + 6]
+            sink_k, sink_v, text_k, text_v, audio_k, audio_v = kv[6 * i : 6 * i + 6]
             h = F.layer_norm(x, (dim,), getattr(self, f"ln1w{i}"), getattr(self, f"ln1b{i}"))
             qk, v = self.linear(h, f"qkv{i}").split([2 * dim, dim], dim=1)  # (B, 2C), (B, C)
             plain_q = qk[:, :dim].reshape(-1, heads, head_dim, 1)  # (B, H, D, 1), scored against the sinks
@@ -92,8 +93,13 @@ class LeanStep(nn.Module):
             q, k = torch.addcmul(qk * cos, swapped, sin).view(-1, 2, heads, head_dim).unbind(1)  # (B, H, D)
             v = v.reshape(-1, heads, head_dim)  # (B, H, D)
             # keys @ q, not q @ keys^T: a transposed ring would be copied every step (ONNX Runtime does)
-            scores = torch.cat([sink_k @ plain_q, text_k @ q[..., None], audio_k @ q[..., None],
-                                (q * k).sum(-1)[..., None, None]], dim=2)[..., 0] + bias  # (B, H, sum(sizes))
+            scores = (
+                torch.cat(
+                    [sink_k @ plain_q, text_k @ q[..., None], audio_k @ q[..., None], (q * k).sum(-1)[..., None, None]],
+                    dim=2,
+                )[..., 0]
+                + bias
+            )  # (B, H, sum(sizes))
             p_sink, p_text, p_audio, p_new = torch.softmax(scores, dim=-1)[:, :, None].split(sizes, dim=-1)
             out = p_sink @ sink_v + p_text @ text_v + p_audio @ audio_v + p_new * v[:, :, None]  # (B, H, 1, D)
             x = x + self.linear(out.reshape(-1, dim), f"wo{i}")
@@ -147,7 +153,7 @@ def write_rings(caches: StepCaches, new_keys, new_values, new_pos, slot) -> None
         positions[rows, slot] = new_pos
 
 
-_prepared: "weakref.WeakKeyDictionary[TTSModel, weakref.ref]" = weakref.WeakKeyDictionary()
+_prepared: weakref.WeakKeyDictionary[TTSModel, weakref.ref] = weakref.WeakKeyDictionary()
 
 
 def lean_module(model: TTSModel) -> LeanStep:
@@ -162,6 +168,7 @@ def lean_module(model: TTSModel) -> LeanStep:
 
 class EagerLeanStep:
     """`LeanStep` run by eager PyTorch: no compile, no build; about half the ops of `decode_step`."""
+
     kind = "lean"
 
     def __init__(self, model: TTSModel, caches: StepCaches, batch: int, device):
@@ -169,8 +176,9 @@ class EagerLeanStep:
 
     def __call__(self, model, caches, tokens, frame, unit, active) -> torch.Tensor:
         audio = caches.audio[0]
-        logits, keys, values, pos, slot = self.module(tokens, frame, unit, active, caches.text[0].positions,
-                                                      audio.positions, *ring_tensors(caches))
+        logits, keys, values, pos, slot = self.module(
+            tokens, frame, unit, active, caches.text[0].positions, audio.positions, *ring_tensors(caches)
+        )
         write_rings(caches, keys, values, pos, slot)
         return logits
 

@@ -28,6 +28,7 @@ a file lock (`build_lock`: a second process waits, then finds the files made), f
 does not ship; the shipped model's graphs ship without weights (`kernels.weightless`) and need neither.
 Kill switch: TTS_NO_ORT=1. The cache, export and session helpers here also serve `kernels.ort_codec`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,17 +48,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels import enabled
-from kernels import lean
+import kernels.lean as lean
 from kernels.lean import lean_module, ring_tensors, write_rings
-from streaming.decode import StepCaches
+from streaming.codec_worker import fast_path_enabled as enabled
+from streaming.step_caches import StepCaches
 from tts.model import TTSModel
 
 INPUTS = ["tokens", "frame", "unit", "active", "text_pos", "audio_pos"]
 OUTPUTS = ["logits", "new_keys", "new_values", "new_pos", "slot"]
 _NUMPY = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_}
 _sessions: dict[Path, object] = {}
-_keys: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]]" = weakref.WeakKeyDictionary()
+_keys: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 # MatMulNBits settings of the int8 step. Block 128 against 32: 0.55 against 0.33 largest logit difference
 # from fp32 over 20 steps (logits' std ~4.8), 10-20 % less step time; quality: see the module docstring.
@@ -96,6 +97,7 @@ def cache_dir() -> Path:
 def versions() -> list[str]:
     """The versions a cached export depends on: torch (the exporter) and onnxruntime (the runner)."""
     import onnxruntime
+
     return [torch.__version__, onnxruntime.__version__]
 
 
@@ -118,9 +120,15 @@ def onnx_path(model: TTSModel, int8: bool = False) -> Path:
     weights, the config, the graph's source, torch, onnxruntime, the ring capacities (baked into the graph's
     shapes) and, for int8, the quantiser's settings."""
     rings = StepCaches.empty(model.cfg, 1)
-    return cached_path("step-int8" if int8 else "step", model, repr(model.cfg), inspect.getsource(lean),
-                       *versions(), f"rings {rings.text[0].capacity} {rings.audio[0].capacity}",
-                       *([repr(INT8)] if int8 else []))
+    return cached_path(
+        "step-int8" if int8 else "step",
+        model,
+        repr(model.cfg),
+        inspect.getsource(lean),
+        *versions(),
+        f"rings {rings.text[0].capacity} {rings.audio[0].capacity}",
+        *([repr(INT8)] if int8 else []),
+    )
 
 
 def write_atomically(path: Path, write) -> None:
@@ -149,9 +157,15 @@ def export(model: TTSModel, path: Path) -> None:
     cfg, batch = model.cfg, 2
     caches = StepCaches.empty(cfg, batch)
     zeros = torch.zeros(batch, dtype=torch.long)
-    args = (torch.zeros(batch, cfg.codebooks, dtype=torch.long), zeros, zeros.clone(),
-            torch.zeros(batch, dtype=torch.bool), caches.text[0].positions, caches.audio[0].positions,
-            *ring_tensors(caches))
+    args = (
+        torch.zeros(batch, cfg.codebooks, dtype=torch.long),
+        zeros,
+        zeros.clone(),
+        torch.zeros(batch, dtype=torch.bool),
+        caches.text[0].positions,
+        caches.audio[0].positions,
+        *ring_tensors(caches),
+    )
     names = input_names(cfg.layers)
     axes = {name: {0: "batch"} for name in names + ["logits", "new_pos", "slot"]}
     axes.update(new_keys={1: "batch"}, new_values={1: "batch"})
@@ -159,8 +173,17 @@ def export(model: TTSModel, path: Path) -> None:
     def write(tmp: str) -> None:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")  # the exporter's notes on advanced indexing and deprecation
-            torch.onnx.export(module, args, tmp, dynamo=False, input_names=names, output_names=OUTPUTS,
-                              dynamic_axes=axes, opset_version=17)
+            torch.onnx.export(
+                module,
+                args,
+                tmp,
+                dynamo=False,
+                input_names=names,
+                output_names=OUTPUTS,
+                dynamic_axes=axes,
+                opset_version=17,
+            )
+
     write_atomically(path, write)
 
 
@@ -168,13 +191,15 @@ def quantize(source: Path, path: Path) -> None:
     """Write the int8 form (`INT8`) of the step export ``source`` to ``path`` atomically."""
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer  # logs at INFO on import:
+
     quantizer = MatMulNBitsQuantizer(onnx.load(str(source)), **INT8)  # run it in the build's child process
     quantizer.process()
     write_atomically(path, lambda tmp: quantizer.model.save_model_to_file(tmp, False))
 
 
-def export_in_background_process(module: torch.nn.Module, path: Path, runner: str = "kernels.ort",
-                                 *more: Path) -> list[Path]:
+def export_in_background_process(
+    module: torch.nn.Module, path: Path, runner: str = "kernels.ort", *more: Path
+) -> list[Path]:
     """Export in a child process (``python -m runner MODULE.pt OUT.onnx [MORE.onnx ...]``, see `export_child`)
     at low priority: the export is seconds of Python that would otherwise hold this process's GIL and stall
     the engine thread. Returns the paths the child wrote (none if another process had made them all
@@ -184,8 +209,12 @@ def export_in_background_process(module: torch.nn.Module, path: Path, runner: st
     os.close(fd)
     try:
         torch.save(module, saved)
-        done = subprocess.run([sys.executable, "-m", runner, saved, str(path), *map(str, more)], capture_output=True,
-                              text=True, cwd=Path(__file__).resolve().parent.parent)
+        done = subprocess.run(
+            [sys.executable, "-m", runner, saved, str(path), *map(str, more)],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
         if done.returncode:
             raise RuntimeError(f"ONNX export failed: {done.stderr.strip()[-2000:]}")
         return [Path(line) for line in done.stdout.splitlines() if line.startswith(str(path.parent))]
@@ -227,6 +256,7 @@ def export_child(export, derive=None) -> None:
 def session_options():
     """Every session's options: `threads` intra-op threads, sequential, no spinning (idle cores go to the codec)."""
     import onnxruntime as ort
+
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads()
     options.inter_op_num_threads = 1
@@ -240,6 +270,7 @@ def session(path: Path):
     """The ONNX Runtime session of ``path``, created once per process (`session_options`).
     Raises if the file does not load (corrupted or truncated)."""
     import onnxruntime as ort
+
     with _lock:
         if path not in _sessions:
             _sessions[path] = ort.InferenceSession(str(path), session_options(), providers=["CPUExecutionProvider"])
@@ -277,11 +308,20 @@ class OrtStep:
     def __init__(self, model: TTSModel, caches: StepCaches, batch: int, session, kind: str):
         cfg = model.cfg
         self.kind, self.session = kind, session
-        self.inputs = [torch.zeros(batch, cfg.codebooks, dtype=torch.long), torch.zeros(batch, dtype=torch.long),
-                       torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.bool)]
+        self.inputs = [
+            torch.zeros(batch, cfg.codebooks, dtype=torch.long),
+            torch.zeros(batch, dtype=torch.long),
+            torch.zeros(batch, dtype=torch.long),
+            torch.zeros(batch, dtype=torch.bool),
+        ]
         rows = (cfg.layers, batch, cfg.heads, cfg.head_dim)
-        self.outputs = [torch.zeros(batch, cfg.codebooks, cfg.codebook_size), torch.zeros(rows),
-                        torch.zeros(rows), torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long)]
+        self.outputs = [
+            torch.zeros(batch, cfg.codebooks, cfg.codebook_size),
+            torch.zeros(rows),
+            torch.zeros(rows),
+            torch.zeros(batch, dtype=torch.long),
+            torch.zeros(batch, dtype=torch.long),
+        ]
         self.binding, self.bound = self.session.io_binding(), []
         for name, tensor in zip(OUTPUTS, self.outputs):
             self._bind(self.binding.bind_output, name, tensor)
@@ -301,7 +341,7 @@ class OrtStep:
         where = [(t.data_ptr(), t.shape) for t in tensors]
         if where == self.bound:
             return
-        for name, tensor in zip(input_names(len(caches.audio))[len(self.inputs):], tensors):
+        for name, tensor in zip(input_names(len(caches.audio))[len(self.inputs) :], tensors):
             self._bind(self.binding.bind_input, name, tensor)
         self.bound = where
 
@@ -321,8 +361,10 @@ def factory(path: Path):
 
 def session_factory(shared, kind: str):
     """A step factory over the ONNX Runtime session ``shared``, which every step it builds shares."""
+
     def build(model, caches, batch, device):
         return OrtStep(model, caches, batch, shared, kind)
+
     build.kind = kind
     return build
 

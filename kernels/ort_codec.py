@@ -24,6 +24,7 @@ Cache, export and session: as the AR step's (`kernels.ort`), in the same directo
 source, and the torch and onnxruntime versions. Kill switch: TTS_NO_ORT=1 (`kernels.auto` then keeps
 the torch decoder).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -35,11 +36,12 @@ import numpy as np
 import torch
 from torch import nn
 
+import kernels.ort as ort
 import tts.codec
-from kernels import ort
 from tts.codec import Codec, DecoderState
 
 OPSET = 17
+
 
 class CodecStep(nn.Module):
     """`Codec.decode_step` as a pure function: (codes (B, K, T), *state) -> (audio (B, T*hop), *new state)."""
@@ -66,8 +68,14 @@ def split_state(tensors: list[torch.Tensor], lstm: bool) -> DecoderState:
 
 def onnx_path(codec: Codec) -> Path:
     """Where the export of ``codec``'s decode step lives (see the module's docstring for the key)."""
-    return ort.cached_path("codec", codec, repr(codec.cfg), inspect.getsource(tts.codec),
-                           inspect.getsource(sys.modules[__name__]), *ort.versions())
+    return ort.cached_path(
+        "codec",
+        codec,
+        repr(codec.cfg),
+        inspect.getsource(tts.codec),
+        inspect.getsource(sys.modules[__name__]),
+        *ort.versions(),
+    )
 
 
 def export(codec: Codec, path: Path) -> None:
@@ -87,11 +95,19 @@ def export(codec: Codec, path: Path) -> None:
         try:
             with warnings.catch_warnings(), torch.no_grad():
                 warnings.simplefilter("ignore")  # the tracer's notes on shapes read as Python numbers
-                torch.onnx.export(CodecStep(codec).eval(), (codes, *tensors), tmp, dynamo=False,
-                                  input_names=["codes", *names], output_names=["audio"] + [f"new_{n}" for n in names],
-                                  dynamic_axes=axes, opset_version=OPSET)
+                torch.onnx.export(
+                    CodecStep(codec).eval(),
+                    (codes, *tensors),
+                    tmp,
+                    dynamo=False,
+                    input_names=["codes", *names],
+                    output_names=["audio"] + [f"new_{n}" for n in names],
+                    dynamic_axes=axes,
+                    opset_version=OPSET,
+                )
         finally:
             torch.onnx.unregister_custom_op_symbolic("aten::elu", OPSET)
+
     ort.write_atomically(path, write)
 
 
@@ -112,6 +128,7 @@ def load(codec: Codec) -> Path | None:
 class OrtCodecStep:
     """``step(codes (M, K, T), state) -> audio (M, T*hop)``, updating ``state`` (a `DecoderState` of M
     streams) in place, as `Codec.decode_step` does: the callable `Engine.set_codec_step` takes."""
+
     kind = "onnxruntime"
 
     def __init__(self, source, lstm: bool):

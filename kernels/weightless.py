@@ -27,6 +27,7 @@ finds no graph here: `kernels.auto` then builds in the background as before (sti
 start), and tests/test_ort_graphs.py fails until ``python -m kernels.weightless`` (run by a developer)
 rewrites them from fresh exports.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -40,13 +41,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import kernels.lean as lean
+import kernels.ort as ort
 import tts.codec
-from kernels import lean, ort
 from kernels.lean import lean_module
-from streaming.decode import StepCaches
+from streaming.step_caches import StepCaches
 
 GRAPHS = Path(__file__).resolve().with_name("graphs")
-_sessions: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, object]]" = weakref.WeakKeyDictionary()
+_sessions: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, object]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -58,14 +60,22 @@ def step_kind(int8: bool) -> str:
 def key(module: torch.nn.Module, kind: str) -> str:
     """What graph ``kind`` ("step", "step-int8", "codec") of ``module`` (a `TTSModel` or a `Codec`) depends
     on (see the module docstring), hashed."""
-    from kernels import ort_codec
+    import kernels.ort_codec as ort_codec
+
     if kind == "codec":
         parts = [repr(module.cfg), inspect.getsource(tts.codec), inspect.getsource(ort_codec)]
     else:
         rings = StepCaches.empty(module.cfg, 1)
-        parts = [repr(module.cfg), f"rings {rings.text[0].capacity} {rings.audio[0].capacity}",
-                 inspect.getsource(lean), inspect.getsource(ort.export), inspect.getsource(ort.input_names),
-                 repr(ort.INPUTS), repr(ort.OUTPUTS), *([repr(ort.INT8)] if kind == "step-int8" else [])]
+        parts = [
+            repr(module.cfg),
+            f"rings {rings.text[0].capacity} {rings.audio[0].capacity}",
+            inspect.getsource(lean),
+            inspect.getsource(ort.export),
+            inspect.getsource(ort.input_names),
+            repr(ort.INPUTS),
+            repr(ort.OUTPUTS),
+            *([repr(ort.INT8)] if kind == "step-int8" else []),
+        ]
     return hashlib.sha256("\n".join([kind, *parts]).encode()).hexdigest()[:24]
 
 
@@ -80,6 +90,7 @@ def sources(module: torch.nn.Module, kind: str) -> dict[str, torch.Tensor]:
     `CodecStep`'s state (names as the export saw them, e.g. ``codec.decoder.out.weight``) for the codec."""
     if kind == "codec":
         from kernels.ort_codec import CodecStep
+
         return CodecStep(module).state_dict()
     return dict(lean_module(module).named_buffers())
 
@@ -90,6 +101,7 @@ def quantize8(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     (packed (N, blocks, block_size) uint8, scales (N, blocks) fp32), by the C++ kernel that ONNX Runtime's
     `MatMulNBitsQuantizer` calls. Example: K = 256, block 128, N = 768: packed (768, 2, 128), scales (768, 2)."""
     from onnxruntime.capi.onnxruntime_pybind11_state import quantize_matmul_8bits
+
     rows, cols = weight.shape
     block = ort.INT8["block_size"]
     blocks = -(-rows // block)
@@ -132,11 +144,12 @@ def weights(tensors: dict[str, torch.Tensor], manifest: list[list]) -> dict[str,
 
 
 # ---- load ---------------------------------------------------------------------------------------------
-def session(module: torch.nn.Module, kind: str, folder: Path | None = None):
+def graph_session(module: torch.nn.Module, kind: str, folder: Path | None = None):
     """An ONNX Runtime session of graph ``kind`` of ``module`` from its shipped weightless graph, made once
     per module and kind; None when no graph ships for its key. Raises if the graph does not load or does not
     fit the weights."""
     import onnxruntime
+
     with _lock:
         made = _sessions.setdefault(module, {})
         if kind not in made:
@@ -187,9 +200,10 @@ def recipe(name: str, weight: np.ndarray, arrays: dict[str, np.ndarray], quantiz
     return found[0] if found else None
 
 
-def export(module: torch.nn.Module, kind: str, path: Path) -> None:
+def export_weightless(module: torch.nn.Module, kind: str, path: Path) -> None:
     """Export graph ``kind`` of ``module`` to ``path`` as `kernels.auto` would build it."""
-    from kernels import ort_codec
+    import kernels.ort_codec as ort_codec
+
     if kind == "codec":
         ort_codec.export(module, path)
         return
@@ -200,15 +214,16 @@ def export(module: torch.nn.Module, kind: str, path: Path) -> None:
         path.with_name("fp32.onnx").rename(path)
 
 
-def write(module: torch.nn.Module, kind: str, folder: Path | None = None, keep_bytes: int = 4096) -> Path:
+def write_graph(module: torch.nn.Module, kind: str, folder: Path | None = None, keep_bytes: int = 4096) -> Path:
     """Export graph ``kind`` of ``module``, then write it to ``folder`` without its weights, with their
     recipes beside it; older graphs of that kind there are removed. A weight no recipe remakes stays in
     the graph if it is at most ``keep_bytes`` (a constant), else this raises."""
     import onnx
     from onnx import TensorProto, numpy_helper
+
     with tempfile.TemporaryDirectory() as tmp:
         exported = Path(tmp) / "graph.onnx"
-        export(module, kind, exported)
+        export_weightless(module, kind, exported)
         graph = onnx.load(str(exported))
     arrays = {name: tensor.detach().cpu().contiguous().numpy() for name, tensor in sources(module, kind).items()}
     manifest, shapes, quantized = [], {}, {}
@@ -237,6 +252,7 @@ def write(module: torch.nn.Module, kind: str, folder: Path | None = None, keep_b
 
 if __name__ == "__main__":  # python -m kernels.weightless: rewrite the shipped model's graphs after a change
     from tts.voices import load_shipped
+
     model, codec, _ = load_shipped()
     for module, kind in ((model, "step"), (model, "step-int8"), (codec, "codec")):
-        print(write(module, kind))
+        print(write_graph(module, kind))

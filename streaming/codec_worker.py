@@ -12,6 +12,7 @@ state is left as it was), with static shapes, so that it is captured once as a C
 and replayed on a CUDA stream of its own, where it overlaps the next AR step. A stream decoded frame by
 frame equals its offline decode (`Codec.decode`), as the chunked decode does.
 """
+
 from __future__ import annotations
 
 import copy
@@ -20,12 +21,12 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from streaming.figures import Recent
+from streaming.live_figures import FIGURES_KEPT, Recent
 from streaming.masks import slot_mask
 from streaming.stream import Stream
 from tts.codec import Codec, DecoderState
@@ -62,7 +63,7 @@ class CodecWorker:
         self._jobs: list[tuple] = []  # (kind, rows, streams, first, *payload), in the order given
         self._firsts = 0  # first-chunk jobs among them
         self._cond = threading.Condition()
-        self.codec_ms = Recent(40_000, width=2)  # (ms, frames) per decode call
+        self.codec_ms = Recent(FIGURES_KEPT, width=2)  # (ms, frames) per decode call
         self.decode_step = codec.decode_step  # (M, K, T) codes, state -> (M, T*hop) audio; see set_decode_step
         self._thread = threading.Thread(target=self._run, name="tts-codec", daemon=True)
         self._thread.start()
@@ -74,8 +75,9 @@ class CodecWorker:
             self._row[slot] = slot + self.slots if self._row[slot] == slot else slot
         self._put("reset", self._rows(slots), (), True)
 
-    def decode(self, rows: list[int], streams: list[Stream], codes: torch.Tensor, lengths: list[int],
-               first: bool = False) -> None:
+    def decode(
+        self, rows: list[int], streams: list[Stream], codes: torch.Tensor, lengths: list[int], first: bool = False
+    ) -> None:
         """Decode the first ``lengths[i]`` frames of ``codes`` (M, K, T) for slot ``rows[i]``, each continuing its
         own state, and deliver the audio to ``streams[i]``. Rows of one length share a decoder call, except a
         stream with ``decode_alone`` (a seeded one): on the CPU a row's float result depends on the batch it
@@ -161,17 +163,24 @@ class CodecWorker:
                     self._decode(list(rows), list(streams), *job[4:])
                 elif kind == "capture":
                     captured = decoder_rows(self.state, torch.tensor(rows, device=self.device))
-                    job[4]([{name: t[i:i + 1] for name, t in captured.items()} for i in range(len(rows))])
+                    job[4]([{name: t[i : i + 1] for name, t in captured.items()} for i in range(len(rows))])
                 elif kind == "restore":
                     states = job[4]()
-                    put_decoder_rows(self.state, torch.tensor(rows, device=self.device),
-                                     {name: torch.cat([state[name] for state in states]) for name in states[0]
-                                      if name.startswith("codec.")})
+                    put_decoder_rows(
+                        self.state,
+                        torch.tensor(rows, device=self.device),
+                        {
+                            name: torch.cat([state[name] for state in states])
+                            for name in states[0]
+                            if name.startswith("codec.")
+                        },
+                    )
                 else:
                     streams[0].finish(job[4])
             except Exception as err:  # a bug must not leave readers hanging
                 traceback.print_exc()
-                from streaming.engine import EngineError
+                from streaming.errors import EngineError
+
                 for stream in streams:  # (a decode's or a finish's; other jobs have none)
                     stream.finish(EngineError(f"internal error: {err}"))
 
@@ -232,8 +241,9 @@ def exact_convolutions(benchmark: bool = True):
     so the choice is benchmarked (once per shape, before a graph capture). The text encoder, whose shapes vary
     from call to call, passes ``benchmark=False``: float32 too, so a unit's duration (a rounded float) does not
     depend on the batch it was encoded in."""
-    return torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, benchmark=benchmark,
-                                      deterministic=False, allow_tf32=False)
+    return torch.backends.cudnn.flags(
+        enabled=torch.backends.cudnn.enabled, benchmark=benchmark, deterministic=False, allow_tf32=False
+    )
 
 
 class FrameUpsample(torch.nn.Module):
@@ -252,7 +262,7 @@ class FrameUpsample(torch.nn.Module):
             return self.up.step(x, tail)
         weight, bias = self.up.weight, self.up.bias  # (Cin, Cout, kernel), (Cout,)
         y = (x[:, :, 0] @ weight.flatten(1)).view(x.shape[0], *weight.shape[1:]) + bias[:, None]  # (B, Cout, k)
-        y = torch.cat([y[..., :self.tail] + tail, y[..., self.tail:]], dim=-1)
+        y = torch.cat([y[..., : self.tail] + tail, y[..., self.tail :]], dim=-1)
         cut = y.shape[-1] - self.tail
         return y[..., :cut], y[..., cut:] - bias[:, None]
 
@@ -261,8 +271,9 @@ def frame_decoder(decoder):
     """``decoder`` with its blocks' transposed convolutions stepped as `FrameUpsample` (weights shared)."""
     frames = copy.copy(decoder)
     frames._modules = dict(decoder._modules)
-    frames.blocks = torch.nn.ModuleList(torch.nn.ModuleList([FrameUpsample(up), res1, res3])
-                                        for up, res1, res3 in decoder.blocks)
+    frames.blocks = torch.nn.ModuleList(
+        torch.nn.ModuleList([FrameUpsample(up), res1, res3]) for up, res1, res3 in decoder.blocks
+    )
     return frames
 
 
@@ -322,8 +333,10 @@ class FrameCodec:
 
     def _step(self, n: int) -> None:
         """The decoder step over the first n rows of the static buffers; idle rows keep their state."""
-        rows = DecoderState([b[:n] for b in self.state.buffers],
-                            None if self.state.lstm is None else tuple(p[:, :n] for p in self.state.lstm))
+        rows = DecoderState(
+            [b[:n] for b in self.state.buffers],
+            None if self.state.lstm is None else tuple(p[:, :n] for p in self.state.lstm),
+        )
         stepped = DecoderState(list(rows.buffers), rows.lstm)
         z = self.codec.quantizer.decode(self.codes[:n, :, None])  # (n, D, 1)
         with exact_convolutions():

@@ -1,5 +1,6 @@
 """Masks of the streaming side. The attention masks are defined in `tts.masks` (the model needs them and
 `tts` imports nothing from `streaming`); they are re-exported here for the streaming code."""
+
 from __future__ import annotations
 
 import torch

@@ -27,6 +27,7 @@ A file is written under a temporary name and renamed when complete, so a reader 
 fsync: these files live no longer than the process that wrote them (they are removed on restore, cancel and
 close), so the page cache is the tier; durability across a crash would cost a disk flush per park.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,6 +53,7 @@ class CorruptParkedFile(ValueError):
 class FileInfo:
     """What the writer of a parked state's file keeps in memory to read it back: the file's first bytes
     (prefix and header), its length, and where its rows are in it."""
+
     head: bytes
     size: int
     flat_bytes: int
@@ -59,8 +61,9 @@ class FileInfo:
     checksum: tuple[int, int]
 
 
-def write_state(path: str, flat: torch.Tensor | None, loose: dict[str, torch.Tensor],
-                fingerprint: str | None) -> FileInfo:
+def write_state(
+    path: str, flat: torch.Tensor | None, loose: dict[str, torch.Tensor], fingerprint: str | None
+) -> FileInfo:
     """Write one parked state (its packed ``flat`` row, may be None, and its ``loose`` rows) to ``path`` via a
     temporary name. On any error (a full disk) the temporary file is removed and the error raised: the caller
     keeps the state in memory."""
@@ -68,8 +71,15 @@ def write_state(path: str, flat: torch.Tensor | None, loose: dict[str, torch.Ten
     packed, entries = pack_loose(loose)
     payload = [_words(flat), _words(packed)]
     checksum = _checksum(payload)
-    header = json.dumps({"format": FILE_FORMAT, "layout": fingerprint, "flat": flat.nbytes, "loose": entries,
-                         "checksum": list(checksum)}).encode()
+    header = json.dumps(
+        {
+            "format": FILE_FORMAT,
+            "layout": fingerprint,
+            "flat": flat.nbytes,
+            "loose": entries,
+            "checksum": list(checksum),
+        }
+    ).encode()
     header += b" " * (-(_PREFIX.size + len(header)) % ALIGN)
     head = _PREFIX.pack(MAGIC, len(header)) + header
     info = FileInfo(head, len(head) + flat.nbytes + packed.nbytes, flat.nbytes, tuple(map(tuple, entries)), checksum)
@@ -86,8 +96,9 @@ def write_state(path: str, flat: torch.Tensor | None, loose: dict[str, torch.Ten
     return info
 
 
-def read_state(path: str, info: FileInfo, pin: bool = False,
-               into: torch.Tensor | None = None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+def read_state(
+    path: str, info: FileInfo, pin: bool = False, into: torch.Tensor | None = None
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """(flat row, loose rows) of the file `write_state` wrote with ``info``: views of one buffer, pinned with
     ``pin``; or, given ``into`` (a (flat_bytes,) uint8 row: a parking pool's, `RowPool`), the packed row is read
     straight into it and only the header and loose rows get a buffer of their own. Why: a fresh pinned block for
@@ -101,8 +112,9 @@ def read_state(path: str, info: FileInfo, pin: bool = False,
     start = len(info.head)
     # with ``into`` the rest is the header and the loose rows, which the host reads (the frame codec's outbox, the
     # CPU codec worker's rows): pageable, as a fresh pinned block of any size is a cudaHostAlloc
-    buffer = torch.empty(info.size - (0 if into is None else info.flat_bytes), dtype=torch.uint8,
-                         pin_memory=pin and into is None)
+    buffer = torch.empty(
+        info.size - (0 if into is None else info.flat_bytes), dtype=torch.uint8, pin_memory=pin and into is None
+    )
     parts = [buffer] if into is None else [buffer[:start], into, buffer[start:]]
     with open(path, "rb", buffering=0) as file:
         size = os.fstat(file.fileno()).st_size
@@ -114,8 +126,8 @@ def read_state(path: str, info: FileInfo, pin: bool = False,
     payload = [buffer[start:]] if into is None else [into, buffer[start:]]
     if _checksum([_words(part) for part in payload]) != info.checksum:  # sum and xor: any split of the words
         raise CorruptParkedFile(f"{path}: the payload's checksum differs (the file is damaged)")
-    flat = buffer[start:start + info.flat_bytes] if into is None else into
-    loose = buffer[start + info.flat_bytes:] if into is None else buffer[start:]
+    flat = buffer[start : start + info.flat_bytes] if into is None else into
+    loose = buffer[start + info.flat_bytes :] if into is None else buffer[start:]
     return (flat if info.flat_bytes else None), unpack_loose(loose, info.loose)
 
 
@@ -128,8 +140,8 @@ def pack_loose(loose: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list]:
         entries.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, tensor.nbytes])
         offset += -(-tensor.nbytes // ALIGN) * ALIGN
     packed = np.zeros(offset, dtype=np.uint8)  # numpy: a plain memcpy each (torch's copies woke its thread pool)
-    for (name, _, _, at, nbytes), tensor in zip(entries, loose.values()):
-        packed[at:at + nbytes] = tensor.contiguous().view(-1).view(torch.uint8).numpy()
+    for (_name, _, _, at, nbytes), tensor in zip(entries, loose.values()):
+        packed[at : at + nbytes] = tensor.contiguous().view(-1).view(torch.uint8).numpy()
     return torch.from_numpy(packed), entries
 
 
@@ -140,14 +152,23 @@ def unpack_loose(packed: torch.Tensor, entries) -> dict[str, torch.Tensor]:
     raw, rows = packed.numpy(), {}
     for name, dtype, shape, at, nbytes in entries:
         if dtype in _NUMPY:
-            rows[name] = torch.from_numpy(raw[at:at + nbytes].view(_NUMPY[dtype]).reshape(shape))
+            rows[name] = torch.from_numpy(raw[at : at + nbytes].view(_NUMPY[dtype]).reshape(shape))
         else:
-            rows[name] = packed[at:at + nbytes].view(getattr(torch, dtype)).view(shape)
+            rows[name] = packed[at : at + nbytes].view(getattr(torch, dtype)).view(shape)
     return rows
 
 
-_NUMPY = {"float32": np.float32, "float64": np.float64, "float16": np.float16, "int64": np.int64,
-          "int32": np.int32, "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_}
+_NUMPY = {
+    "float32": np.float32,
+    "float64": np.float64,
+    "float16": np.float16,
+    "int64": np.int64,
+    "int32": np.int32,
+    "int16": np.int16,
+    "int8": np.int8,
+    "uint8": np.uint8,
+    "bool": np.bool_,
+}
 
 
 def _words(tensor: torch.Tensor) -> np.ndarray:

@@ -4,6 +4,7 @@ The noise of each row comes from a counter-based hash of (the stream's seed, the
 candidate's rank), computed on the device in the batched step. So a stream's draws depend on its own seed
 and position only: the same seed gives the same tokens alone or in a busy batch, in any slot.
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,7 +35,7 @@ def counter_uniform(key: torch.Tensor, step: torch.Tensor, shape: tuple[int, int
     and the index within ``shape``. Example: key 7, step 3 gives the same (K, J) block in any batch and row."""
     row = _mix32(key ^ (step & _LOW32))  # (B,)
     bits = _mix32((row[:, None, None] + _spread(shape, key.device)) & _LOW32)  # (B, K, J)
-    return ((bits >> 8).float() + 0.5) * 2.0 ** -24  # 24 bits: exact in float32, never 0 or 1
+    return ((bits >> 8).float() + 0.5) * 2.0**-24  # 24 bits: exact in float32, never 0 or 1
 
 
 @functools.lru_cache(maxsize=16)
@@ -43,9 +44,14 @@ def _spread(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
     return (torch.arange(shape[0] * shape[1], device=device).view(shape) * 0x9E3779B9) & _LOW32
 
 
-def sample(logits: torch.Tensor, temperature: float | torch.Tensor, top_k: int,
-           generator: torch.Generator | None = None, key: torch.Tensor | None = None,
-           step: torch.Tensor | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor,
+    top_k: int,
+    generator: torch.Generator | None = None,
+    key: torch.Tensor | None = None,
+    step: torch.Tensor | None = None,
+) -> torch.Tensor:
     """logits (B, K, N) -> tokens (B, K). ``temperature``: one for all rows (0 means greedy), or a positive
     (B, 1, 1) tensor, one per row (each stream samples at its voice's temperature, in the same batched step).
     With ``key`` and ``step`` ((B,) int64 each) the noise is `counter_uniform`'s; else ``generator``'s."""

@@ -10,6 +10,7 @@ microseconds), then waits on a pipe without the lock. Same code, same espeak dat
 
 This module imports neither torch nor the engine, so the child starts in a fraction of a second.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,8 +54,12 @@ class ProcessReader:
     def _start(self) -> None:
         try:
             environment = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-            child = subprocess.Popen([sys.executable, "-m", "streaming.sentence_reader"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=environment)
+            child = subprocess.Popen(
+                [sys.executable, "-m", "streaming.sentence_reader"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=environment,
+            )
             pickle.dump(None, child.stdin)  # a first call: the child has imported and phonemised once
             child.stdin.flush()
             if pickle.load(child.stdout) != "ready":

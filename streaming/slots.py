@@ -85,7 +85,10 @@ frame 45 instead of 38, steps run to 44, which completes frame 37, and the chunk
 frames, not 16). The pause's frames 38-44 complete as the next text's first frames step (steps 45-51) and go out in
 the next chunk, frames 38-53.
 """
+
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -109,12 +112,7 @@ CHUNK_SCHEDULE = (4, 4, 6, 8, 12, 16)
 # cut while word prefills and the text thread share the 2 cores with the steps and the codec, and the 2nd chunk is
 # the one they make late (issue 29: stalls at 20 words/s through `tts serve`). Text the hold waited for (5 words/s,
 # 1.2x speech) keeps CHUNK_SCHEDULE's: a bigger first chunk asks it for more text before the first audio, measured
-# +4 and +15 ms p50 at 5 words/s (400 and 411 ms against 396), and 1.2x stalled in two runs of three. Measured
-# through `tts serve` on the slower 2-core kind (docs/figures.md, 2026-12-03 evening): 20 words/s least margin p5
-# 45-67 ms (was 9-45), one 30 ms stall in 450 takes (was 1.02 a minute in one run of three), first audio +10-30 ms.
-# Simulated (`bench.incremental --simulate`, SIM_COSTS_S 10 / 6.5 / 11.6 ms, Harvard 0-49 and 100-199): held text
-# as before; (6, 4, ...) and (8, ...) kept more margin but stalled at 1.2x or started later at 5 words/s. Whole
-# text keeps the smaller first chunk (first audio of `tts say` and the Python API).
+# a few ms later at 5 words/s (docs/decisions.md). Whole text keeps the smaller first chunk (`tts say`, the API).
 INCREMENTAL_CHUNKS = (6, 6, 8, 12, 16)
 NEVER = 1 << 40
 # Elastic pacing at the start (`Slots.pace`): while a stream's text is open and its lead of text over speech is
@@ -142,13 +140,15 @@ COUNT_ROWS = ("step", "frames", "encoded", "pending", "chunks", "silent", "settl
 
 # Columns of the per-tick table the host reads (`Slots.advance`).
 META = ("unit", "ready", "completed", "pending", "due", "done")
+UNIT, READY, COMPLETED, PENDING, DUE, DONE = range(len(META))  # its columns' indices
 
 
 MAX_CHUNK = max(*CHUNK_SCHEDULE, *INCREMENTAL_CHUNKS)
 
 
-def schedule_table(sizes: tuple[int, ...], batch: int, stagger: bool, device=None,
-                   width: int | None = None) -> torch.Tensor:
+def schedule_table(
+    sizes: tuple[int, ...], batch: int, stagger: bool, device=None, width: int | None = None
+) -> torch.Tensor:
     """(B, S) chunk sizes per slot: ``sizes``, then its last size to ``width`` columns (default: once more; the
     last column repeats). With ``stagger`` the first chunk of the last size is ``size - slot % 8`` frames (module
     docstring, Chunk schedule). Example, (6, 6, 8, 12, 16), 3 slots, stagger -> [6, 6, 8, 12, 16, 16],
@@ -164,6 +164,7 @@ class Slots:
     def __init__(self, cfg: ModelConfig, batch: int, ring: int, device=None, stagger: bool = False):
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(*shape, dtype=dtype, device=device)
+
         books = cfg.codebooks
         self.batch, self.ring, self.books, self.empty = batch, ring, books, cfg.codebook_size
         self.behind, self.ahead = cfg.behind, cfg.ahead
@@ -181,7 +182,8 @@ class Slots:
         self.live, self.paused, self.closed, self.ended = self.flags.unbind(0)
         self.counts = zeros(len(COUNT_ROWS), batch)  # (8, B); step first: the step reads step[:n] at offset 0
         self.step, self.frames, self.encoded, self.pending, self.chunks, self.silent, self.settled, self.flushed = (
-            self.counts.unbind(0))
+            self.counts.unbind(0)
+        )
         # silent: zero-frame units in a row at the end of those confirmed (`cap_silence`); settled: end frame of the
         # confirmed units (a re-encode chains its frames from here); flushed: end frame of the text the last flush
         # closed (0: none; a chunk ends there)
@@ -206,9 +208,29 @@ class Slots:
         """Every per-slot tensor by name, batch first: a slot's state is row ``s`` of each (what parking copies
         out and back, `streaming.parking`). The chunk schedule is included: a stream moved to another slot keeps
         its staggered chunk sizes."""
-        names = ("live", "paused", "closed", "ended", "step", "frames", "encoded", "pending", "chunks", "silent", "settled",
-                 "flushed", "key", "stretch", "temperature", "tokens", "history", "unit_start", "unit_end", "codes",
-                 "schedule")
+        names = (
+            "live",
+            "paused",
+            "closed",
+            "ended",
+            "step",
+            "frames",
+            "encoded",
+            "pending",
+            "chunks",
+            "silent",
+            "settled",
+            "flushed",
+            "key",
+            "stretch",
+            "temperature",
+            "tokens",
+            "history",
+            "unit_start",
+            "unit_end",
+            "codes",
+            "schedule",
+        )
         return {name: getattr(self, name) for name in names}
 
     def start(self, rows: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
@@ -232,8 +254,9 @@ class Slots:
         pick = (fresh & at_once)[:, None]  # (M, 1)
         self.schedule[rows] = torch.where(pick, self.schedules[1, rows], self.schedule[rows])
 
-    def pace(self, rows: torch.Tensor, lead: torch.Tensor, open_text: torch.Tensor,
-             in_pieces: torch.Tensor) -> torch.Tensor:
+    def pace(
+        self, rows: torch.Tensor, lead: torch.Tensor, open_text: torch.Tensor, in_pieces: torch.Tensor
+    ) -> torch.Tensor:
         """Elastic pacing's factor (M,) for the units the slots ``rows`` (M,) encode now, given their ``lead``
         (M,) (units received minus the aligned unit), whether their text is open (M,) bool and came in more than
         one piece so far (M,) bool (module docstring, Elastic pacing): the durations are predicted at the rate
@@ -245,12 +268,13 @@ class Slots:
         self.stretch[rows] = torch.where(open_text, torch.where(in_pieces, paced, stretch), 1.0)
         return torch.where(open_text & in_pieces, paced, 1.0)
 
-    def encode_limit(self, unit: torch.Tensor | int) -> torch.Tensor | int:
+    def encode_limit(self, unit: Any) -> Any:  # a tensor, an array or an int: the same back
         """Units below this may be written into the ring while the slot is at ``unit`` (module docstring)."""
         return unit + self.ring - self.behind
 
-    def cap_silence(self, rows: torch.Tensor, durations: torch.Tensor, keep: torch.Tensor,
-                    settle: torch.Tensor | None = None) -> torch.Tensor:
+    def cap_silence(
+        self, rows: torch.Tensor, durations: torch.Tensor, keep: torch.Tensor, settle: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``durations`` (M, E) of the next units of the slots ``rows`` (M,) (``keep``: which are real), with
         one frame given to each unit that would make a run of zero-frame units longer than the most the ring
         lets a stream step past (module docstring, Silent runs); the slots' runs carry over to their next units.
@@ -262,8 +286,9 @@ class Slots:
         durations, self.silent[rows] = self._cap(durations, keep, settle, self.silent[rows])
         return durations
 
-    def _cap(self, durations: torch.Tensor, keep: torch.Tensor, settle: torch.Tensor,
-             silent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cap(
+        self, durations: torch.Tensor, keep: torch.Tensor, settle: torch.Tensor, silent: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`cap_silence` on given runs ``silent`` (M,) before the units: (capped durations (M, E), the runs
         after the first ``settle`` units (M,)), nothing stored."""
         cycle = self.ring - self.behind - self.ahead - 1  # the most in a row, plus one
@@ -276,8 +301,15 @@ class Slots:
         after = torch.where(forced | ~quiet, 0, run).gather(1, last)[:, 0]
         return durations + forced, torch.where(settle > 0, after, silent)
 
-    def place(self, rows: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, durations: torch.Tensor,
-              settle: torch.Tensor, flush: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def place(
+        self,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        keep: torch.Tensor,
+        durations: torch.Tensor,
+        settle: torch.Tensor,
+        flush: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Frames of the units at ``positions`` (M, E) (from each slot's confirmed count on, ``keep``: which are
         real) encoded now with predicted ``durations`` (M, E), of which the first ``settle`` (M,) are confirmed by
         this encode (module docstring, Speculative units): units already in the ring whose frames started keep
@@ -297,8 +329,11 @@ class Slots:
         durations = torch.where(frozen, old, capped)
         last = (settle - 1).clamp(min=0)[:, None]  # (M, 1)
         settling = settle > 0
-        pause = (torch.zeros_like(settle) if flush is None  # (M,) frames after the closed text
-                 else torch.where(flush & settling, self.books - 1, 0))
+        pause = (
+            torch.zeros_like(settle)
+            if flush is None  # (M,) frames after the closed text
+            else torch.where(flush & settling, self.books - 1, 0)
+        )
         durations = durations.scatter_add(1, last, pause[:, None])
         begin = settled[:, None] + start_frames(durations)  # (M, E)
         settled = torch.where(settling, (begin + durations).gather(1, last)[:, 0], settled)
@@ -306,8 +341,15 @@ class Slots:
         self.flushed[rows] = torch.where(pause > 0, settled - pause, flushed)
         return begin, durations, keep & ~frozen
 
-    def add_units(self, rows: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, start: torch.Tensor,
-                  end: torch.Tensor, write: torch.Tensor | None = None) -> None:
+    def add_units(
+        self,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        keep: torch.Tensor,
+        start: torch.Tensor,
+        end: torch.Tensor,
+        write: torch.Tensor | None = None,
+    ) -> None:
         """Record encoded units: ``positions`` (M, E) unit indices (distinct modulo R) of the slots ``rows`` (M,),
         ``keep`` (M, E) which are real, ``start``/``end`` (M, E) their frames, ``write`` (M, E) the entries to
         write (default ``keep``; not the frozen ones of a re-encode, `place`). The units' keys and values go
@@ -331,8 +373,7 @@ class Slots:
         unit = torch.where(owns, ring_units, -1).amax(1)  # (n,)
         total = self.total_steps(s)
         text_ready = ended | self.closed[s] | (unit + self.ahead < self.encoded[s])
-        ready = (self.live[s] & ~self.paused[s] & (step < total) & (ended | (step < frames)) & text_ready
-                 & (unit >= 0))
+        ready = self.live[s] & ~self.paused[s] & (step < total) & (ended | (step < frames)) & text_ready & (unit >= 0)
         return unit, ready
 
     def total_steps(self, s: slice) -> torch.Tensor:
@@ -340,8 +381,9 @@ class Slots:
         frames = self.frames[s]
         return torch.where(self.ended[s], torch.where(frames > 0, frames + self.books - 1, 0), NEVER)
 
-    def advance(self, sampled: torch.Tensor, ready: torch.Tensor, unit: torch.Tensor,
-                keep_codes: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def advance(
+        self, sampled: torch.Tensor, ready: torch.Tensor, unit: torch.Tensor, keep_codes: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """After a step of the first n slots: take the ``sampled`` tokens (n, K) of the ``ready`` (n,) rows,
         update the delay-pattern history, collect each completed frame's codes (into ``codes`` at
         ``pending`` if ``keep_codes``) and run the chunk schedule. Returns the host's table (n, len(META))

@@ -6,6 +6,7 @@ Engine side (the engine and its codec and text workers call these): `take_text`,
 `finish`; and for moving a stream to another engine (`Engine.detach`/`attach`): `take_unread`,
 `export_state`, `from_state`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,23 +15,53 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 
 from streaming.textstream import TextStream
+from tts.lexicon import Lexicon
+from tts.loudness import level
 from tts.text import SYMBOLS
 
-if TYPE_CHECKING:
-    from streaming.engine import Engine
+
+class EngineInbox(Protocol):
+    """What a `Stream` needs of its engine (`streaming.engine.Engine`): an inbox of four calls, each safe from any
+    thread, and a few read-only facts."""
+
+    model: Any  # its ``cfg`` sets the start hold (`TextStream`)
+    codec: Any
+    sample_rate: int
+    frame_seconds: float
+    max_queued: float
+    start_latency: Any  # `StartLatency`
+
+    def text_arrived(self, stream: Stream) -> None: ...  # new text, a flush or the end
+    def cancelled(self, stream: Stream) -> None: ...
+    def hold_changed(self, stream: Stream) -> None: ...  # `Stream.hold` / `release`
+    def flow_changed(self, stream: Stream) -> None: ...  # the reader fell behind or caught up
 
 
 # The way to a stream's first audio (`Stream.mark`): the server got the request; the engine opened the stream; it
-# got a slot; its first text; the engine got its first units (text thread round trip; a slot may come later); its first units
+# got a slot; its first text; the engine got its first units (text thread round trip; a slot may come later); its
+# first units
 # were encoded; the first tick that stepped it was launched; its first chunk was due (after the delay pattern);
 # the codec thread began that chunk's job; the chunk was delivered; the server read it; and sent it.
-TIMELINE = ("request", "opened", "slot", "text", "units", "prefill", "stepped", "due", "codec", "delivered", "read",
-            "sent")
+TIMELINE = (
+    "request",
+    "opened",
+    "slot",
+    "text",
+    "units",
+    "prefill",
+    "stepped",
+    "due",
+    "codec",
+    "delivered",
+    "read",
+    "sent",
+)
 
 
 class _Moving(tuple):
@@ -44,8 +75,15 @@ NOT_YET = object()  # `Stream.poll`: no audio yet, and more may come
 class Stream:
     """One utterance being spoken. Audio chunks are float32 mono at the codec's sample rate."""
 
-    def __init__(self, engine: "Engine", voice: str, speed: float, max_chars: int, seed: int,
-                 lookahead_words: int | None = None):
+    def __init__(
+        self,
+        engine: EngineInbox,
+        voice: str,
+        speed: float,
+        max_chars: int,
+        seed: int,
+        lookahead_words: int | None = None,
+    ):
         self.engine, self.voice, self.speed, self.seed = engine, voice, speed, seed
         self.text = TextStream(max_chars, lookahead_words=lookahead_words, hold_start=engine.model.cfg)
         self._chunks: deque[np.ndarray] = deque()  # audio not yet read
@@ -53,12 +91,13 @@ class Stream:
         self._waker: Callable[[], None] | None = None  # `poll`'s, called once when there may be more to read
         self._closed = False  # no audio comes after what is queued (finished or cancelled)
         self.queued_samples = 0
+        self.gain_db = 0.0  # its voice's loudness gain (`tts.loudness.level`), applied to every chunk delivered
         self.max_queued_samples = int(engine.max_queued * engine.sample_rate)
         self.resume_samples = self.max_queued_samples  # a paused stream resumes once the reader is down to this
         self.cancelled = self.finished = False
         self.moved = False  # detached to another engine (`Engine.detach`): this reader gets no more audio
         self.detaching = False  # being detached: the text front end is no longer read here
-        self.detach_request = None
+        self.detach_request: Any = None  # `streaming.slot_mover.DetachRequest` while `Engine.detach` runs
         self.paused = False  # set by the engine while the reader is behind (backpressure)
         self.held = False  # `hold`: parked at once, no slot until `release`
         self.decode_alone = False  # the CPU codec decodes this stream's chunks in calls of their own
@@ -150,7 +189,8 @@ class Stream:
         waker = LoopWaker.of(loop)
         while True:
             woken = loop.create_future()
-            if (chunk := self.poll(lambda: waker.wake(woken))) is not NOT_YET:
+            # late binding on purpose: a wake registered by an earlier poll wakes the future awaited now
+            if (chunk := self.poll(lambda: waker.wake(woken))) is not NOT_YET:  # noqa: B023
                 return chunk
             await woken
 
@@ -191,8 +231,11 @@ class Stream:
         with self._timings_lock:
             schedules, self._schedules = self._schedules, []
         frame_s = self.engine.frame_seconds
-        return [word for first, starts, durations in schedules
-                for word in self.text.word_timings(first, starts, durations, frame_s)]
+        return [
+            word
+            for first, starts, durations in schedules
+            for word in self.text.word_timings(first, starts, durations, frame_s)
+        ]
 
     def mark(self, stage: str, at: float | None = None) -> None:
         """Note when the stream first reached ``stage`` (perf_counter; later calls keep the first). The engine,
@@ -208,7 +251,7 @@ class Stream:
         return {stage: round((marks[stage] - origin) * 1000, 1) for stage in stages}
 
     # ---- engine side ----------------------------------------------------------------------------
-    def take_text(self) -> tuple[list[int], bool, bool]:
+    def take_text(self) -> tuple[list[int] | _Moving, bool, bool]:
         """Units ready to speak now, whether a flush or the end closed them (`TextStream.take`), and whether
         the text has ended. Raises what the text front end raises. While the stream is being detached: MOVING
         (no units; the engine then detaches it, after every take before)."""
@@ -224,9 +267,12 @@ class Stream:
         many frames each. Units come in order, each once."""
         frame_s = self.engine.frame_seconds
         with self._timings_lock:
-            ids, self._unscheduled = self._unscheduled[:len(durations)], self._unscheduled[len(durations):]
-            self._timings += [(SYMBOLS[u], round(f * frame_s, 3), round((f + d) * frame_s, 3))
-                              for u, f, d in zip(ids, start_frames, durations) if d > 0]
+            ids, self._unscheduled = self._unscheduled[: len(durations)], self._unscheduled[len(durations) :]
+            self._timings += [
+                (SYMBOLS[u], round(f * frame_s, 3), round((f + d) * frame_s, 3))
+                for u, f, d in zip(ids, start_frames, durations)
+                if d > 0
+            ]
             self._schedules.append((first_unit, start_frames, durations))
 
     def deliver(self, chunk: np.ndarray) -> None:
@@ -238,6 +284,8 @@ class Stream:
                 self.engine.start_latency.record(now - self.text.paced_release)
         self.last_audio_at = now
         self.samples += len(chunk)
+        if self.gain_db:
+            chunk = level(chunk, self.gain_db)
         with self._audio:
             if self.cancelled or self.moved:  # a chunk decoded as the reader left: it is not theirs any more
                 return
@@ -279,23 +327,39 @@ class Stream:
         speed, seed, its text front end's state (pending text, lookahead, word-timing bookkeeping) and the
         timings not yet taken. Call on the engine thread while the stream is parked."""
         with self._timings_lock:
-            timings = {"unscheduled": list(self._unscheduled), "timings": list(self._timings),
-                       "schedules": copy.deepcopy(self._schedules)}
-        return {"voice": self.voice, "speed": self.speed, "seed": self.seed, "decode_alone": self.decode_alone,
-                "max_chars": self.text.max_chars, "lookahead_words": self.text.lookahead_words,
-                "text": object_state(self.text), "samples": self.samples, **timings}
+            timings = {
+                "unscheduled": list(self._unscheduled),
+                "timings": list(self._timings),
+                "schedules": copy.deepcopy(self._schedules),
+            }
+        return {
+            "voice": self.voice,
+            "speed": self.speed,
+            "seed": self.seed,
+            "decode_alone": self.decode_alone,
+            "max_chars": self.text.max_chars,
+            "lookahead_words": self.text.lookahead_words,
+            "text": object_state(self.text),
+            "samples": self.samples,
+            "gain_db": self.gain_db,
+            "lexicon": None if self.text.lexicon is None else self.text.lexicon.state(),
+            **timings,
+        }
 
     @classmethod
-    def from_state(cls, engine: "Engine", state: dict, unread: list[np.ndarray]) -> "Stream":
+    def from_state(cls, engine: EngineInbox, state: dict, unread: list[np.ndarray]) -> Stream:
         """A stream continuing an exported one (`export_state`) on ``engine``, its ``unread`` audio queued."""
-        stream = cls(engine, state["voice"], state["speed"], state["max_chars"], state["seed"],
-                     state["lookahead_words"])
+        stream = cls(
+            engine, state["voice"], state["speed"], state["max_chars"], state["seed"], state["lookahead_words"]
+        )
         stream.decode_alone = state["decode_alone"]
         set_object_state(stream.text, state["text"])
+        stream.text.lexicon = Lexicon(*state["lexicon"]) if state.get("lexicon") else None
         stream._unscheduled, stream._timings = list(state["unscheduled"]), list(state["timings"])
         stream._schedules = copy.deepcopy(state["schedules"])
         for chunk in unread:
-            stream.deliver(chunk)
+            stream.deliver(chunk)  # already at its gain
+        stream.gain_db = state.get("gain_db", 0.0)
         stream.samples = state["samples"]  # counts the unread audio too
         stream.first_audio_at = stream.first_audio_at or (time.perf_counter() if state["samples"] else None)
         return stream
@@ -307,9 +371,12 @@ class Stream:
         audio_s = self.samples / sr
         ttfa = None if self.first_audio_at is None else (self.first_audio_at - start) * 1000
         busy = None if self.last_audio_at is None else self.last_audio_at - start
-        return {"audio_seconds": round(audio_s, 3), "ttfa_ms": None if ttfa is None else round(ttfa, 1),
-                "rtf": None if not busy or not audio_s else round(busy / audio_s, 3),
-                "frames": self.samples // self.engine.codec.cfg.hop}
+        return {
+            "audio_seconds": round(audio_s, 3),
+            "ttfa_ms": None if ttfa is None else round(ttfa, 1),
+            "rtf": None if not busy or not audio_s else round(busy / audio_s, 3),
+            "frames": self.samples // self.engine.codec.cfg.hop,
+        }
 
 
 class LoopWaker:
@@ -318,7 +385,7 @@ class LoopWaker:
     codec thread delivering a tick's chunks to a hundred streams costs the loop one wake-up, not a hundred.
     One per loop (`of`), gone with its loop (it holds the loop weakly)."""
 
-    _loops: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker]" = weakref.WeakKeyDictionary()
+    _loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker] = weakref.WeakKeyDictionary()
     _made = threading.Lock()
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
@@ -327,7 +394,7 @@ class LoopWaker:
         self._lock = threading.Lock()
 
     @classmethod
-    def of(cls, loop: asyncio.AbstractEventLoop) -> "LoopWaker":
+    def of(cls, loop: asyncio.AbstractEventLoop) -> LoopWaker:
         if (waker := cls._loops.get(loop)) is None:
             with cls._made:
                 waker = cls._loops.setdefault(loop, cls(loop))

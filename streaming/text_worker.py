@@ -5,6 +5,7 @@ A take that returned units goes to the back of the queue to take again: a front 
 text a piece at a time is read to the end, and many streams arriving at once each get their first piece
 before any gets its second. A stream whose start is held takes again when its hold would end without more text
 (`TextStream.release_at`), not only when the next piece comes."""
+
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +14,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from streaming.stream import Stream
 from tts.text import TextError

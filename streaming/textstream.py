@@ -25,18 +25,20 @@ A complete "slid. " would still wait for the next word: "slid. He" ends the sent
 Word timings: every unit taken is remembered with the word (as written) it speaks; `word_timings` turns
 the engine's schedule of units into start/end seconds per word.
 """
+
 from __future__ import annotations
 
 import threading
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
-from streaming.sentence_reader import _TO_COME, read_sentence
+from streaming.sentence_reader import read_sentence
 from streaming.slots import CHUNK_SCHEDULE, PACE_STRETCH, pace_factor
-from tts.normalize import Token, complete_length, reads_by_next, sentence_end, split_sentences, tokenize
 from tts.codec import CodecConfig
+from tts.lexicon import Lexicon
 from tts.model import ModelConfig
+from tts.normalize import Token, complete_length, reads_by_next, sentence_end, split_sentences, tokenize
 from tts.text import MAX_TEXT_CHARS, SYMBOL_ID, TextError
 
 TAKE_CHARS = 600  # text phonemised in one take at most: a long text reaches the engine a few sentences a tick
@@ -46,7 +48,8 @@ _GAP = " ,;:"  # units between two words of a sentence
 # FLUENT (lookahead 0): words wait only for a next word that changes the words ("$5" million), not for one that
 # changes only their sounds ("the" apple: ðɪ; "on the": ɔnðə): such a word is read as before any word, and the gap
 # after the last complete word goes with it (`TextStream._gap_with_word`). Why: the engine spoke a unit only once
-# 11 more were there (text_lookahead 6 + ahead 4 + 1; 5 since speculative encoding), and with Harvard sentences' many "the"s and "on the"s, words
+# 11 more were there (text_lookahead 6 + ahead 4 + 1; 5 since speculative encoding), and with Harvard sentences' many
+# "the"s and "on the"s, words
 # waiting for their next made the text come in lumps (4, 7, 7, 5, 0, 0, 12 units a word for "The birch canoe slid
 # on the smooth"), which the start hold had to wait out and which still stalled. Before, only a stream's first 16
 # units read this way. Cost, 720 Harvard sentences (lookahead 0): units equal to the whole sentence's in 476 (609
@@ -68,26 +71,7 @@ DEFAULT_LOOKAHEAD = 0
 # (`streaming.slots.Slots.pace`: up to PACE_STRETCH slower while the text's lead is thin) lets the start come
 # sooner: hindsight's earliest start that never stalls (no hold, Harvard 0-49, `--simulate`) 358 -> 300 ms p50 at
 # 5 w/s with 1.2 (1.15: 312, 1.25: 291).
-# Tuned on Harvard 100-199 (`bench.incremental --simulate`), first audio p50 and stalls/min at 5 / 10 w/s and 1.2x
-# (before: mean-size pieces 2 pieces late, 656 / 191 / 959 ms, 0.3 / 0.3 / 0.7). No stretch, spread 1.0: 554 / 194
-# / 1370, 0 / 0.25 / 0.74. Stretch 1.2, spread 0.6 / 0.8 / 1.0: 335 / 413 / 482 ms at 5 w/s, 1.55 / 0.67 / 0.22
-# stalls. + PIECE_DELAY_S 0.05 and FAST_START 1.12 (the stalls left were the 4th chunk 20-70 ms late with the text
-# as predicted: the first words spoken faster than 17.4 units/s): 385 / 182 / 597, 0.44 / 0.22 / 2.27. + the ease
-# from lead 24 to 60 (not 12 to 30): 385 / 182 / 597, 0.43 / 0.22 / 1.74. + SLOW_SPREAD 0.9 under SLOW_PACE 1.5
-# (at 1.2x a second piece longer than the rest started it): 385 / 182 / 693, 0.43 / 0.22 / 0.65 (1.6 or 1.7:
-# 482 ms at 5 w/s). On 0-49: 385 / 182 / 132 / 812 ms at 5 / 10 / 20 w/s / 1.2x, no stall (before: 682 / 191 / 132
-# / 993, no stall). + the engine's chunks (4, 4, 6, 8, 12, 16), planned as (2, 4, 8, 16) (`PLANNED_CHUNKS`): 397 /
-# 194 / 144 / 824 ms, no stall, least margin 16 -> 56 ms (32 at 12 ms a step); measured, 50 sentences, LOADED
-# (load 1.5-5): 464 / 217 / 152 / 849 ms, 0 / 1.3 / 0 / 0 stalls/min, least margin p5 31 / 7 / 37 / 21 ms.
-# + the engine's measured start latency (`StartLatency`; the simulation's own, 94 ms, not 70): 372 / 194 / 144 /
-# 800 ms, no stall, least margin unchanged (56: the 2nd chunk's steps bind it, not the text); on 100-199 the same
-# stalls as before (0.22 at 5 w/s, 0.87 at 1.2x). Through `tts serve`, 50 sentences, quiet: 5 w/s 418 -> 394 ms p50,
-# no stall, least margin p5 38 -> 43 ms (the engine measured 81 ms). + PIECE_DELAY_S 0.03 for fast text (slow text's
-# SLOW_DELAY_S kept at 0.05) and PRIOR_CHARS (simulated with a 25 ms codec call; 0-49 / 100-199): 5 w/s 371 -> 352
-# ms on both, stalls 0 / 2 -> 0 / 3 (a 3rd sentence of short function words, "The bark of the"); 1.2x 799 -> 799 /
-# 677 -> 741 ms, stalls 0 / 4 -> 0 / 1. On the engine (2-core AMD EPYC, 100-199): 5 w/s 379 -> 358 ms, the same
-# three sentences stalled before and after; 1.2x three stalled -> one. Through `tts serve`, 0-49 x 3 seeds, quiet
-# (run G): 362 (733) / 200 / 155 / 808 ms at 5 / 10 / 20 w/s / 1.2x, no stall, least margin p5 50-57 ms.
+# Tuned on Harvard 100-199 and checked on 0-49 through `tts serve` (the tuning history: docs/decisions.md).
 SPEECH_UNITS_PER_S = 17.4  # the shipped voices at speed 1: 3.16 words/s, 5.47 units a word (Harvard sentences)
 FAST_START = 1.12  # the start's units counted this much faster than SPEECH_UNITS_PER_S (fast first words)
 UNITS_PER_CHAR = 1.08  # units per character of English text, spaces included (720 Harvard sentences)
@@ -160,17 +144,23 @@ def engine_lookahead(cfg: ModelConfig, speculative: bool = True) -> tuple[int, i
 class TextStream:
     # How a sentence is read: `read_sentence` here, or in a process of its own (`ProcessReader`, set per stream)
     reader: Callable[[list[Token], int, bool], tuple[list[str], list[int]]] = staticmethod(read_sentence)
-    TRANSIENT = ("reader",)  # not part of a stream's state (`streaming.stream.object_state`)
+    TRANSIENT = ("reader", "lexicon")  # not in `streaming.stream.object_state` (the lexicon: `Stream.export_state`)
     clock: Callable[[], float] = staticmethod(time.perf_counter)  # when text arrives (`_may_start`)
+    lexicon: Lexicon | None = None  # how its words are said (`tts.lexicon`; set before the first text)
 
-    def __init__(self, max_chars: int = MAX_TEXT_CHARS, lookahead_words: int | str | None = None,
-                 hold_start: bool | ModelConfig = False):
+    def __init__(
+        self,
+        max_chars: int = MAX_TEXT_CHARS,
+        lookahead_words: int | str | None = None,
+        hold_start: bool | ModelConfig = False,
+    ):
         """``hold_start``: hold the first units until a player starting at the first chunk would not run dry
         (`_may_start`; what an engine's stream asks for, with its model's config; True: the default shapes)."""
         if lookahead_words is None:
             lookahead_words = DEFAULT_LOOKAHEAD
-        if lookahead_words != "auto" and (not isinstance(lookahead_words, int) or isinstance(lookahead_words, bool)
-                                          or not 0 <= lookahead_words <= 32):
+        if lookahead_words != "auto" and (
+            not isinstance(lookahead_words, int) or isinstance(lookahead_words, bool) or not 0 <= lookahead_words <= 32
+        ):
             raise ValueError(f"lookahead_words must be 0 to 32 or 'auto', not {lookahead_words!r}")
         self.max_chars, self.lookahead_words = max_chars, lookahead_words
         self._text = ""  # from the open sentence's start on
@@ -184,7 +174,8 @@ class TextStream:
         self._held: list[int] | None = [] if hold_start else None  # units held before the start (None: started)
         self._may_hold = True  # False: held units go with the next take (`hold_off`)
         self._engine_units, self._delay_frames = engine_lookahead(
-            hold_start if isinstance(hold_start, ModelConfig) else ModelConfig())
+            hold_start if isinstance(hold_start, ModelConfig) else ModelConfig()
+        )
         self._stretch = PACE_STRETCH  # the engine's elastic pacing at the start (`set_engine_lookahead`)
         self.start_latency_s = START_LATENCY_S  # release -> first chunk, as the engine measured it (`StartLatency`)
         self.paced_release: float | None = None  # when held units went on with the text's pace known (`StartLatency`)
@@ -197,6 +188,7 @@ class TextStream:
         self._pieces = 0
         self._lock = threading.Lock()
         self.spoken_any = False
+        self._silent: list[int] = []  # units taken before any speech (`_once_speech`)
         self._timings = _WordTimings()
         # When (`clock`) the start went through its stages, the first time each happened (a stats-only timeline,
         # `bench.incremental --timeline`): "read" units first read, "enough" the units held first covered the
@@ -211,8 +203,9 @@ class TextStream:
             if self._closed:
                 raise TextError("the utterance has ended; start a new one")
             if self._chars + len(text) > self.max_chars:
-                raise TextError(f"utterance text would be {self._chars + len(text)} characters; "
-                                f"the limit is {self.max_chars}")
+                raise TextError(
+                    f"utterance text would be {self._chars + len(text)} characters; the limit is {self.max_chars}"
+                )
             if not text:  # no piece: the text's pace, `in_pieces` and `released_at_once` count text that came
                 return
             self._chars += len(text)
@@ -263,7 +256,19 @@ class TextStream:
             ids, closes = self._take()
             while not ids and self._held is not None and self._dirty:  # held: read on now, as a take that
                 ids, closes = self._take()  # returned nothing is not taken again before new text
+            return self._once_speech(ids, closes)
+
+    def _once_speech(self, ids: list[int], closes: bool) -> tuple[list[int], bool]:
+        """Units go on only once something among them is speech (a word or a pause): text that turns out to say
+        nothing ("...", "<b>-</b>") then reaches the engine as no units at all, which it refuses before any audio
+        (over HTTP a 400, not a 200 whose body breaks off). Example: "..." then "Hi." -> [] then "... Hi." 's units."""
+        if self.spoken_any and not self._silent:
             return ids, closes
+        self._silent += ids
+        if not self.spoken_any:
+            return [], closes
+        ids, self._silent = self._silent, []
+        return ids, closes
 
     def release_at(self) -> float | None:
         """When (`clock` seconds) the held first units go on if no more text comes before the next piece is due:
@@ -294,6 +299,8 @@ class TextStream:
         usable = usable or ready  # one token longer than TAKE_CHARS: all of it
         closes = final and usable == len(text)
         tokens = tokenize(text[:usable])
+        if self.lexicon:
+            tokens = self.lexicon.apply(tokens)
         spans = split_sentences(tokens, closes)
         later = not self.spoken_any and len(spans) > 1  # a first take reads the first sentence alone
         if later:
@@ -305,7 +312,8 @@ class TextStream:
             read_upto = sentence[-1].end if closed or self._done >= len(sentence) else sentence[self._done].start
             consumed = sentence[-1].end if closed else self._forget_spoken(sentence, consumed)
         self._unread = len(text) - read_upto if spans else len(text)  # text come but not read (`_may_start`)
-        self._text = "" if closes and not text[consumed:].strip() else text[consumed:]
+        # closed: every token was read, and what follows the last one says nothing (a closing tag, "</speak>")
+        self._text = "" if closes else text[consumed:]
         self._dirty = usable < ready or later  # the rest comes in the next takes
         self._final = final and not closes
         return self._start([SYMBOL_ID[u] for u in units], closes)
@@ -386,7 +394,7 @@ class TextStream:
             played, end = end, end + (size := next(sizes, PLANNED_CHUNKS[-1]))
             spoken += size * per_frame / stretch
             pieces = max(0.0, (played * FRAME_S + since - delay) // every)  # to come and be read by then
-            there = units + (waiting + piece * (pieces - spread * pieces ** 0.5) if pieces >= 1 else 0.0)
+            there = units + (waiting + piece * (pieces - spread * pieces**0.5) if pieces >= 1 else 0.0)
             if there < spoken + self._engine_units:
                 return False
             stretch = min(stretch, pace_factor(there - spoken, self._stretch))  # the engine's, as its lead grows
@@ -442,7 +450,12 @@ class TextStream:
                 self._done, self._partial = (last + 1, 0) if whole else (last, taken_words.count(last))
                 self._read_alone = self._done == len(tokens)  # read before any next word (`_swallowed`)
             self._timings.complete(self._done)
-        self.spoken_any = self.spoken_any or any(u.isalpha() for u in taken)
+        # a pause is something to say too: "<speak><break time='1s'/></speak>" is a second of silence, not an error
+        self.spoken_any = (
+            self.spoken_any
+            or any(u.isalpha() for u in taken)
+            or any(tokens[o].kind == "pause" and tokens[o].pause_ms > 0 for o in owners[start:cut] if o >= 0)
+        )
         return taken
 
     def _swallowed(self, tokens: list[Token], owners: list[int], ready: int) -> bool:
@@ -513,8 +526,9 @@ class TextStream:
             cut = max(k, start)
         return cut
 
-    def word_timings(self, first_unit: int, start_frames: list[int], durations: list[int],
-                     frame_s: float) -> list[dict]:
+    def word_timings(
+        self, first_unit: int, start_frames: list[int], durations: list[int], frame_s: float
+    ) -> list[dict]:
         """Timings of the words whose units are now all scheduled: the engine scheduled units
         ``first_unit, first_unit + 1, ...`` (absolute indices since the stream's start, in the order `take`
         returned them) at ``start_frames`` for ``durations`` frames each. Returns
@@ -564,8 +578,9 @@ class _WordTimings:
             span[0], span[1] = min(span[0], frame), max(span[1], frame + length)
             if word < self.complete_upto and self.last_unit.get(word) == first_unit + k:
                 start, end = self.times.pop(word)
-                done.append({"word": self.words.pop(word), "start": round(start * frame_s, 3),
-                             "end": round(end * frame_s, 3)})
+                done.append(
+                    {"word": self.words.pop(word), "start": round(start * frame_s, 3), "end": round(end * frame_s, 3)}
+                )
                 del self.last_unit[word]
         self._forget(first_unit + len(durations))
         return done

@@ -1,4 +1,5 @@
 """Server fixtures: the real server (server.ServerThread) on a free loopback port, in this process."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,8 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_engine():
     """An engine on a tiny random-weight model: real scheduling and audio shapes, noise for sound."""
-    from helpers import tiny_random
+    from testkit import tiny_random
+
     return tiny_random(max_streams=4)
 
 
@@ -15,6 +17,7 @@ def tiny_engine():
 def shipped_engine():
     """The process-wide engine on the shipped voices (skipped, saying why, while no weights are shipped)."""
     from tts.api import get_engine
+
     try:
         return get_engine()
     except FileNotFoundError as err:
@@ -32,6 +35,7 @@ def cache_dir(tmp_path, monkeypatch):
 def make_server():
     """Start a real server: make_server(engine, **limits) -> started ServerThread, stopped at teardown."""
     from server import ServerThread
+
     started = []
 
     def start(engine, **limits):
@@ -48,5 +52,6 @@ def make_server():
 def server(tiny_engine):
     """A server on the tiny engine with the default limits, shared by the tests that need no others."""
     from server import ServerThread
+
     with ServerThread(tiny_engine) as running:
         yield running

@@ -1,4 +1,5 @@
 """The Python API: chunk objects with words, plain arrays still working, and the default engine's step."""
+
 import json
 import os
 import subprocess
@@ -77,10 +78,17 @@ def test_default_engine_speaks_with_a_fast_step_from_the_first_sentence(tmp_path
     """A fresh process on the shipped voices with an empty cache: the first sentence already runs the int8
     ONNX Runtime step (from the shipped weightless graph: nothing built, nothing written to the cache), and
     the engine has slots for several callers."""
-    code = ("import json; from tts.api import get_engine, synthesize; synthesize('Hello there.'); "
-            "e = get_engine(); print(json.dumps([e.step_kind, e.max_streams]))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "TTS_CACHE_DIR": str(tmp_path)})
+    code = (
+        "import json; from tts.api import get_engine, synthesize; synthesize('Hello there.'); "
+        "e = get_engine(); print(json.dumps([e.step_kind, e.max_streams]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TTS_CACHE_DIR": str(tmp_path)},
+    )
     assert done.returncode == 0, done.stderr
     kind, slots = json.loads(done.stdout.strip().splitlines()[-1])
     assert kind == ("onnxruntime-int8" if ort.available() else "lean") and slots >= 4

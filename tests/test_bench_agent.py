@@ -1,16 +1,25 @@
 """bench.agent: the capacity arithmetic, what a run names as its limit, merged client loads, and clients against
 a real server (tiny engine) whose turn still speaking at the end of the grace is cut and kept."""
+
 from bench import agent
 from bench.agent_load import HostLoad, capacity_streams, client_load, cpu_per_audio_s, limited_by
 from server import ServerThread
-from tests.helpers import tiny_random
+from testkit import tiny_random
 
-QUIET = {"server_thread_cores": {"tts-server": 0.2}, "server_python_cores": 0.5,
-         "server_probe_ms": {"p50": 1.0, "p99": 5.0}, "client_process_cores": {"max": 0.3},
-         "client_loop_lag_ms": {"p99": 2.0}}
-SENTENCES = ["A small boat left the harbour at dawn.", "The garden gate was painted green last week.",
-             "Rain fell on the roof all night long.", "He carried the books up three flights of stairs.",
-             "Our neighbour bakes bread every Sunday morning."]
+QUIET = {
+    "server_thread_cores": {"tts-server": 0.2},
+    "server_python_cores": 0.5,
+    "server_probe_ms": {"p50": 1.0, "p99": 5.0},
+    "client_process_cores": {"max": 0.3},
+    "client_loop_lag_ms": {"p99": 2.0},
+}
+SENTENCES = [
+    "A small boat left the harbour at dawn.",
+    "The garden gate was painted green last week.",
+    "Rain fell on the roof all night long.",
+    "He carried the books up three flights of stairs.",
+    "Our neighbour bakes bread every Sunday morning.",
+]
 
 
 def test_capacity_is_slots_times_frames_per_tick():
@@ -26,22 +35,27 @@ def test_a_run_names_what_limited_it():
     assert found[1].startswith("tick with the slots full 25.0 ms")
     assert found[2:] == ["server event loop", "server thread tts-text busy", "client processes"]
     assert limited_by(None, None, None, 20.0, {**QUIET, "server_python_cores": 0.9}) == [
-        "server interpreter lock (Python threads near one core)"]
+        "server interpreter lock (Python threads near one core)"
+    ]
     unknown = {**QUIET, "server_thread_cores": None, "server_python_cores": None}  # no per-thread figures
     assert limited_by(None, None, None, 20.0, unknown) == []
 
 
 def test_server_cpu_per_second_of_audio():
-    host = {"server_wall_s": 50.0, "server_process_cores": 0.9,
-            "server_thread_cores": {"tts-server": 0.1, "tts-io": 0.02, "tts-engine": 0.6}}
+    host = {
+        "server_wall_s": 50.0,
+        "server_process_cores": 0.9,
+        "server_thread_cores": {"tts-server": 0.1, "tts-io": 0.02, "tts-engine": 0.6},
+    }
     assert cpu_per_audio_s(host, 500.0) == {"process": 90.0, "host_side": 12.0}
     assert cpu_per_audio_s({**host, "server_thread_cores": None}, 500.0)["host_side"] is None
     assert cpu_per_audio_s(host, 0.0) is None
 
 
 def test_client_loads_merge():
-    merged = client_load([{"cpu_s": 1.0, "wall_s": 2.0, "lag_ms": [1.0, 2.0]},
-                          {"cpu_s": 3.0, "wall_s": 4.0, "lag_ms": [10.0]}])
+    merged = client_load(
+        [{"cpu_s": 1.0, "wall_s": 2.0, "lag_ms": [1.0, 2.0]}, {"cpu_s": 3.0, "wall_s": 4.0, "lag_ms": [10.0]}]
+    )
     assert merged["client_processes"] == 2
     assert merged["client_process_cores"] == {"max": 0.75, "mean": 0.625}
     assert merged["client_loop_lag_ms"]["max"] == 10.0

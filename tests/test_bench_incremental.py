@@ -1,4 +1,5 @@
 """`bench.incremental.measure`'s takes: each sentence ``seeds`` times, the same seeds word by word as whole."""
+
 import numpy as np
 
 from bench.incremental import SEED_STRIDE, measure
@@ -26,6 +27,7 @@ def test_measure_speaks_each_sentence_with_the_same_seeds_both_ways_and_reports_
 
 def test_stalled_chunks_name_the_late_chunk_and_agree_with_the_stall_count():
     from bench.incremental import stalled_chunks, stalls
+
     frame = SAMPLE_RATE // 50  # 20 ms
     arrivals = [(0.10, 4 * frame), (0.21, 4 * frame), (0.25, 8 * frame)]  # 2nd: 30 ms after the 1st ran out
     late = stalled_chunks(arrivals)

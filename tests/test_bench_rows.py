@@ -1,4 +1,5 @@
 """The held-out rows a benchmark reads: the reported set, and the validation set after it."""
+
 import json
 
 from bench.common import heldout_rows

@@ -1,4 +1,5 @@
 """The `tts` command line, run as a real subprocess on the shipped voices; its sinks and subtitle writer in-process."""
+
 import io
 import json
 import os
@@ -21,8 +22,13 @@ PARAGRAPHS = "Good morning. The train leaves at seven.\n\nPlease bring a warm co
 
 
 def tts(*args, stdin=None, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "tts.cli", *args], input=stdin, capture_output=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "tts.cli", *args],
+        input=stdin,
+        capture_output=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def decoded(path, fmt: str) -> np.ndarray:
@@ -83,10 +89,18 @@ def test_say_through_a_running_server(server, tmp_path):
 
 def test_every_failure_has_its_exit_code_and_leaves_no_file(tmp_path):
     out = tmp_path / "never.wav"
-    cases = {2: [["say", "Hi.", "--voice", "nobody"], ["say", "   "], ["say", "Hi.", "--speed", "9"], ["say"],
-                 ["say", "Hi.", "-o", str(tmp_path / "never.txt")], ["say", "Hi.", "--subtitles", "x.doc"]],
-             3: [["say", "-i", str(tmp_path / "missing.txt")], ["say", "Hi.", "-o", str(tmp_path / "no" / "x.wav")]],
-             5: [["say", "Hi.", "--server", "ws://127.0.0.1:9"]]}
+    cases = {
+        2: [
+            ["say", "Hi.", "--voice", "nobody"],
+            ["say", "   "],
+            ["say", "Hi.", "--speed", "9"],
+            ["say"],
+            ["say", "Hi.", "-o", str(tmp_path / "never.txt")],
+            ["say", "Hi.", "--subtitles", "x.doc"],
+        ],
+        3: [["say", "-i", str(tmp_path / "missing.txt")], ["say", "Hi.", "-o", str(tmp_path / "no" / "x.wav")]],
+        5: [["say", "Hi.", "--server", "ws://127.0.0.1:9"]],
+    }
     for code, runs in cases.items():
         for args in runs:
             args = args + ["-o", str(out)] if "-o" not in args else args
@@ -99,8 +113,9 @@ def test_every_failure_has_its_exit_code_and_leaves_no_file(tmp_path):
 def test_ctrl_c_stops_cleanly_and_leaves_no_partial_file(tmp_path):
     text = tmp_path / "long.txt"
     text.write_text("\n\n".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 40))
-    proc = subprocess.Popen([sys.executable, "-m", "tts.cli", "say", "-i", str(text), "-o", str(tmp_path / "a.mp3")],
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tts.cli", "say", "-i", str(text), "-o", str(tmp_path / "a.mp3")], stderr=subprocess.PIPE
+    )
     deadline = time.monotonic() + 120
     while not any(p.suffix == ".part" and p.stat().st_size for p in tmp_path.iterdir()):  # audio is being written
         assert proc.poll() is None and time.monotonic() < deadline
@@ -121,8 +136,9 @@ def test_playback_streams_to_the_sound_device_or_says_there_is_none(tmp_path):
         assert result.returncode == 4 and b"-o out.wav" in result.stderr
         return
     played, written = tmp_path / "played.raw", tmp_path / "written.wav"
-    (tmp_path / ".asoundrc").write_text(f'pcm.!default {{ type file; slave.pcm "null"; file "{played}"; '
-                                        'format "raw" }\n')
+    (tmp_path / ".asoundrc").write_text(
+        f'pcm.!default {{ type file; slave.pcm "null"; file "{played}"; format "raw" }}\n'
+    )
     text = "Hello there, this goes to the speaker."
     result = tts("say", text, "--seed", "3", env={"HOME": str(tmp_path)})
     assert result.returncode == 0, result.stderr
@@ -153,13 +169,13 @@ def test_every_suffix_writes_its_format_chunk_by_chunk(tmp_path, suffix):
     fmt = format_for(path)
     with file_sink(path, fmt) as write:
         for start in range(0, len(audio), 1920):
-            write(audio[start:start + 1920])
+            write(audio[start : start + 1920])
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
     back = decoded(path, fmt)
     rate = 48_000 if fmt == "opus" else SAMPLE_RATE
     assert abs(len(back) / rate - 1.0) < 0.1  # codecs pad a little
     if fmt in ("wav", "flac", "pcm"):  # lossless: the samples themselves, to 16-bit rounding
-        assert np.abs(back[:len(audio)] - audio).max() < 1e-4
+        assert np.abs(back[: len(audio)] - audio).max() < 1e-4
         if fmt != "pcm":
             assert sf.info(path).frames == len(audio)  # the header was completed: the length is known
 
@@ -189,29 +205,42 @@ def test_format_from_suffix_or_flag():
 
 
 def test_utterances_are_paragraphs_and_long_ones_split_between_sentences():
-    assert utterances(PARAGRAPHS) == ["Good morning. The train leaves at seven.",
-                                      "Please bring a warm coat and an umbrella."]
+    assert utterances(PARAGRAPHS) == [
+        "Good morning. The train leaves at seven.",
+        "Please bring a warm coat and an umbrella.",
+    ]
     assert utterances("One. Two.\n\nA long first sentence. And more.", limit=30) == [
-        "One. Two.", "A long first sentence.", "And more."]
+        "One. Two.",
+        "A long first sentence.",
+        "And more.",
+    ]
     assert utterances("  \n\n ") == []
     book = " ".join(f"Sentence number {i} is here." for i in range(400))
     parts = utterances(book)
     assert " ".join(parts) == book and all(len(p) <= 1500 for p in parts)
 
 
-WORDS = [{"word": "Hello", "start": 0.05, "end": 0.4}, {"word": "there.", "start": 0.4, "end": 0.9},
-         {"word": "It", "start": 1.2, "end": 1.3}, {"word": "costs", "start": 1.3, "end": 1.6},
-         {"word": "$5", "start": 1.6, "end": 2.4}, {"word": "and", "start": 2.4, "end": 2.5},
-         {"word": "it", "start": 2.5, "end": 2.6}, {"word": "is", "start": 2.6, "end": 2.7},
-         {"word": "worth", "start": 2.7, "end": 3.0}, {"word": "every", "start": 3.0, "end": 3.3},
-         {"word": "cent!", "start": 3.3, "end": 3.6}]
+WORDS = [
+    {"word": "Hello", "start": 0.05, "end": 0.4},
+    {"word": "there.", "start": 0.4, "end": 0.9},
+    {"word": "It", "start": 1.2, "end": 1.3},
+    {"word": "costs", "start": 1.3, "end": 1.6},
+    {"word": "$5", "start": 1.6, "end": 2.4},
+    {"word": "and", "start": 2.4, "end": 2.5},
+    {"word": "it", "start": 2.5, "end": 2.6},
+    {"word": "is", "start": 2.6, "end": 2.7},
+    {"word": "worth", "start": 2.7, "end": 3.0},
+    {"word": "every", "start": 3.0, "end": 3.3},
+    {"word": "cent!", "start": 3.3, "end": 3.6},
+]
 
 
 def test_srt_and_vtt_from_a_word_list():
     assert subtitles.render(WORDS, "srt") == (
         "1\n00:00:00,050 --> 00:00:00,900\nHello there.\n\n"
         "2\n00:00:01,200 --> 00:00:02,600\nIt costs $5 and it\n\n"  # 9 words: two even cues of at most 7
-        "3\n00:00:02,600 --> 00:00:03,600\nis worth every cent!\n")
+        "3\n00:00:02,600 --> 00:00:03,600\nis worth every cent!\n"
+    )
     assert subtitles.timestamp(3725.5, ",") == "01:02:05,500" and subtitles.timestamp(-0.01, ".") == "00:00:00.000"
     assert subtitles.render(WORDS[:2], "vtt") == "WEBVTT\n\n00:00:00.050 --> 00:00:00.900\nHello there.\n"
     assert subtitles.render([], "srt") == "" and subtitles.render([], "vtt") == "WEBVTT\n\n"

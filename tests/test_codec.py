@@ -1,4 +1,5 @@
 """Codec: shapes, determinism, and chunked streaming decode equal to the offline decode."""
+
 import pytest
 import torch
 
@@ -38,7 +39,7 @@ def test_streaming_decode_equals_offline(codec, chunk):
     latents = codec.quantizer.decode(codes)
     state = codec.init_state(2)
     with torch.inference_mode():
-        parts = [codec.decoder.step(latents[..., t:t + chunk], state)[:, 0] for t in range(0, 23, chunk)]
+        parts = [codec.decoder.step(latents[..., t : t + chunk], state)[:, 0] for t in range(0, 23, chunk)]
     assert (torch.cat(parts, -1) - offline).abs().max() <= 1e-4
 
 
@@ -52,7 +53,7 @@ def test_reset_one_stream_leaves_the_other(codec):
         second = codec.decoder.step(latents[..., 4:], state)[:, 0]
     fresh = codec.decode(codes[:1, :, 4:])
     torch.testing.assert_close(second[0], fresh[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(second[1], codec.decode(codes)[1, 4 * codec.cfg.hop:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(second[1], codec.decode(codes)[1, 4 * codec.cfg.hop :], atol=1e-5, rtol=1e-5)
 
 
 def test_sub_batch_decode_through_select_and_write(codec):
@@ -68,7 +69,7 @@ def test_sub_batch_decode_through_select_and_write(codec):
         state.write(index, sub)
         last = codec.decoder.step(latents[..., 6:], state)[:, 0]
     hop = codec.cfg.hop
-    torch.testing.assert_close(last[[2, 0]], codec.decode(codes[[2, 0]])[:, 6 * hop:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(last[[2, 0]], codec.decode(codes[[2, 0]])[:, 6 * hop :], atol=1e-5, rtol=1e-5)
 
 
 def test_save_and_load_round_trip(codec, tmp_path):
@@ -80,6 +81,7 @@ def test_save_and_load_round_trip(codec, tmp_path):
 
 def test_frozen_quantizer_keeps_codebooks_and_passes_gradient(codec):
     from training.quantizer import EMAQuantizerTrainer
+
     books = codec.quantizer.codebooks.clone()
     z = torch.randn(2, codec.cfg.dim, 7, requires_grad=True)  # (B, D, T)
     zq, commit = EMAQuantizerTrainer(codec.quantizer, frozen=True)(z, codec.cfg.codebooks)

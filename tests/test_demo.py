@@ -1,4 +1,5 @@
 """The demo page in a real headless Chromium (Debian's), loaded from the real server, driven by Playwright."""
+
 from __future__ import annotations
 
 import os
@@ -9,17 +10,27 @@ import pytest
 
 CHROMIUM = "/usr/bin/chromium"
 SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "demo.png"  # README's, rewritten only on request
-ARGS = ["--no-sandbox", "--disable-gpu", "--autoplay-policy=no-user-gesture-required",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--autoplay-policy=no-user-gesture-required",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists() and not shutil.which("chromium"),
-                                reason="Debian's chromium is not installed (apt-get install chromium)")
+pytestmark = pytest.mark.skipif(
+    not Path(CHROMIUM).exists() and not shutil.which("chromium"),
+    reason="Debian's chromium is not installed (apt-get install chromium)",
+)
 
 
 @pytest.fixture(scope="module")
 def demo_server(request):
     """The server on the shipped voices when they exist (the screenshot shows them), else on the tiny engine."""
     from server import ServerThread
+
     try:
         engine = request.getfixturevalue("shipped_engine")
     except pytest.skip.Exception:
@@ -127,8 +138,10 @@ def test_speak_again_while_speaking_replaces_the_utterance(page):
     page.wait_for_function("window.ttsDemo.chunksScheduled >= 2", timeout=60_000)
     page.fill("#text", "A new sentence replaces the old one.")
     page.click("#speak")
-    page.wait_for_function("window.ttsDemo.utterances === 2 && window.ttsDemo.lastDone"
-                           " && !window.ttsDemo.lastDone.cancelled", timeout=60_000)
+    page.wait_for_function(
+        "window.ttsDemo.utterances === 2 && window.ttsDemo.lastDone && !window.ttsDemo.lastDone.cancelled",
+        timeout=60_000,
+    )
     assert demo(page)["errors"] == [] and page.errors == []
 
 
@@ -140,7 +153,9 @@ def test_with_an_api_key_and_a_busy_server_the_page_waits_in_the_queue(make_serv
     import threading
 
     import websockets
-    from helpers import tiny_random
+
+    from testkit import tiny_random
+
     server = make_server(tiny_random(max_streams=1), api_keys=("sekrit",))
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
 
@@ -174,6 +189,7 @@ class CuttableLink:
     def __init__(self, port: int):
         import asyncio
         import threading
+
         self.target, self.loop, self.writers = port, asyncio.new_event_loop(), set()
         listening = asyncio.run_coroutine_threadsafe(self._listen(), self.loop)
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
@@ -181,11 +197,13 @@ class CuttableLink:
 
     async def _listen(self) -> int:
         import asyncio
+
         self.server = await asyncio.start_server(self._forward, "127.0.0.1", 0)
         return self.server.sockets[0].getsockname()[1]
 
     async def _forward(self, reader, writer) -> None:
         import asyncio
+
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
         self.writers |= {writer, up_writer}
 
@@ -206,6 +224,7 @@ class CuttableLink:
         def abort_all():
             for writer in list(self.writers):
                 writer.transport.abort()
+
         self.loop.call_soon_threadsafe(abort_all)
 
     def close(self) -> None:

@@ -1,14 +1,15 @@
 """The serving engine on a tiny random model: scheduling, slots, incremental text, limits, faults."""
+
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
-from helpers import held_codec_worker, tiny_model_and_codec, tiny_random, wait_until
 
-from streaming.decode import TEXT_RING, decode_step
 from streaming.engine import Engine, EngineError, SamplingConfig, ServerFull, UnknownVoice
+from streaming.step_caches import TEXT_RING, decode_step
+from testkit import held_codec_worker, tiny_model_and_codec, tiny_random, wait_until
 from tts.api import synthesize, synthesize_stream
 from tts.text import TextError
 
@@ -58,8 +59,10 @@ def test_incremental_text_equals_whole_text(engine):
 def test_other_streams_do_not_change_a_stream(engine):
     alone = synthesize(TEXT, voice="slt", engine=engine)
     results = {}
-    threads = [threading.Thread(target=speak, args=(engine, TEXT, "slt"), kwargs=dict(results=results, key="a")),
-               threading.Thread(target=speak, args=(engine, OTHER, "joe"), kwargs=dict(results=results, key="b"))]
+    threads = [
+        threading.Thread(target=speak, args=(engine, TEXT, "slt"), kwargs=dict(results=results, key="a")),
+        threading.Thread(target=speak, args=(engine, OTHER, "joe"), kwargs=dict(results=results, key="b")),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -74,15 +77,22 @@ def test_batched_streams_equal_each_alone(frame_codec, sampling):
     window's capacity, sound as each does alone in a one-slot engine: greedy, with the GPU's frame codec, and
     sampling with each stream's own seed (then the tokens are the same, so the audio is too)."""
     long_text = " ".join([TEXT, OTHER] * 4)
-    jobs = [("a", long_text, "joe", 0.0), ("b", TEXT, "slt", 0.05), ("c", OTHER, "rms", 0.1),
-            ("d", TEXT, "joe", 0.3), ("e", OTHER, "awb", 0.35)]
+    jobs = [
+        ("a", long_text, "joe", 0.0),
+        ("b", TEXT, "slt", 0.05),
+        ("c", OTHER, "rms", 0.1),
+        ("d", TEXT, "joe", 0.3),
+        ("e", OTHER, "awb", 0.35),
+    ]
     seeds = {key: 100 + i for i, (key, *_) in enumerate(jobs)}
     alone = tiny_random(max_streams=1, sampling=sampling, frame_codec=frame_codec)
     expected = {key: speak(alone, text, voice, seeds[key]) for key, text, voice, _ in jobs}
     busy = tiny_random(max_streams=3, sampling=sampling, frame_codec=frame_codec)
     results = {}
-    threads = [threading.Thread(target=speak, args=(busy, text, voice, seeds[key], delay, results, key))
-               for key, text, voice, delay in jobs]
+    threads = [
+        threading.Thread(target=speak, args=(busy, text, voice, seeds[key], delay, results, key))
+        for key, text, voice, delay in jobs
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -104,9 +114,12 @@ def test_same_seed_same_audio_alone_or_in_a_busy_batch():
     seeded = tiny_random(max_streams=3)
     first = speak(seeded, TEXT, seed=1234)
     results = {}
-    threads = [threading.Thread(target=speak, args=(seeded, OTHER), kwargs=dict(results=results, key="other")),
-               threading.Thread(target=speak, args=(seeded, TEXT), kwargs=dict(seed=1234, start_after=0.05,
-                                                                                results=results, key="again"))]
+    threads = [
+        threading.Thread(target=speak, args=(seeded, OTHER), kwargs=dict(results=results, key="other")),
+        threading.Thread(
+            target=speak, args=(seeded, TEXT), kwargs=dict(seed=1234, start_after=0.05, results=results, key="again")
+        ),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -227,6 +240,7 @@ def test_cancel_stops_at_once(engine):
 
 def test_a_stream_whose_text_breaks_the_front_end_fails_alone(engine, monkeypatch):
     import streaming.sentence_reader as reader  # where `read_sentence` (the text thread's reading) finds it
+
     real = reader.sentence_units
 
     def sentence_units(tokens, spoken, closed):
@@ -252,6 +266,7 @@ def test_a_stream_whose_text_breaks_the_front_end_fails_alone(engine, monkeypatc
 def test_a_fault_after_a_streams_text_is_read_fails_it_and_the_text_thread_goes_on(engine):
     """A bug met after the front end (here: its hold timer) fails that stream; the text thread, which every
     stream's text needs, keeps reading the others' (it used to end, leaving later streams waiting forever)."""
+
     def broken_release_at():
         raise AttributeError("a job without a hold")
 
@@ -275,6 +290,7 @@ def test_a_fault_in_the_batch_fails_its_streams_and_the_engine_recovers():
             if calls["n"] == 5:
                 raise RuntimeError("device fault")
             return decode_step(*args)
+
         return step
 
     engine.set_step_factory(flaky_factory)
@@ -392,6 +408,7 @@ def test_max_streams_defaults_to_a_cpu_figure_and_takes_a_cap():
 
 def test_per_row_temperature_in_one_batched_sample():
     from streaming.sampling import sample
+
     logits = torch.zeros(2, 3, 50)
     logits[..., 7] = 5.0  # token 7 is the clear favourite of every row and codebook
     draws = torch.stack([sample(logits, torch.tensor([1e-6, 1e3])[:, None, None], 40) for _ in range(50)])  # (50, B, K)
@@ -401,6 +418,7 @@ def test_per_row_temperature_in_one_batched_sample():
 
 def test_counter_noise_depends_on_seed_and_step_only():
     from streaming.sampling import counter_uniform, stream_key
+
     keys, steps = stream_key(torch.tensor([5, 2**40 + 5, 5])), torch.tensor([9, 9, 10])
     noise = counter_uniform(keys, steps, (4, 40))
     alone = counter_uniform(keys[2:], steps[2:], (4, 40))
@@ -422,6 +440,7 @@ def test_frame_codec_with_idle_rows_equals_the_offline_decode():
     """The GPU's codec path on the CPU: one frame per row per call, rows idle at different calls (their
     state untouched), one row restarted midway; each row's frames decode as `Codec.decode` does offline."""
     from streaming.codec_worker import FrameCodec
+
     _, codec, _ = tiny_model_and_codec()
     frames = 12
     codes = torch.randint(0, codec.cfg.codebook_size, (3, codec.cfg.codebooks, frames))
@@ -443,7 +462,7 @@ def test_frame_codec_with_idle_rows_equals_the_offline_decode():
     offline = codec.decode(codes)
     for r in range(3):
         got = torch.cat(audio[r])
-        torch.testing.assert_close(got, offline[r, :len(got)], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got, offline[r, : len(got)], atol=1e-5, rtol=1e-4)
         assert len(got) >= 8 * codec.cfg.hop
 
 
@@ -468,6 +487,7 @@ def test_a_long_run_of_units_without_frames_never_stalls_the_stream():
 def test_cap_silence_gives_a_frame_to_the_unit_that_makes_a_run_too_long():
     from streaming.slots import Slots
     from tts.model import MODEL_PRESETS
+
     cfg = MODEL_PRESETS["tiny"]
     slots = Slots(cfg, 2, 2 + cfg.behind + cfg.ahead + 2)  # at most 2 zero-frame units in a row
     slots.silent[0] = 1
@@ -485,13 +505,15 @@ def test_a_first_chunk_goes_ahead_of_the_codec_backlog_and_each_stream_decodes_i
     in the slot a stream with chunks still queued has just left (each slot has two decoder rows), and every
     stream's audio equals its own chunks decoded in order from the start state."""
     from streaming.stream import Stream
+
     engine = tiny_random(max_streams=1)
     codec = engine.codec
     worker, gate, lengths = held_codec_worker(codec, 1)  # its first decode held until the test has queued the rest
     a, b = (Stream(engine, "joe", 1.0, 1000, seed) for seed in (1, 2))
     codes = torch.Generator().manual_seed(0)
-    a1, a2, b1 = (torch.randint(0, codec.cfg.codebook_size, (1, codec.cfg.codebooks, t), generator=codes)
-                  for t in (16, 16, 2))
+    a1, a2, b1 = (
+        torch.randint(0, codec.cfg.codebook_size, (1, codec.cfg.codebooks, t), generator=codes) for t in (16, 16, 2)
+    )
     worker.reset([0])
     worker.decode([0], [a], a1, [16])
     assert wait_until(lambda: lengths == [16])  # the worker is busy with a's first chunk
@@ -558,8 +580,9 @@ def test_text_ring_writes_all_layers_at_once_as_layer_by_layer():
     """`StepCaches.write_text` on the stacked text rings (`empty`) stores exactly what a layer-by-layer write
     (`RingKVCache.update` of each layer's own ring) stores, with holes (``keep``), a subset of rows, and ring
     wrap-around."""
-    from streaming.decode import StepCaches
     from streaming.kv_cache import RingKVCache
+    from streaming.step_caches import StepCaches
+
     cfg = tiny_model_and_codec()[0].cfg
     g = torch.Generator().manual_seed(0)
     stacked = StepCaches.empty(cfg, 5)
@@ -569,8 +592,13 @@ def test_text_ring_writes_all_layers_at_once_as_layer_by_layer():
         rows = torch.tensor([4, 1, 2])
         positions = start + torch.arange(12)[None, :].repeat(3, 1) + torch.tensor([[0], [3], [5]])
         keep = torch.rand(3, 12, generator=g) < 0.7
-        kv = [(torch.randn(3, cfg.heads, 12, cfg.head_dim, generator=g),
-               torch.randn(3, cfg.heads, 12, cfg.head_dim, generator=g)) for _ in range(cfg.layers)]
+        kv = [
+            (
+                torch.randn(3, cfg.heads, 12, cfg.head_dim, generator=g),
+                torch.randn(3, cfg.heads, 12, cfg.head_dim, generator=g),
+            )
+            for _ in range(cfg.layers)
+        ]
         stacked.write_text(tuple(torch.stack(part) for part in zip(*kv)), positions, keep, rows)
         for ring, (k, v) in zip(apart, kv):
             ring.update(k, v, positions, keep, rows)
@@ -586,6 +614,7 @@ def test_text_keys_of_all_layers_at_once_equal_each_layers_own():
     """`TTSModel.text_keys_values` (one head split and rotation for all layers) gives exactly what each
     layer's `Attention.keys_values` gives."""
     from tts.model import MODEL_PRESETS, TTSModel, rope_angles
+
     torch.manual_seed(0)
     model = TTSModel(MODEL_PRESETS["shipped"]).eval()
     states, starts = torch.randn(3, 17, model.cfg.dim), torch.randint(0, 500, (3, 17))
@@ -603,6 +632,7 @@ def test_chunk_schedules_per_slot_staggered_and_chosen_once_at_the_first_prefill
     prefill when its text came in pieces; the stagger cuts each table's first chunk of its last size."""
     from streaming.slots import CHUNK_SCHEDULE, INCREMENTAL_CHUNKS, Slots, schedule_table
     from tts.model import MODEL_PRESETS
+
     table = schedule_table((6, 6, 8, 12, 16), 3, stagger=True)
     assert table.tolist() == [[6, 6, 8, 12, 16, 16], [6, 6, 8, 12, 15, 16], [6, 6, 8, 12, 14, 16]]
     slots = Slots(MODEL_PRESETS["tiny"], 4, TEXT_RING, stagger=True)
@@ -623,6 +653,7 @@ def test_fast_words_start_with_the_incremental_first_chunk_and_whole_text_with_t
     """Words at 20 a second outrun the start hold (`TextStream.released_at_once`): INCREMENTAL_CHUNKS; text sent
     whole: CHUNK_SCHEDULE."""
     from streaming.slots import CHUNK_SCHEDULE, INCREMENTAL_CHUNKS
+
     hop = engine.codec.cfg.hop
     stream = engine.open(seed=3)
     for word in "The birch canoe slid on the smooth planks and the ducks swam by.".split():

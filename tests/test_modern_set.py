@@ -1,5 +1,6 @@
 """The modern held-out set: well-formed, its licences recorded, never in training text; its teacher cache and the
 decoder comparison on it."""
+
 import re
 
 import numpy as np
@@ -66,6 +67,7 @@ def test_a_decoder_that_gives_back_the_teacher_scores_exactly_the_teacher(tmp_pa
     pytest.importorskip("speechmos")
     from tts.codec import load_codec
     from tts.voices import VOICES_DIR
+
     speech, sr = sf.read(MODERN_DIR.parents[2] / "tests" / "data" / "heldout_joe.wav", dtype="float32")
     assert sr == 24_000
     sentence = modern.sentences("dev")[0]

@@ -1,5 +1,6 @@
 """Text normalisation: what a reader says for real English text (issue 24's table), sentence splitting,
 markup, and bad input that can only ever raise TextError."""
+
 import random
 
 import pytest
@@ -83,8 +84,10 @@ CASES = [
     ("0", "zero"),
     ("100", "one hundred"),
     ("105 cats", "one hundred five cats"),
-    ("9,999,999,999", "nine billion nine hundred ninety-nine million nine hundred ninety-nine thousand "
-                      "nine hundred ninety-nine"),
+    (
+        "9,999,999,999",
+        "nine billion nine hundred ninety-nine million nine hundred ninety-nine thousand nine hundred ninety-nine",
+    ),
     ("007", "zero zero seven"),
     ("3000 people", "three thousand people"),
     ("1500 miles", "fifteen hundred miles"),
@@ -260,19 +263,22 @@ def test_table_is_large_enough():
     assert len(CASES) >= 150
 
 
-@pytest.mark.parametrize("text, sentences", [
-    ("Dr. Li came. He sat.", ["Dr. Li came.", "He sat."]),
-    ("See e.g. Paris. It is big.", ["See e.g. Paris.", "It is big."]),
-    ("J. R. R. Tolkien wrote it.", ["J. R. R. Tolkien wrote it."]),
-    ("It costs 3.5 dollars. Fine.", ["It costs 3.5 dollars.", "Fine."]),
-    ("Go to example.com. Then stop.", ["Go to example.com.", "Then stop."]),
-    ("Wait; then: go.", ["Wait; then: go."]),
-    ("At 3 p.m. today we eat.", ["At 3 p.m. today we eat."]),
-    ("No. 5 won! Really? Yes.", ["No. 5 won!", "Really?", "Yes."]),
-    ("'Hi!' he said.", ["'Hi!' he said."]),
-    ("Title\n\nBody text here", ["Title", "Body text here"]),
-    ("St. Mark St. is here. Go.", ["St. Mark St. is here.", "Go."]),
-])
+@pytest.mark.parametrize(
+    "text, sentences",
+    [
+        ("Dr. Li came. He sat.", ["Dr. Li came.", "He sat."]),
+        ("See e.g. Paris. It is big.", ["See e.g. Paris.", "It is big."]),
+        ("J. R. R. Tolkien wrote it.", ["J. R. R. Tolkien wrote it."]),
+        ("It costs 3.5 dollars. Fine.", ["It costs 3.5 dollars.", "Fine."]),
+        ("Go to example.com. Then stop.", ["Go to example.com.", "Then stop."]),
+        ("Wait; then: go.", ["Wait; then: go."]),
+        ("At 3 p.m. today we eat.", ["At 3 p.m. today we eat."]),
+        ("No. 5 won! Really? Yes.", ["No. 5 won!", "Really?", "Yes."]),
+        ("'Hi!' he said.", ["'Hi!' he said."]),
+        ("Title\n\nBody text here", ["Title", "Body text here"]),
+        ("St. Mark St. is here. Go.", ["St. Mark St. is here.", "Go."]),
+    ],
+)
 def test_sentences(text, sentences):
     tokens = tokenize(text)
     spans = split_sentences(tokens, final=True)
@@ -286,7 +292,9 @@ def test_sentence_end_waits_for_the_next_word():
 
 
 def test_markup_pause_and_phonemes():
-    (tokens, units, owners), = text_sentences('Say <break time="1s"/> [[h ə l ˈoʊ]] to <phoneme ph="təmˈɑːtoʊ">tomato</phoneme>.')
+    ((tokens, units, owners),) = text_sentences(
+        'Say <break time="1s"/> [[h ə l ˈoʊ]] to <phoneme ph="təmˈɑːtoʊ">tomato</phoneme>.'
+    )
     kinds = [t.kind for t in tokens]
     assert kinds == ["word", "pause", "phonemes", "word", "phonemes", "word"]
     spelled = "".join(units)
@@ -304,8 +312,18 @@ def test_bad_phonemes_are_text_errors(bad):
 def test_only_text_error_ever(tmp_path):
     """Random text of digits, symbols, letters, markup pieces and control characters: spoken, or TextError."""
     rng = random.Random(0)
-    alphabet = list("0123456789$£€%.,:;/-+x°#@&()[]<>\"' \n\t\x00\x7f½ⅨАé日") + ["kg", "am", "Dr.", "St.", "[[", "]]",
-                                                                              "<break/>", "http://", "1e400", "IV"]
+    alphabet = list("0123456789$£€%.,:;/-+x°#@&()[]<>\"' \n\t\x00\x7f½ⅨАé日") + [
+        "kg",
+        "am",
+        "Dr.",
+        "St.",
+        "[[",
+        "]]",
+        "<break/>",
+        "http://",
+        "1e400",
+        "IV",
+    ]
     for _ in range(400):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
         try:
@@ -325,15 +343,31 @@ def test_plain_words_read_as_the_rules_read_them():
     from bench.common import HARVARD
     from tts import normalize_tables as tables
     from tts.normalize_rules import Context, by_rules, first_rule, plain_word
+
     texts = [raw for raw, _ in CASES] + (HARVARD.read_text().splitlines() if HARVARD.exists() else [])
-    named = {w for table in (tables.MONTH_OF, tables.TITLES, tables.ABBREVIATIONS, tables.BEFORE_NUMBER,
-                             tables.SYMBOL_WORDS, tables.UNITS, tables.ROMAN_CARDINAL_AFTER,
-                             tables.REGNAL_TITLES, tables.CURRENCY_CODES, tables.MAGNITUDES) for w in table}
+    named = {
+        w
+        for table in (
+            tables.MONTH_OF,
+            tables.TITLES,
+            tables.ABBREVIATIONS,
+            tables.BEFORE_NUMBER,
+            tables.SYMBOL_WORDS,
+            tables.UNITS,
+            tables.ROMAN_CARDINAL_AFTER,
+            tables.REGNAL_TITLES,
+            tables.CURRENCY_CODES,
+            tables.MAGNITUDES,
+        )
+        for w in table
+    }
     texts += [f"{w} {w.capitalize()} {w.upper()} 5 {w} {w}. {w.capitalize()} 4 {w}'s" for w in sorted(named)]
     texts += ["I V X IV MIX CD Dr Mr St vs etc ½ ² café naïve co-op rock'n'roll O'Neil '90s", "Henry VIII I saw"]
-    function_words = ("the a an to of in on at for and or nor as by from with into onto upon than that is was be are "
-                      "were it its his her their my your our this these those he she we they i you not no but so if "
-                      "over under").split()
+    function_words = (
+        "the a an to of in on at for and or nor as by from with into onto upon than that is was be are "
+        "were it its his her their my your our this these those he she we they i you not no but so if "
+        "over under"
+    ).split()
     texts += [f"{w} {w.capitalize()} {w.upper()} 5 {w} {w}. {w.capitalize()} 4 {w}'s" for w in function_words]
     plain = 0
     for text in texts:

@@ -1,15 +1,16 @@
 """The codec decoder run by ONNX Runtime decodes what the torch decoder decodes: chunked equals offline,
 state carried across calls, rows reset, sub-batches; it is built in the background, loaded from the disk
 cache, swapped into a live engine, and falls back to the torch decoder when it cannot be had."""
+
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
+from test_kernels import one_thread  # noqa: F401 (an autouse fixture: one thread, as the codec worker's)
 
 from kernels import auto, ort, ort_codec
-from test_kernels import one_thread  # noqa: F401 (an autouse fixture: one thread, as the codec worker's)
 from tts.codec import CODEC_PRESETS, Codec
 
 needs_ort = pytest.mark.skipif(not ort.available(), reason="onnxruntime/onnx not installed or TTS_NO_ORT set")
@@ -41,7 +42,7 @@ def test_chunked_decode_equals_offline(codec, step, chunk):
     """One export serves every chunk length (dynamic time axis), the state carried from call to call."""
     codes = random_codes(codec, 2, 37)
     state = codec.init_state(2)
-    parts = [step(codes[..., t:t + chunk], state) for t in range(0, 37, chunk)]
+    parts = [step(codes[..., t : t + chunk], state) for t in range(0, 37, chunk)]
     assert (torch.cat(parts, -1) - codec.decode(codes)).abs().max() <= 1e-4
 
 
@@ -71,7 +72,7 @@ def test_reset_rows_and_sub_batches_continue_their_own_streams(codec, step):
     state.reset(torch.tensor([False, True, False]))  # row 1 starts a new stream
     last = step(codes[..., 6:14], state)
     offline = codec.decode(codes)
-    assert (last[[2, 0]] - offline[[2, 0], 6 * hop:]).abs().max() <= 1e-4
+    assert (last[[2, 0]] - offline[[2, 0], 6 * hop :]).abs().max() <= 1e-4
     assert (last[1] - codec.decode(codes[1:2, :, 6:14])[0]).abs().max() <= 1e-4
 
 
@@ -111,6 +112,7 @@ def test_corrupted_cache_file_is_rebuilt(codec, cache_dir, step):
 def test_failed_build_warns_and_resolves_to_none(codec, cache_dir, monkeypatch):
     def broken(module, path, runner, *more):
         raise RuntimeError("no exporter here")
+
     monkeypatch.setattr(ort, "export_in_background_process", broken)
     with pytest.warns(UserWarning, match="staying on the torch decoder"):
         assert auto.faster_codec_step(codec).result(timeout=60) is None
@@ -125,13 +127,15 @@ def test_kill_switch_and_gpu_mean_no_onnxruntime(codec, cache_dir, monkeypatch):
 
 def speak(engine, text, seed):
     from tts.api import synthesize
+
     return synthesize(text, engine=engine, seed=seed)
 
 
 def test_engine_with_onnxruntime_decoder_speaks_as_with_torch(codec, step):
     """Same seed, same tokens: the audio through ONNX Runtime equals the torch decoder's within 1e-4, also
     when the decoder is swapped in while streams are speaking."""
-    from helpers import tiny_random
+    from testkit import tiny_random
+
     text = "The same words, spoken once with each decoder, and once more while the decoder changes."
     reference = tiny_random(max_streams=2)
     want = [speak(reference, text, seed) for seed in (11, 12)]

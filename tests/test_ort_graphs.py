@@ -1,15 +1,16 @@
 """Weightless graphs (`kernels.weightless`): the shipped ones are current, a graph filled with another model's
 weights is that model's export, the default paths run them from the first call with nothing written to
 disk, an unusable one falls back to the build, and concurrent builds of one export build it once."""
+
 import threading
 import time
 
 import pytest
 import torch
+from test_kernels import EmulatedInt8, one_thread, run_side_by_side  # noqa: F401 (one_thread: autouse)
 
 from kernels import auto, ort, ort_codec, weightless
-from streaming.decode import StepCaches
-from test_kernels import EmulatedInt8, one_thread, run_side_by_side  # noqa: F401 (one_thread: autouse)
+from streaming.step_caches import StepCaches
 from tts.codec import CODEC_PRESETS, Codec
 from tts.model import MODEL_PRESETS, TTSModel
 
@@ -34,7 +35,7 @@ def graphs(tmp_path_factory):
     """Weightless graphs of tiny configs, written from models other than the ones the tests fill them with."""
     folder = tmp_path_factory.mktemp("graphs")
     for module, kind in ((tiny_model(10), "step"), (tiny_model(10), "step-int8"), (tiny_codec(10), "codec")):
-        weightless.write(module, kind, folder)
+        weightless.write_graph(module, kind, folder)
     return folder
 
 
@@ -43,11 +44,12 @@ def test_shipped_graphs_are_current(tmp_path):
     graphs stale: rewrite them with ``python -m kernels.weightless`` (the default paths would otherwise
     build in the background again, as on an empty cache)."""
     from tts.voices import load_shipped
+
     model, codec, _ = load_shipped()
     for module, kind in ((model, "step"), (model, "step-int8"), (codec, "codec")):
         shipped = weightless.graph_path(module, kind)
         assert shipped.exists(), f"no {kind} graph for the current code: run python -m kernels.weightless"
-        fresh = weightless.write(module, kind, tmp_path)
+        fresh = weightless.write_graph(module, kind, tmp_path)
         assert fresh.read_bytes() == shipped.read_bytes(), f"{shipped.name} is stale: python -m kernels.weightless"
         assert fresh.with_suffix(".json").read_text() == shipped.with_suffix(".json").read_text()
     assert sum(f.stat().st_size for f in weightless.GRAPHS.iterdir()) < 1_000_000  # the repo travels small
@@ -56,20 +58,25 @@ def test_shipped_graphs_are_current(tmp_path):
 def test_shipped_int8_graph_runs_what_the_export_runs(tmp_path):
     """The shipped model's int8 step from its weightless graph gives exactly the logits of its own export."""
     from tts.voices import load_shipped
+
     model = load_shipped()[0]
     ort.export(model, tmp_path / "step.onnx")
     ort.quantize(tmp_path / "step.onnx", tmp_path / "step-int8.onnx")
-    step = ort.session_factory(weightless.session(model, "step-int8"), "onnxruntime-int8")
+    step = ort.session_factory(weightless.graph_session(model, "step-int8"), "onnxruntime-int8")
     export = ort.factory(tmp_path / "step-int8.onnx")(model, StepCaches.empty(model.cfg, 2), 2, "cpu")
-    assert run_side_by_side(model, step(model, StepCaches.empty(model.cfg, 2), 2, "cpu"), 2, steps=40,
-                            reference_step=export) == 0
+    assert (
+        run_side_by_side(
+            model, step(model, StepCaches.empty(model.cfg, 2), 2, "cpu"), 2, steps=40, reference_step=export
+        )
+        == 0
+    )
 
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_filled_fp32_graph_equals_eager(graphs, batch):
     """Over more than 5x both rings' capacities, another model's weights in the graph: its eager logits."""
     model = tiny_model(1)
-    step = ort.session_factory(weightless.session(model, "step", graphs), "onnxruntime")
+    step = ort.session_factory(weightless.graph_session(model, "step", graphs), "onnxruntime")
     assert run_side_by_side(model, step(model, StepCaches.empty(model.cfg, batch), batch, "cpu"), batch) < 1e-4
 
 
@@ -77,26 +84,35 @@ def test_filled_int8_graph_is_that_models_quantised_export(graphs, tmp_path):
     model = tiny_model(2)
     ort.export(model, tmp_path / "step.onnx")
     ort.quantize(tmp_path / "step.onnx", tmp_path / "step-int8.onnx")
-    step = ort.session_factory(weightless.session(model, "step-int8", graphs), "onnxruntime-int8")
+    step = ort.session_factory(weightless.graph_session(model, "step-int8", graphs), "onnxruntime-int8")
     export = ort.factory(tmp_path / "step-int8.onnx")(model, StepCaches.empty(model.cfg, 3), 3, "cpu")
-    assert run_side_by_side(model, step(model, StepCaches.empty(model.cfg, 3), 3, "cpu"), 3, reference_step=export,
-                            per_step=[]) == 0
+    assert (
+        run_side_by_side(
+            model, step(model, StepCaches.empty(model.cfg, 3), 3, "cpu"), 3, reference_step=export, per_step=[]
+        )
+        == 0
+    )
     diffs = []
-    run_side_by_side(model, step(model, StepCaches.empty(model.cfg, 3), 3, "cpu"), 3,
-                     reference_step=EmulatedInt8(model, tmp_path / "step-int8.onnx").eval(), per_step=diffs)
+    run_side_by_side(
+        model,
+        step(model, StepCaches.empty(model.cfg, 3), 3, "cpu"),
+        3,
+        reference_step=EmulatedInt8(model, tmp_path / "step-int8.onnx").eval(),
+        per_step=diffs,
+    )
     assert (torch.tensor(diffs) < 1e-4).float().mean() >= 0.97  # as test_int8_step_equals_its_dequantized_reference
 
 
 def test_filled_codec_graph_decodes_as_torch(graphs):
     codec = tiny_codec(3)
-    step = ort_codec.OrtCodecStep(weightless.session(codec, "codec", graphs), lstm=True)
+    step = ort_codec.OrtCodecStep(weightless.graph_session(codec, "codec", graphs), lstm=True)
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, codec.cfg.codebook_size, (2, codec.cfg.codebooks, 12), generator=g)
     ours, theirs = codec.decoder.init_state(2), codec.decoder.init_state(2)
     with torch.no_grad():
         for start in range(0, 12, 4):  # chunked, state carried
-            got = step(codes[..., start:start + 4], ours)
-            want = codec.decode_step(codes[..., start:start + 4], theirs)
+            got = step(codes[..., start : start + 4], ours)
+            want = codec.decode_step(codes[..., start : start + 4], theirs)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -143,6 +159,7 @@ def test_concurrent_builds_of_one_export_build_it_once(cache_dir):
             ort.session(paths[1])  # loads: whole, renamed into place
         except Exception as err:
             errors.append(err)
+
     threads = [threading.Thread(target=build) for _ in range(2)]
     for thread in threads:
         thread.start()

@@ -1,5 +1,6 @@
 """Parked streams, open streams beyond slots, and streams moved between engines, on the tiny random engine:
 a parked, spilled or moved stream's audio equals the same stream never parked (bit for bit on the CPU)."""
+
 import functools
 import os
 import threading
@@ -8,14 +9,14 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import held_codec_worker, tiny_model_and_codec, tiny_random, wait_until
 
 from streaming.codec_worker import AudioOutbox, CodecWorker, FrameCodec
-from streaming.decode import TEXT_RING, StepCaches
 from streaming.engine import BadState, EngineError, SamplingConfig, ServerFull
 from streaming.parking import Parked, ParkingConfig, ParkingStore, RowPool, pack, unpack
-from streaming.slot_state import SlotMover
+from streaming.slot_mover import SlotMover
 from streaming.slots import CHUNK_SCHEDULE, Slots
+from streaming.step_caches import TEXT_RING, StepCaches
+from testkit import held_codec_worker, tiny_model_and_codec, tiny_random, wait_until
 
 GREEDY = SamplingConfig(temperature=0.0)
 TEXT = "Hello there. How are you today? The ring never grows."
@@ -43,12 +44,13 @@ def unparked(text, seed, sampling, frame_codec=False, cut=None) -> np.ndarray:
     return _unparked(text, seed, sampling.temperature, frame_codec, cut)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _unparked(text, seed, temperature, frame_codec, cut=None) -> np.ndarray:
     """The stream's audio from a one-slot engine that never parks; with ``cut``, its text comes in two pieces, the
     second once the first is spoken (the AR read the first piece's last units speculatively, `Engine._prefill`)."""
-    engine = tiny_random(max_streams=1, sampling=SamplingConfig(temperature=temperature), frame_codec=frame_codec,
-                         parking=NEVER)
+    engine = tiny_random(
+        max_streams=1, sampling=SamplingConfig(temperature=temperature), frame_codec=frame_codec, parking=NEVER
+    )
     stream = engine.open(seed=seed)
     stream.push_text(text[:cut])
     first = read_until_dry(stream) if cut else []
@@ -149,8 +151,7 @@ def test_open_streams_beyond_slots_wait_for_one_and_a_full_engine_says_so():
         stream.push_text(text)
         stream.end()
     results = {}
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, read_all(streams[i])))
-               for i in range(3)]
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, read_all(streams[i]))) for i in range(3)]
     for t in threads:
         t.start()
     for t in threads:
@@ -166,8 +167,12 @@ def test_open_streams_beyond_slots_wait_for_one_and_a_full_engine_says_so():
 
 
 def test_cancelling_a_parked_or_waiting_stream_frees_everything(tmp_path):
-    engine = tiny_random(max_streams=1, max_open=3, sampling=GREEDY,
-                         parking=ParkingConfig(park_after_s=0.05, disk_after_s=0.05, directory=str(tmp_path)))
+    engine = tiny_random(
+        max_streams=1,
+        max_open=3,
+        sampling=GREEDY,
+        parking=ParkingConfig(park_after_s=0.05, disk_after_s=0.05, directory=str(tmp_path)),
+    )
     parked = engine.open()
     parked.push_text(TEXT[:CUT])
     assert wait_until(lambda: engine.stats()["parking"]["parked"]["disk"] == 1, 30)
@@ -193,8 +198,9 @@ def test_a_held_stream_gives_its_slot_back_at_once_and_continues_exactly(frame_c
     """`hold` mid-utterance (its reader's connection dropped, say): parked at once, not after the grace (an
     hour here), so another stream speaks in the one slot; text pushed while held is kept; `release` goes on
     sample-exactly."""
-    engine = tiny_random(max_streams=1, max_open=2, sampling=sampling, frame_codec=frame_codec,
-                         parking=ParkingConfig(park_after_s=3600))
+    engine = tiny_random(
+        max_streams=1, max_open=2, sampling=sampling, frame_codec=frame_codec, parking=ParkingConfig(park_after_s=3600)
+    )
     held = engine.open(seed=5)
     held.push_text(TEXT[:CUT])
     before, _ = read_all(held, chunks=2)  # speaking: the hold comes mid-utterance
@@ -330,10 +336,14 @@ def test_packed_rows_hold_each_tensor_row_at_its_offset():
     import torch
 
     from streaming.parking import RowLayout
+
     tensors = {"keys": torch.randn(4, 2, 3), "step": torch.arange(4) * 7, "live": torch.tensor([1, 0, 1, 0]).bool()}
     layout = RowLayout(tensors)
-    assert [(name, offset, nbytes) for name, offset, nbytes, _, _ in layout.entries] == \
-        [("keys", 0, 24), ("step", 32, 8), ("live", 48, 1)] and layout.row_bytes == 64
+    assert [(name, offset, nbytes) for name, offset, nbytes, _, _ in layout.entries] == [
+        ("keys", 0, 24),
+        ("step", 32, 8),
+        ("live", 48, 1),
+    ] and layout.row_bytes == 64
     flats = [torch.zeros(64, dtype=torch.uint8) for _ in range(2)]
     layout.copy([layout.packed(f) for f in flats], [layout.slot(tensors, r) for r in (2, 1)])
     assert torch.equal(layout.views(flats[0])["keys"], tensors["keys"][2:3])
@@ -348,6 +358,7 @@ def test_packed_rows_hold_each_tensor_row_at_its_offset():
 
 def test_pack_round_trips_and_reads_no_code():
     import torch
+
     rows = {"a": torch.arange(6).view(1, 2, 3), "b": torch.ones(1, 4)}
     host, back, unread = unpack(pack({"units": [1, 2], "x": {"y": 1}}, rows, [np.ones(3, np.float32)], "fp"), "fp")
     assert host == {"units": [1, 2], "x": {"y": 1}} and torch.equal(back["a"], rows["a"])
@@ -356,7 +367,9 @@ def test_pack_round_trips_and_reads_no_code():
     class Evil:
         def __reduce__(self):
             return (os.system, ("echo owned",))
+
     import io
+
     buffer = io.BytesIO()
     torch.save({"format": "tts-parked-stream/1", "fingerprint": "fp", "host": Evil()}, buffer)
     with pytest.raises(ValueError):
@@ -367,6 +380,7 @@ def test_store_bounds_host_memory_by_spilling_the_oldest(tmp_path):
     import torch
 
     from streaming.parking import Parked
+
     store = ParkingStore(ParkingConfig(disk_after_s=60, max_host_bytes=1000, directory=str(tmp_path)), lambda: None)
     parked = []
     for i in range(3):
@@ -410,13 +424,15 @@ def test_codec_restore_reads_the_rows_its_capture_queued_before_it_made():
     import torch
 
     from streaming.stream import Stream
+
     engine = tiny_random(max_streams=2)
     codec = engine.codec
     worker, gate, calls = held_codec_worker(codec, 2)  # its first decode held until the capture and restore are queued
     a, b, c = (Stream(engine, "joe", 1.0, 1000, seed) for seed in (1, 2, 3))
     gen = torch.Generator().manual_seed(0)
-    first, second = (torch.randint(0, codec.cfg.codebook_size, (1, codec.cfg.codebooks, 4), generator=gen)
-                     for _ in range(2))
+    first, second = (
+        torch.randint(0, codec.cfg.codebook_size, (1, codec.cfg.codebooks, 4), generator=gen) for _ in range(2)
+    )
     worker.reset([0, 1])
     worker.decode([0], [a], first, [4])
     assert wait_until(lambda: calls == [4])  # busy with slot 0's chunk
@@ -444,8 +460,10 @@ def a_slot_mover(store: ParkingStore, batch: int, frame_codec: bool):
     caches = StepCaches.empty(model.cfg, batch, cpu)
     slots = Slots(model.cfg, batch, TEXT_RING, cpu, stagger=frame_codec)
     if frame_codec:
-        codec_parts = {"frame_decoder": FrameCodec(codec, batch, cpu),
-                       "outbox": AudioOutbox(batch, max(CHUNK_SCHEDULE), codec.cfg.hop)}
+        codec_parts = {
+            "frame_decoder": FrameCodec(codec, batch, cpu),
+            "outbox": AudioOutbox(batch, max(CHUNK_SCHEDULE), codec.cfg.hop),
+        }
     else:
         codec_parts = {"codec_worker": CodecWorker(codec, batch, cpu)}
     return SlotMover(store, caches, slots, cpu, batch, **codec_parts), codec_parts

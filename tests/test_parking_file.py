@@ -1,18 +1,19 @@
 """The disk tier's file format (`streaming.parked_file`) and the store around it: a state read back equals the
 one written, bit for bit; a truncated, extended, damaged or foreign file is a typed error; a failed write keeps
 the state in memory; a failed read ends that stream alone, with a typed error, and leaves no file."""
+
 import os
 
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_random, wait_until
 
 import streaming.parked_file as parked_file
 import streaming.parking as parking
 from streaming.engine import ParkedStateLost, SamplingConfig
 from streaming.parked_file import ALIGN, CorruptParkedFile, read_state, write_state
 from streaming.parking import Parked, ParkingConfig, ParkingStore, RowLayout, RowPool
+from testkit import tiny_random, wait_until
 
 GREEDY = SamplingConfig(temperature=0.0)
 
@@ -20,13 +21,21 @@ GREEDY = SamplingConfig(temperature=0.0)
 def a_state(seed: int = 0) -> tuple[RowLayout, torch.Tensor, dict[str, torch.Tensor]]:
     """A packed row of several dtypes and loose rows of odd byte counts (bfloat16 and bool too)."""
     generator = torch.Generator().manual_seed(seed)
-    tensors = {"keys": torch.randn(3, 2, 5, generator=generator), "step": torch.arange(3),
-               "live": torch.tensor([True, False, True]), "half": torch.randn(3, 7, generator=generator).half()}
+    tensors = {
+        "keys": torch.randn(3, 2, 5, generator=generator),
+        "step": torch.arange(3),
+        "live": torch.tensor([True, False, True]),
+        "half": torch.randn(3, 7, generator=generator).half(),
+    }
     layout = RowLayout(tensors)
     flat = torch.empty(layout.row_bytes, dtype=torch.uint8)
     layout.copy([layout.packed(flat)], [layout.slot(tensors, 1)])
-    loose = {"codec.0": torch.randn(1, 3, 3, generator=generator),
-             "codec.h": torch.randn(1, 1, 5, generator=generator).bfloat16(), "flag": torch.tensor([[True, False, True]]), "outbox": torch.randn(1, 13, generator=generator)}
+    loose = {
+        "codec.0": torch.randn(1, 3, 3, generator=generator),
+        "codec.h": torch.randn(1, 1, 5, generator=generator).bfloat16(),
+        "flag": torch.tensor([[True, False, True]]),
+        "outbox": torch.randn(1, 13, generator=generator),
+    }
     return layout, flat, loose
 
 
@@ -175,6 +184,7 @@ def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
 
     def full(fd, buffers):
         raise OSError(28, "No space left on device")
+
     monkeypatch.setattr(parked_file.os, "writev", full)
     with pytest.raises(OSError):
         write_state(str(tmp_path / "4.park"), flat, loose, layout.fingerprint)
@@ -208,6 +218,7 @@ def load_all_but_one_truncated(store: ParkingStore, states: list[Parked], bad: i
 def test_a_full_disk_keeps_the_state_in_memory(tmp_path, monkeypatch):
     def full(*args):
         raise OSError(28, "No space left on device")
+
     monkeypatch.setattr(parking, "write_state", full)
     store = ParkingStore(ParkingConfig(disk_after_s=0.01, directory=str(tmp_path)), lambda: None)
     expected = {name: t.clone() for name, t in a_state(0)[2].items()}
@@ -274,8 +285,9 @@ def test_a_stream_whose_parked_file_was_damaged_ends_with_a_typed_error(tmp_path
 def test_the_directory_holds_at_most_max_disk_bytes_of_states(tmp_path):
     """Past ``max_disk_bytes`` nothing more spills: the third state stays in memory and still restores."""
     size = stored(ParkingStore(ParkingConfig(disk_after_s=None), lambda: None), 1)[0].nbytes  # (no I/O threads)
-    store = ParkingStore(ParkingConfig(disk_after_s=0.01, max_disk_bytes=2 * size + 1, directory=str(tmp_path)),
-                         lambda: None)
+    store = ParkingStore(
+        ParkingConfig(disk_after_s=0.01, max_disk_bytes=2 * size + 1, directory=str(tmp_path)), lambda: None
+    )
     states = stored(store, 3)
     assert wait_until(lambda: store.stats()["parked"] == {"host": 1, "disk": 2})
     (folder,) = os.listdir(tmp_path)

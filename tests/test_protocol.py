@@ -1,4 +1,5 @@
 """The WebSocket start message's per-request options, validated and carried to the engine stream."""
+
 import asyncio
 import json
 
@@ -6,7 +7,7 @@ import pytest
 import websockets
 from pydantic import ValidationError
 
-from streaming.protocol import CLIENT_MESSAGE, validation_error
+from serving.protocol import CLIENT_MESSAGE, validation_error
 
 SLOW_WORDS = [w + " " for w in "The birch canoe slid on the".split()]  # 2.5 words/s: slower than speech
 

@@ -1,7 +1,8 @@
-"""Scale-out on Ray Serve (streaming/ray_serve.py): a real two-replica local Ray cluster on the CPU, each replica
+"""Scale-out on Ray Serve (serving/ray_serve.py): a real two-replica local Ray cluster on the CPU, each replica
 a tiny engine behind the server's own app, reached through Ray Serve's proxy with real clients (websockets, the
 OpenAI SDK). Seeded utterances are bit-identical whatever else runs, so audio through any replica can be compared
 sample for sample."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,10 +21,10 @@ import ray  # noqa: E402
 import websockets  # noqa: E402
 from ray import serve  # noqa: E402
 
-from helpers import tiny_random  # noqa: E402
 from server import create_app  # noqa: E402
-from streaming import failover, ray_serve  # noqa: E402
-from streaming.limits import Limits  # noqa: E402
+from serving import failover, ray_serve  # noqa: E402
+from serving.limits import Limits  # noqa: E402
+from testkit import tiny_random  # noqa: E402
 from tts.client import StreamClient, connect  # noqa: E402
 
 # Ray copies the autoscaling config as it deploys, warning each time about a field it is retiring (see ScaleConfig)
@@ -41,8 +42,9 @@ def scale(replicas: int) -> ray_serve.ScaleConfig:
 def application(replicas: int):
     # The drain, not the idle timeout, is to end the redeploy test's sockets: on a loaded machine the new replicas
     # may take longer than the default 30 s to start while the old sockets, their audio all sent, wait for it.
-    return ray_serve.application(tiny_random, create_app, scale(replicas), {"max_streams": 4},
-                                 {"limits": Limits(idle_timeout_s=300)})
+    return ray_serve.application(
+        tiny_random, create_app, scale(replicas), {"max_streams": 4}, {"limits": Limits(idle_timeout_s=300)}
+    )
 
 
 def replica_states() -> dict[str, int]:
@@ -54,8 +56,11 @@ def replica_states() -> dict[str, int]:
 def replica_names() -> set[str]:
     """The ids of the replica actors alive now."""
     prefix = "SERVE_REPLICA::tts#tts#"
-    return {a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(prefix)}
+    return {
+        a["name"][len(prefix) :]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(prefix)
+    }
 
 
 def wait_for(condition, seconds: float = 120) -> None:
@@ -71,8 +76,12 @@ def cluster():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}},
+    )
     try:
         ray_serve.start(application(2), port=port)
         yield f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/v1/stream"
@@ -155,8 +164,9 @@ def test_a_websocket_utterance_and_an_http_speech_request_through_ray(cluster):
     http, ws_url = cluster
     audio, _ = run(speak(ws_url, 7, TEXT))
     client = openai.OpenAI(api_key="not-needed", base_url=http + "/v1", max_retries=0)
-    with client.audio.speech.with_streaming_response.create(model="tts-1", voice="joe", input=TEXT,
-                                                           response_format="pcm", extra_body={"seed": 7}) as response:
+    with client.audio.speech.with_streaming_response.create(
+        model="tts-1", voice="joe", input=TEXT, response_format="pcm", extra_body={"seed": 7}
+    ) as response:
         body = b"".join(response.iter_bytes())
         assert response.headers[REPLICA]
     assert len(audio) > 24_000 and body == audio  # one seeded utterance, the same samples by either surface
@@ -257,10 +267,12 @@ def test_a_replay_leaves_out_what_the_client_has_and_cuts_a_chunk_at_its_byte():
 
     replay = failover.Replay([start], {None: (9600, 1)})
     position, sent = [0, 0], []
-    for message in ({"type": "websocket.send", "text": json.dumps({"type": "ready"})},
-                    {"type": "websocket.send", "bytes": bytes(4800)},
-                    {"type": "websocket.send", "text": json.dumps({"type": "timing"})},
-                    {"type": "websocket.send", "bytes": bytes(range(256)) * 37 + bytes(128)}):
+    for message in (
+        {"type": "websocket.send", "text": json.dumps({"type": "ready"})},
+        {"type": "websocket.send", "bytes": bytes(4800)},
+        {"type": "websocket.send", "text": json.dumps({"type": "timing"})},
+        {"type": "websocket.send", "bytes": bytes(range(256)) * 37 + bytes(128)},
+    ):
         context_id, nbytes, event = failover.outgoing(message)
         sent.append(replay.filter(message, event, position, nbytes, context_id))
         position[0] += nbytes
@@ -283,8 +295,9 @@ def test_a_redeploy_drains_the_old_replicas_without_losing_a_sample(cluster):
         await start(second, 12, TEXT)
         old = {first.response.headers[REPLICA], second.response.headers[REPLICA]}
         assert len(old) == 2, old  # one utterance on each replica
-        serve.run_many([serve.RunTarget(application(2), name="tts", route_prefix="/")],
-                       wait_for_applications_running=False)
+        serve.run_many(
+            [serve.RunTarget(application(2), name="tts", route_prefix="/")], wait_for_applications_running=False
+        )
         await asyncio.to_thread(wait_for, lambda: replica_states().get("STOPPING", 0) >= 1)
         results = [await finish(ws) for ws in (first, second)]
         closed = []
@@ -309,8 +322,15 @@ def test_autoscaling_adds_a_replica_for_active_streams_and_removes_it_when_they_
     """Autoscaling between 1 and 2 replicas at 1 active stream per replica: two open streams bring a second
     replica, which takes the next connection; when they end, Ray goes back to one (after its 10 s delay)."""
     _, ws_url = cluster
-    scale = ray_serve.ScaleConfig(replicas=1, autoscale=True, min_replicas=1, max_replicas=2, target_streams=1,
-                                  num_cpus=0.5, graceful_shutdown_timeout_s=30)
+    scale = ray_serve.ScaleConfig(
+        replicas=1,
+        autoscale=True,
+        min_replicas=1,
+        max_replicas=2,
+        target_streams=1,
+        num_cpus=0.5,
+        graceful_shutdown_timeout_s=30,
+    )
     serve.run(ray_serve.application(tiny_random, create_app, scale, {"max_streams": 4}), name="tts", route_prefix="/")
     wait_for(lambda: replica_states() == {"RUNNING": 1})
 
@@ -339,12 +359,24 @@ def test_the_autoscaling_policy_asks_for_a_replica_per_target_streams():
 
     def context(streams: list[int]) -> AutoscalingContext:
         return AutoscalingContext(
-            deployment_id=None, deployment_name="tts", app_name="tts", current_num_replicas=len(streams),
-            target_num_replicas=len(streams), running_replicas=[], total_num_requests=0, total_queued_requests=0,
-            aggregated_metrics={"active_streams": {f"r{i}": n for i, n in enumerate(streams)}}, raw_metrics=None,
-            capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=8, policy_state={},
-            last_scale_up_time=None, last_scale_down_time=None, current_time=None,
-            config=AutoscalingConfig(min_replicas=1, max_replicas=8, target_ongoing_requests=6))
+            deployment_id=None,
+            deployment_name="tts",
+            app_name="tts",
+            current_num_replicas=len(streams),
+            target_num_replicas=len(streams),
+            running_replicas=[],
+            total_num_requests=0,
+            total_queued_requests=0,
+            aggregated_metrics={"active_streams": {f"r{i}": n for i, n in enumerate(streams)}},
+            raw_metrics=None,
+            capacity_adjusted_min_replicas=1,
+            capacity_adjusted_max_replicas=8,
+            policy_state={},
+            last_scale_up_time=None,
+            last_scale_down_time=None,
+            current_time=None,
+            config=AutoscalingConfig(min_replicas=1, max_replicas=8, target_ongoing_requests=6),
+        )
 
     assert ray_serve.streams_policy(context([7, 6]))[0] == 3
     assert ray_serve.streams_policy(context([6, 0]))[0] == 1
@@ -355,6 +387,7 @@ def test_the_scale_bench_makes_room_for_its_clients_on_one_address():
     """`bench.ray_serve` drives every client from one address: above the per-client cap (16) its limits grow with
     the load, so a climb measures the replicas, not `client_limit`; at or below it they are the defaults."""
     from bench.ray_serve import load_limits
+
     limits = load_limits(48)
     assert (limits.max_connections_per_client, limits.max_streams_per_client) == (48, 48)
     assert limits.max_connections >= 2 * 48 and limits.max_queue >= 48

@@ -2,6 +2,7 @@
 loopback port with the tiny random-weight engine: the connection is cut by aborting the client's transport (no
 closing handshake), as a lost network would; a resumed stream must equal, bit for bit, the same seeded request
 never interrupted."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,17 @@ import numpy as np
 import pytest
 import websockets
 
-from helpers import (SENTENCE, STARTS, Received, assert_same_output, cut_and_resume, open_contexts, send,
-                     uninterrupted, wait_until)
+from testkit import (
+    SENTENCE,
+    STARTS,
+    Received,
+    assert_same_output,
+    cut_and_resume,
+    open_contexts,
+    send,
+    uninterrupted,
+    wait_until,
+)
 from tts.client import ServerError, connect
 
 
@@ -31,8 +41,12 @@ def test_an_aborted_connection_resumes_with_no_gap_and_no_duplicate(resume_serve
     transport abort, resumed on a new socket: each context's audio equals the uninterrupted stream's, bit for
     bit, and its events come once each."""
     server = resume_server
-    cut = run(cut_and_resume(server.ws_url, lambda: server.hub.admission.connections == 1
-                             and not any(s.link for s in server.hub.sessions)))
+    cut = run(
+        cut_and_resume(
+            server.ws_url,
+            lambda: server.hub.admission.connections == 1 and not any(s.link for s in server.hub.sessions),
+        )
+    )
     assert cut.held, "the dropped session was not kept"
     assert cut.resumed["type"] == "resumed" and cut.resumed["resume_token"] != cut.token
     assert cut.resumed["received"] == 6 and cut.resumed["resume_window_s"] == 10  # 2 starts, 2 texts, 2 ends
@@ -163,11 +177,23 @@ def test_a_session_that_is_not_resumed_expires_and_frees_everything(make_server,
         token, _ = await dropped_session(server.ws_url)
         await asyncio.sleep(0.3)
         waiting = (admission.connections, admission.active, len(server.hub.sessions))
-        freed = await asyncio.to_thread(wait_until, lambda: admission.connections == 0 and admission.active == 0
-                                        and not server.hub.sessions and not server.hub.streams
-                                        and tiny_engine.active_streams == 0, 10)
-        return waiting, freed, server.hub.resume_tokens.copy(), await resume(server.ws_url, token,
-                                                                              {"bytes": 0, "events": 0})
+        freed = await asyncio.to_thread(
+            wait_until,
+            lambda: (
+                admission.connections == 0
+                and admission.active == 0
+                and not server.hub.sessions
+                and not server.hub.streams
+                and tiny_engine.active_streams == 0
+            ),
+            10,
+        )
+        return (
+            waiting,
+            freed,
+            server.hub.resume_tokens.copy(),
+            await resume(server.ws_url, token, {"bytes": 0, "events": 0}),
+        )
 
     waiting, freed, tokens, late = run(go())
     assert waiting == (1, 1, 1)
@@ -184,8 +210,9 @@ def test_a_clean_close_ends_the_session_at_once(resume_server, tiny_engine):
             token = json.loads(await ws.recv())["resume_token"]
             await send(ws, type="text", text=SENTENCE * 6)
             await asyncio.wait_for(ws.recv(), 30)
-        freed = await asyncio.to_thread(wait_until, lambda: server.hub.admission.connections == 0
-                                        and tiny_engine.active_streams == 0, 5)
+        freed = await asyncio.to_thread(
+            wait_until, lambda: server.hub.admission.connections == 0 and tiny_engine.active_streams == 0, 5
+        )
         return freed, await resume(server.ws_url, token)
 
     freed, late = run(go())
@@ -232,6 +259,7 @@ def test_the_client_reconnects_and_its_caller_sees_one_uninterrupted_stream(resu
 def test_the_client_resends_text_the_server_did_not_get(resume_server):
     """Text still arriving (an LLM's pieces) when the connection drops: whatever the server had not received
     is sent again, once; the utterance ends whole."""
+
     async def pieces():
         for word in (SENTENCE * 2).split():
             yield word + " "
@@ -268,10 +296,12 @@ def test_the_client_reports_a_session_it_cannot_resume(make_server, tiny_engine)
     assert failure.value.code == "resume_expired"
 
 
-@pytest.mark.parametrize("cap, other_gets", [("max_connections_per_client", "ready"),
-                                              ("max_connections", "server_full")])
-def test_a_resume_gets_past_the_connection_cap_while_another_connection_is_open(make_server, tiny_engine, cap,
-                                                                                  other_gets):
+@pytest.mark.parametrize(
+    "cap, other_gets", [("max_connections_per_client", "ready"), ("max_connections", "server_full")]
+)
+def test_a_resume_gets_past_the_connection_cap_while_another_connection_is_open(
+    make_server, tiny_engine, cap, other_gets
+):
     """One connection allowed, per client or in all. The dropped session is set aside from its client's cap, so
     the client's next connection is served (its own dropped session never locks it out), but still counts in the
     server's (server_full). Either way the resume, one connection over the cap, is let in and completes the audio
@@ -317,7 +347,8 @@ def test_a_client_that_aborts_and_reconnects_is_never_locked_out_by_its_waiting_
     aside from its client's caps, so every new WebSocket and speech request is served; the client keeps at most 2
     waiting (its oldest expires early: resume_expired), the newest still resumes, and 3 live connections are
     still one too many (client_limit)."""
-    from helpers import tiny_random
+    from testkit import tiny_random
+
     engine = tiny_random(max_streams=2, max_open=16)
     server = make_server(engine, resume_window_s=30, max_connections_per_client=2, max_streams_per_client=2)
     hub = server.hub
@@ -340,8 +371,9 @@ def test_a_client_that_aborts_and_reconnects_is_never_locked_out_by_its_waiting_
             answers.append(first["type"] if first["type"] == "ready" else first["code"])
             tokens.append(token)
         assert answers == ["ready"] * 5, answers  # each reconnection served
-        waiting = await asyncio.to_thread(wait_until, lambda: hub.stats()["awaiting_resume"] == 2
-                                          and len(hub.sessions) == 2)
+        waiting = await asyncio.to_thread(
+            wait_until, lambda: hub.stats()["awaiting_resume"] == 2 and len(hub.sessions) == 2
+        )
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
             speech = await http.post("/v1/audio/speech", json={"input": "Still here.", "response_format": "pcm"})
         oldest = await resume(server.ws_url, tokens[0], {"bytes": 0, "events": 0})
@@ -364,8 +396,12 @@ def test_a_client_that_aborts_and_reconnects_is_never_locked_out_by_its_waiting_
     assert newest.done() and not newest.events[None][-1]["cancelled"] and len(newest.audio[None]) > 0
     assert b_ready["type"] == "ready"
     # all that is left: the 4th session, still waiting (set aside: its client's own counts are back to none)
-    assert wait_until(lambda: hub.admission.stats() == {"connections": 1, "streams": 1, "queued": 0, "clients": 0}
-                      and len(hub.sessions) == 1)
+    assert wait_until(
+        lambda: (
+            hub.admission.stats() == {"connections": 1, "streams": 1, "queued": 0, "clients": 0}
+            and len(hub.sessions) == 1
+        )
+    )
     server.stop()
     assert wait_until(lambda: engine.active_streams == 0 and hub.admission.connections == 0)
     engine.close()

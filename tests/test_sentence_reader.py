@@ -1,16 +1,20 @@
 """`ProcessReader`: sentences read in a child process give exactly the units read here, its errors come back,
 and a broken child falls back to reading here; an engine with ``text_process`` speaks as one without."""
+
 import numpy as np
 import pytest
-from helpers import tiny_random, wait_until
 
 from streaming.sentence_reader import ProcessReader, read_sentence
+from testkit import tiny_random, wait_until
 from tts.normalize import tokenize
 
 
 def _calls():
-    for text in ("The birch canoe slid on the smooth planks.", "I paid $5 for 3 apples on Jan. 4th",
-                 "Dr. Smith lives on St. Mark's Road, doesn't he?"):
+    for text in (
+        "The birch canoe slid on the smooth planks.",
+        "I paid $5 for 3 apples on Jan. 4th",
+        "Dr. Smith lives on St. Mark's Road, doesn't he?",
+    ):
         tokens = tokenize(text)
         for first in (0, 2):
             for closed in (False, True):

@@ -3,6 +3,7 @@
 Protocol behaviour runs on the tiny random-weight engine (fast, noise for sound, real lengths and rates);
 one end-to-end test speaks a sentence with the shipped voice and checks it with the ASR judge.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,6 +23,7 @@ import pytest
 import soundfile as sf
 import websockets
 
+from testkit import wait_until
 from tts.client import ClientError, ServerError, connect, say_via_server, synthesize_via_server
 
 SR = 24_000
@@ -31,7 +33,8 @@ SENTENCE = "The quick brown fox jumps over the lazy dog. "
 @pytest.fixture(scope="module")
 def one_slot_engine():
     """A tiny engine with one slot: the second utterance has to wait."""
-    from helpers import tiny_random
+    from testkit import tiny_random
+
     return tiny_random(max_streams=1)
 
 
@@ -83,13 +86,6 @@ async def open_long_utterance(ws, sentences=16) -> None:
     await send(ws, type="end")
 
 
-def wait_until(condition, seconds: float = 10) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return condition()
-
-
 def decode(data: bytes) -> tuple[np.ndarray, int]:
     """Any container the server writes -> (float32 samples, sample rate), decoded by FFmpeg."""
     with av.open(io.BytesIO(data)) as container:
@@ -119,6 +115,7 @@ def test_pcm_stream_has_the_announced_format_and_length(server):
 
 def test_audio_frames_are_not_compressed(server):
     """The client offers permessage-deflate (websockets does by default); the server declines it."""
+
     async def go():
         async with websockets.connect(server.ws_url) as ws:
             return [type(e).__name__ for e in ws.protocol.extensions]
@@ -170,6 +167,7 @@ def test_several_utterances_on_one_connection_with_their_own_voice_and_speed(ser
 
 def test_audio_starts_before_the_text_ends(server):
     """Pieces (as an LLM would send them) and a flush: speech starts before end is sent."""
+
     async def go():
         async with websockets.connect(server.ws_url) as ws:
             await send(ws, type="start")
@@ -331,8 +329,7 @@ def test_a_start_on_a_busy_engine_waits_in_the_queue_then_speaks(make_server, on
     assert ready["type"] == "ready" and frames and done["type"] == "done" and not done["cancelled"]
 
 
-def test_a_queued_start_past_its_deadline_gets_server_full_and_cancel_leaves_the_queue(make_server,
-                                                                                    one_slot_engine):
+def test_a_queued_start_past_its_deadline_gets_server_full_and_cancel_leaves_the_queue(make_server, one_slot_engine):
     server = make_server(one_slot_engine, queue_timeout_s=0.5)
 
     async def go():
@@ -349,8 +346,15 @@ def test_a_queued_start_past_its_deadline_gets_server_full_and_cancel_leaves_the
 
     queued, refused, cancelled, later = run(go())
     assert queued["type"] == "queued" and refused["code"] == "server_full"
-    assert cancelled == {"type": "done", "cancelled": True, "audio_seconds": 0, "ttfa_ms": None, "rtf": None,
-                         "engine_ttfa_ms": None, "context_id": "again"}
+    assert cancelled == {
+        "type": "done",
+        "cancelled": True,
+        "audio_seconds": 0,
+        "ttfa_ms": None,
+        "rtf": None,
+        "engine_ttfa_ms": None,
+        "context_id": "again",
+    }
     assert later["type"] == "done" and server.hub.admission.queued == 0
 
 
@@ -494,9 +498,16 @@ def fetch(client, **request) -> tuple[str, list[bytes], float, float]:
     return kind, parts, first, time.perf_counter() - started
 
 
-@pytest.mark.parametrize("fmt, kind, rate", [("wav", "audio/wav", SR), ("mp3", "audio/mpeg", SR),
-                                             ("flac", "audio/flac", SR), ("opus", "audio/ogg", 48_000),
-                                             ("aac", "audio/aac", SR)])
+@pytest.mark.parametrize(
+    "fmt, kind, rate",
+    [
+        ("wav", "audio/wav", SR),
+        ("mp3", "audio/mpeg", SR),
+        ("flac", "audio/flac", SR),
+        ("opus", "audio/ogg", 48_000),
+        ("aac", "audio/aac", SR),
+    ],
+)
 def test_openai_sdk_streams_each_format(client, fmt, kind, rate):
     got_kind, parts, _, _ = fetch(client, voice="slt", input=SENTENCE, response_format=fmt)
     audio, got_rate = decode(b"".join(parts))
@@ -511,20 +522,30 @@ def test_openai_sdk_pcm_streams_while_generating(client):
     assert len(parts) > 1 and first < 0.6 * total  # the body streamed; it did not come at the end
 
 
-PARAMS = {"unknown_voice": "voice", "unsupported_format": "response_format", "bad_value": "speed", "bad_text": "input",
-          "unknown_key": "volume", "text_too_long": "input"}
+PARAMS = {
+    "unknown_voice": "voice",
+    "unsupported_format": "response_format",
+    "bad_value": "speed",
+    "bad_text": "input",
+    "unknown_key": "volume",
+    "text_too_long": "input",
+}
 
 
-@pytest.mark.parametrize("request_, status, code", [
-    ({"voice": "nobody", "input": "Hi."}, 400, "unknown_voice"),
-    ({"voice": "", "input": "Hi."}, 400, "unknown_voice"),
-    ({"voice": "joe", "input": "Hi.", "response_format": "ogg"}, 400, "unsupported_format"),
-    ({"voice": "joe", "input": "Hi.", "speed": 9.0}, 400, "bad_value"),
-    ({"voice": "joe", "input": "   "}, 400, "bad_text"),
-    ({"voice": "joe", "input": "Hi.", "extra_body": {"volume": 11}}, 400, "unknown_key"),
-    ({"voice": "joe", "input": "x" * 5000}, 400, "text_too_long"),
-    ({"voice": "joe", "input": "Hi.", "extra_body": {"pad": "x" * 70000}}, 413, "body_too_large"),
-], ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize(
+    "request_, status, code",
+    [
+        ({"voice": "nobody", "input": "Hi."}, 400, "unknown_voice"),
+        ({"voice": "", "input": "Hi."}, 400, "unknown_voice"),
+        ({"voice": "joe", "input": "Hi.", "response_format": "ogg"}, 400, "unsupported_format"),
+        ({"voice": "joe", "input": "Hi.", "speed": 9.0}, 400, "bad_value"),
+        ({"voice": "joe", "input": "   "}, 400, "bad_text"),
+        ({"voice": "joe", "input": "Hi.", "extra_body": {"volume": 11}}, 400, "unknown_key"),
+        ({"voice": "joe", "input": "x" * 5000}, 400, "text_too_long"),
+        ({"voice": "joe", "input": "Hi.", "extra_body": {"pad": "x" * 70000}}, 413, "body_too_large"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
 def test_openai_sdk_errors_are_typed(client, request_, status, code):
     with pytest.raises(openai.APIStatusError) as failure:
         client.audio.speech.create(model="tts-1", **request_)
@@ -561,8 +582,9 @@ def test_openai_sdk_with_the_server_full_retries_after_retry_after(make_server, 
         ws = await websockets.connect(server.ws_url)
         asyncio.get_running_loop().call_later(0.5, lambda: asyncio.ensure_future(ws.close()))
         with openai.OpenAI(api_key="x", base_url=server.url + "/v1", max_retries=2) as client:
-            return await asyncio.to_thread(lambda: client.audio.speech.create(model="tts-1", input="Hi.",
-                                                                              voice="joe", response_format="pcm"))
+            return await asyncio.to_thread(
+                lambda: client.audio.speech.create(model="tts-1", input="Hi.", voice="joe", response_format="pcm")
+            )
 
     assert len(run(go()).content) > 0
 
@@ -576,8 +598,9 @@ def sse_events(lines) -> list[dict]:
 def speak_openai(client, fmt: str, stream_format: str, **request) -> tuple[bytes, list[dict]]:
     """(audio bytes, SSE events) of one streamed request in the SDK."""
     request = {"model": "tts-1", "voice": "alloy", "input": SENTENCE, **request}
-    with client.audio.speech.with_streaming_response.create(response_format=fmt, stream_format=stream_format,
-                                                            **request) as response:
+    with client.audio.speech.with_streaming_response.create(
+        response_format=fmt, stream_format=stream_format, **request
+    ) as response:
         if stream_format == "audio":
             return b"".join(response.iter_bytes()), []
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -587,8 +610,9 @@ def speak_openai(client, fmt: str, stream_format: str, **request) -> tuple[bytes
 
 
 @pytest.mark.parametrize("stream_format", ["audio", "sse"])
-@pytest.mark.parametrize("fmt, rate", [("mp3", SR), ("opus", 48_000), ("aac", SR), ("flac", SR), ("wav", SR),
-                                       ("pcm", SR)])
+@pytest.mark.parametrize(
+    "fmt, rate", [("mp3", SR), ("opus", 48_000), ("aac", SR), ("flac", SR), ("wav", SR), ("pcm", SR)]
+)
 def test_openai_sdk_alias_voice_every_format_and_both_stream_formats(client, fmt, rate, stream_format):
     audio, events = speak_openai(client, fmt, stream_format)
     if fmt == "pcm":
@@ -630,14 +654,19 @@ def test_a_request_whose_client_leaves_while_queued_leaves_the_queue(make_server
         async with websockets.connect(server.ws_url) as holder:
             await send(holder, type="start")  # takes the only slot, and holds it: no text, no end
             assert json.loads(await holder.recv())["type"] == "ready"
-            request = asyncio.to_thread(httpx.post, server.url + "/v1/audio/speech", timeout=2.0,
-                                        json={"input": "Hi.", "response_format": "pcm"})
+            request = asyncio.to_thread(
+                httpx.post,
+                server.url + "/v1/audio/speech",
+                timeout=2.0,
+                json={"input": "Hi.", "response_format": "pcm"},
+            )
             request = asyncio.ensure_future(request)
             queued = await asyncio.to_thread(wait_until, lambda: server.hub.admission.queued == 1)
             with pytest.raises(httpx.TimeoutException):
                 await request  # the client gives up and closes its connection
-            return queued, await asyncio.to_thread(wait_until, lambda: server.hub.admission.queued == 0
-                                                   and server.hub.admission.connections == 1)
+            return queued, await asyncio.to_thread(
+                wait_until, lambda: server.hub.admission.queued == 0 and server.hub.admission.connections == 1
+            )
 
     assert run(go()) == (True, True), server.hub.stats()
 
@@ -646,6 +675,7 @@ def test_a_failure_mid_stream_is_visible_to_the_client(make_server, one_slot_eng
     """After the status line, a failure must not look like a short success: the raw body is cut off (the SDK
     raises on the incomplete read) and SSE says error."""
     from streaming.engine import EngineError
+
     server = make_server(one_slot_engine)
 
     def fail_the_stream():
@@ -655,13 +685,14 @@ def test_a_failure_mid_stream_is_visible_to_the_client(make_server, one_slot_eng
     with sdk(server) as client:
         with pytest.raises((httpx.HTTPError, openai.APIError)):
             with client.audio.speech.with_streaming_response.create(
-                    model="tts-1", voice="joe", input=SENTENCE * 20, response_format="pcm") as response:
+                model="tts-1", voice="joe", input=SENTENCE * 20, response_format="pcm"
+            ) as response:
                 for i, _ in enumerate(response.iter_bytes()):
                     if i == 0:
                         fail_the_stream()
         with client.audio.speech.with_streaming_response.create(
-                model="tts-1", voice="joe", input=SENTENCE * 20, response_format="pcm",
-                stream_format="sse") as response:
+            model="tts-1", voice="joe", input=SENTENCE * 20, response_format="pcm", stream_format="sse"
+        ) as response:
             events = []
             for line in response.iter_lines():
                 events += sse_events([line])
@@ -701,22 +732,32 @@ def test_api_key_is_required_on_every_endpoint_when_set(make_server, tiny_engine
 
 
 def test_cors_is_opt_in(make_server, tiny_engine):
-    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "content-type,authorization"}
+    preflight = {
+        "Origin": "https://app.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type,authorization",
+    }
     with httpx.Client(base_url=make_server(tiny_engine).url) as http:
         assert "access-control-allow-origin" not in http.options("/v1/audio/speech", headers=preflight).headers
     with httpx.Client(base_url=make_server(tiny_engine, allow_origins=("https://app.example",)).url) as http:
         answer = http.options("/v1/audio/speech", headers=preflight)
         assert answer.status_code == 200
         assert answer.headers["access-control-allow-origin"] == "https://app.example"
-        spoken = http.post("/v1/audio/speech", headers={"Origin": "https://app.example"},
-                           json={"input": "Hi.", "voice": "joe", "response_format": "pcm"})
+        spoken = http.post(
+            "/v1/audio/speech",
+            headers={"Origin": "https://app.example"},
+            json={"input": "Hi.", "voice": "joe", "response_format": "pcm"},
+        )
         assert spoken.status_code == 200 and spoken.headers["access-control-allow-origin"] == "https://app.example"
 
 
 # ---- issue 25: one client can never hurt another ------------------------------------------------
-NASTY_TEXTS = ["Hello\u0000 world.", "The number is " + "7" * 400 + ".", "\x1b[31mred\x1b[0m alert.",
-               "Supercalifragilistic" * 50 + "."]
+NASTY_TEXTS = [
+    "Hello\u0000 world.",
+    "The number is " + "7" * 400 + ".",
+    "\x1b[31mred\x1b[0m alert.",
+    "Supercalifragilistic" * 50 + ".",
+]
 
 
 async def speak_until_audio(ws, text: str) -> tuple[list[dict], int]:
@@ -741,6 +782,7 @@ async def speak_until_audio(ws, text: str) -> tuple[list[dict], int]:
 def test_nasty_text_fails_that_utterance_alone_and_a_concurrent_one_completes(server):
     """A NUL byte, an escape sequence, a 400-digit number, a 1000-letter word: each gets a typed answer on its
     own connection (or is spoken), while another client's utterance, running all along, completes."""
+
     async def all_of(ws) -> tuple[int, dict]:
         received = 0
         async with asyncio.timeout(120):
@@ -773,8 +815,9 @@ def test_nasty_text_fails_that_utterance_alone_and_a_concurrent_one_completes(se
 @pytest.mark.parametrize("text", NASTY_TEXTS, ids=["nul", "400 digits", "escape", "huge word"])
 def test_nasty_text_over_http_is_a_400_or_audio_never_a_500(client, text):
     try:
-        with client.audio.speech.with_streaming_response.create(model="tts-1", voice="joe", input=text,
-                                                                response_format="pcm") as response:
+        with client.audio.speech.with_streaming_response.create(
+            model="tts-1", voice="joe", input=text, response_format="pcm"
+        ) as response:
             audio = next(response.iter_bytes())  # enough: a 400-digit number read out is minutes long
     except openai.APIStatusError as failure:
         assert failure.status_code == 400 and failure.body["code"] == "bad_text"
@@ -852,8 +895,12 @@ def test_origin_allow_list_on_the_websocket_and_the_api(make_server, tiny_engine
     with httpx.Client(base_url=server.url) as http:
         refused = http.post("/v1/audio/speech", headers={"Origin": "https://evil.example"}, json={"input": "Hi."})
         assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_error"
-        assert http.post("/v1/audio/speech", headers={"Origin": own},
-                         json={"input": "Hi.", "response_format": "pcm"}).status_code == 200
+        assert (
+            http.post(
+                "/v1/audio/speech", headers={"Origin": own}, json={"input": "Hi.", "response_format": "pcm"}
+            ).status_code
+            == 200
+        )
 
 
 def test_wrong_methods_and_paths_get_openai_shaped_errors(server):
@@ -898,16 +945,23 @@ def test_aborted_connections_in_a_tight_loop_leak_nothing(make_server, tiny_engi
 
     _, frames, done = run(go())
     assert frames and not done["cancelled"]
-    assert wait_until(lambda: server.hub.admission.connections == 0 and server.hub.admission.active == 0
-                      and not server.hub.streams and tiny_engine.active_streams == 0)
+    assert wait_until(
+        lambda: (
+            server.hub.admission.connections == 0
+            and server.hub.admission.active == 0
+            and not server.hub.streams
+            and tiny_engine.active_streams == 0
+        )
+    )
 
 
 def test_a_dropped_session_gives_its_slot_to_another_client_at_once_and_resumes_exactly(make_server):
     """While a dropped session waits for its resume its engine stream is held: parked at once (not after the
     grace, an hour here), so another client speaks in the one slot meanwhile; resumed, the audio equals the same
     seeded utterance never interrupted, bit for bit."""
-    from helpers import tiny_random
     from streaming.parking import ParkingConfig
+    from testkit import tiny_random
+
     engine = tiny_random(max_streams=1, max_open=4, parking=ParkingConfig(park_after_s=3600))
     server = make_server(engine, resume_window_s=30)
     start = {"format": "f32le", "seed": 8}
@@ -925,8 +979,9 @@ def test_a_dropped_session_gives_its_slot_to_another_client_at_once_and_resumes_
         while len(got) < 20_000:
             got += await asyncio.wait_for(ws.recv(), 30)
         ws.transport.abort()
-        held = await asyncio.to_thread(wait_until, lambda: engine.counters["parks"] == 1
-                                       and engine.stats()["slots_used"] == 0)
+        held = await asyncio.to_thread(
+            wait_until, lambda: engine.counters["parks"] == 1 and engine.stats()["slots_used"] == 0
+        )
         async with websockets.connect(server.ws_url) as other:
             _, meanwhile, done = await utterance(other, "Meanwhile, another client speaks.")
         async with websockets.connect(server.ws_url) as again:
@@ -970,6 +1025,7 @@ def test_the_same_seed_gives_bit_identical_audio(server):
 
 def test_the_same_seed_gives_bit_identical_audio_beside_another_stream(server):
     """Issue 23's target: the same audio, bit for bit, whatever else the server is speaking."""
+
     async def go():
         async with websockets.connect(server.ws_url) as ws:
             alone = await f32_audio(ws, SENTENCE, seed=1234)
@@ -1108,6 +1164,7 @@ def test_say_via_server_failures_are_typed_and_leave_no_file(server, tmp_path):
 def test_say_via_server_without_a_sound_device_says_how_to_write_a_file(server):
     try:
         import sounddevice
+
         if sounddevice.query_devices(kind="output"):
             pytest.skip("this machine has a sound device")
     except Exception:  # no package, no PortAudio library, or PortAudio without an output device (PortAudioError)
@@ -1156,6 +1213,7 @@ def test_client_waits_in_the_server_queue_and_sends_its_api_key(make_server, one
 # ---- end to end, with the shipped voice --------------------------------------------------------------
 def test_shipped_voice_over_the_socket_is_understood(make_server, shipped_engine):
     from tts.asr import transcribe, wer
+
     server = make_server(shipped_engine)
     text = "Please call me back when you have a moment this afternoon."
 
@@ -1178,19 +1236,44 @@ def test_tts_serve_and_tts_say_through_it(shipped_engine, tmp_path):
     import socket
     import subprocess
     import sys
+
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    served = subprocess.Popen([sys.executable, "-m", "tts.cli", "serve", "--port", str(port), "--api-key", "sekrit",
-                               "--max-contexts", "1", "--queue-timeout-s", "5"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    served = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tts.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--api-key",
+            "sekrit",
+            "--max-contexts",
+            "1",
+            "--queue-timeout-s",
+            "5",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         # start-up loads the model and compiles the decode step (cold inductor cache on CI: tens of seconds)
         wait_until(lambda: _healthy(port) or served.poll() is not None, 240)
         assert _healthy(port), f"tts serve did not come up (exit code {served.poll()})"
         out = tmp_path / "cli.wav"
-        say = [sys.executable, "-m", "tts.cli", "say", "Hello from the server.", "--server", f"ws://127.0.0.1:{port}",
-               "-o", str(out)]
+        say = [
+            sys.executable,
+            "-m",
+            "tts.cli",
+            "say",
+            "Hello from the server.",
+            "--server",
+            f"ws://127.0.0.1:{port}",
+            "-o",
+            str(out),
+        ]
         refused = subprocess.run(say, timeout=120, capture_output=True, text=True)
         assert refused.returncode != 0 and "API key" in refused.stderr and not out.exists()
         said = subprocess.run(say, timeout=120, env={**os.environ, "TTS_API_KEY": "sekrit"})
@@ -1220,8 +1303,7 @@ def test_phoneme_timings_on_request(server):
     assert phonemes[-1][2] <= total_s + 0.2
 
 
-def test_timeline_log_marks_each_stage_on_the_way_to_the_first_audio(tiny_engine, make_server, tmp_path,
-                                                                       monkeypatch):
+def test_timeline_log_marks_each_stage_on_the_way_to_the_first_audio(tiny_engine, make_server, tmp_path, monkeypatch):
     """TTS_TIMELINE_LOG (a diagnosis, `bench.soak --timeline`): one line per stream, every stage from the request
     to the first audio sent, each at or after the stages it follows."""
     log = tmp_path / "timeline.jsonl"
@@ -1236,11 +1318,33 @@ def test_timeline_log_marks_each_stage_on_the_way_to_the_first_audio(tiny_engine
     assert wait_until(lambda: log.exists() and log.read_text().strip())
     line = json.loads(log.read_text().splitlines()[0])
     marks = line["timeline_ms"]
-    assert list(marks) == ["request", "opened", "slot", "text", "units", "prefill", "stepped", "due", "codec",
-                           "delivered", "read", "sent"]
-    after = {"opened": ["request"], "slot": ["opened"], "text": ["opened"], "units": ["text"],
-             "prefill": ["slot", "units"], "stepped": ["prefill"], "due": ["stepped"], "codec": ["due"],
-             "delivered": ["codec"], "read": ["delivered"], "sent": ["read"]}
+    assert list(marks) == [
+        "request",
+        "opened",
+        "slot",
+        "text",
+        "units",
+        "prefill",
+        "stepped",
+        "due",
+        "codec",
+        "delivered",
+        "read",
+        "sent",
+    ]
+    after = {
+        "opened": ["request"],
+        "slot": ["opened"],
+        "text": ["opened"],
+        "units": ["text"],
+        "prefill": ["slot", "units"],
+        "stepped": ["prefill"],
+        "due": ["stepped"],
+        "codec": ["due"],
+        "delivered": ["codec"],
+        "read": ["delivered"],
+        "sent": ["read"],
+    }
     for stage, befores in after.items():
         assert all(marks[stage] >= marks[before] for before in befores), (stage, marks)
     assert line["finished"] and line["ticks_to_due"] >= tiny_engine.cfg.codebooks
@@ -1250,6 +1354,7 @@ def test_the_timeline_log_is_closed_when_the_server_stops(tiny_engine, make_serv
     """TTS_TIMELINE_LOG is open only while the server runs: stopped, the process holds no descriptor on it, its
     lines are whole, and a stream that ends after the stop writes nothing and still frees its slot."""
     import os
+
     log = tmp_path / "timeline.jsonl"
     monkeypatch.setenv("TTS_TIMELINE_LOG", str(log))
     server = make_server(tiny_engine)
@@ -1257,8 +1362,11 @@ def test_the_timeline_log_is_closed_when_the_server_stops(tiny_engine, make_serv
 
     def open_on_log() -> int:
         fds = os.listdir("/proc/self/fd")
-        return sum(os.path.realpath(f"/proc/self/fd/{fd}") == str(log.resolve()) for fd in fds
-                   if os.path.exists(f"/proc/self/fd/{fd}"))
+        return sum(
+            os.path.realpath(f"/proc/self/fd/{fd}") == str(log.resolve())
+            for fd in fds
+            if os.path.exists(f"/proc/self/fd/{fd}")
+        )
 
     async def go():
         async with websockets.connect(server.ws_url) as ws:
@@ -1279,13 +1387,14 @@ def test_the_timeline_log_is_closed_when_the_server_stops(tiny_engine, make_serv
 
 
 def test_admission_sets_a_waiting_session_aside_from_its_clients_caps():
-    """The rule of streaming/server_admission.py, per identity (address and API key), caps of 2: places and slots
+    """The rule of serving/admission.py, per identity (address and API key), caps of 2: places and slots
     set aside (sessions waiting for a resume) count against no client cap but still against max_connections;
     a client keeps 2 set aside, the third makes its oldest expire; put back, a place counts again even past the
     cap; a real excess is client_limit; released, every count is back to zero."""
-    from streaming.limits import Limits
-    from streaming.protocol import ProtocolError
-    from streaming.server_admission import Admission
+    from serving.admission import Admission
+    from serving.limits import Limits
+    from serving.protocol import ProtocolError
+
     admission = Admission(Limits(max_connections=8, max_connections_per_client=2, max_streams_per_client=2), slots=8)
     me, expired = (("addr", "10.0.0.1"), ("key", "k1")), []
 

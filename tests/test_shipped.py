@@ -1,4 +1,5 @@
 """End-to-end on the shipped checkpoints: loading, codec round trip and speech judged by the ASR."""
+
 import re
 import tomllib
 from pathlib import Path
@@ -56,6 +57,7 @@ def test_codec_round_trip_is_still_understood(shipped):
 
 def test_default_voice_speaks_a_sentence(shipped):
     from tts.api import synthesize
+
     text = "Please call me back after lunch tomorrow."
     audio = synthesize(text)
     assert audio.dtype == np.float32 and 1.0 < len(audio) / SAMPLE_RATE < 6.0
@@ -65,6 +67,7 @@ def test_default_voice_speaks_a_sentence(shipped):
 def test_speech_starts_without_a_click(shipped):
     """From a zeroed state the decoder's first 5 ms were a click (peak 0.022); streams start after a silent lead-in."""
     from tts.api import synthesize
+
     audio = synthesize("Hello there.")
     assert np.abs(audio[:480]).max() < 0.002  # the first 20 ms: silence before the first phoneme
 

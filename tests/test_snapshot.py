@@ -1,9 +1,11 @@
-"""`Engine.snapshot` (the checkpoints of streaming/failover.py) on the tiny random engine: a snapshot copies a
+"""`Engine.snapshot` (the checkpoints of serving/failover.py) on the tiny random engine: a snapshot copies a
 live stream without changing it, and the copy continues it elsewhere sample-exactly."""
+
 from __future__ import annotations
 
 import numpy as np
-from helpers import tiny_random
+
+from testkit import tiny_random
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 WORDS = SENTENCE.split()
@@ -33,7 +35,7 @@ def test_a_snapshot_leaves_the_stream_as_it_was_and_continues_elsewhere_from_its
     snapshotted; the snapshot attached on another engine, given the text that came after it, speaks exactly
     that stream's audio from the snapshot's sample on. Twice: in a slot, speaking; and waiting for text."""
     here, there = tiny_random(max_streams=2), tiny_random(max_streams=2)
-    for engine in (here, there):  # as failover's engines (streaming/ray_serve.py): audio from the text alone, not
+    for engine in (here, there):  # as failover's engines (serving/ray_serve.py): audio from the text alone, not
         engine.slots.stretch_max = 1.0  # from how far it was ahead (elastic pacing, `Slots.pace`)
     try:
         reference, _ = speak(here)

@@ -1,4 +1,5 @@
 """The spectral decoder's own arithmetic: the inverse-DFT bases, the overlap-add, and its hold-back."""
+
 import torch
 
 from tts.codec import CODEC_PRESETS, Codec
@@ -26,7 +27,7 @@ def test_short_time_spectra_resynthesise_the_signal():
     frames = (spectra.real.T @ cos + spectra.imag.T @ sin)[None]  # (1, S, n_fft)
     audio, _ = decoder.overlap_add(frames, None)
     blocks = frames.shape[1]
-    torch.testing.assert_close(audio[0, 0, 3 * 120: blocks * 120], signal[3 * 120: blocks * 120], atol=1e-5, rtol=0)
+    torch.testing.assert_close(audio[0, 0, 3 * 120 : blocks * 120], signal[3 * 120 : blocks * 120], atol=1e-5, rtol=0)
 
 
 def test_overlap_add_in_chunks_equals_whole():

@@ -1,16 +1,17 @@
 """Speculative text encoding (`Engine._prefill`, `Slots.place`): units are encoded before their right context has
 arrived and revised when it comes, never once their frames have started; whole text takes no speculative path.
 Elastic pacing (`Slots.pace`): a start whose text is thin is spoken slower; whole text is not."""
+
 import time
 
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_random, wait_until
 
-from streaming.decode import decode_step
 from streaming.engine import SamplingConfig
 from streaming.parking import ParkingConfig
+from streaming.step_caches import decode_step
+from testkit import tiny_random, wait_until
 from tts.api import synthesize
 from tts.text import text_sentences
 
@@ -36,18 +37,23 @@ def _speak(engine, pieces, pause_s=0.0):
 
 def _slow_steps(seconds):
     """A step factory whose steps take at least ``seconds``: the AR runs far behind text that comes fast."""
+
     def factory(model, caches, batch, device):
         def step(*args):
             time.sleep(seconds)
             return decode_step(*args)
+
         return step
+
     return factory
 
 
 @pytest.fixture(scope="module")
 def engines():
-    on, off = tiny_random(max_streams=1, sampling=GREEDY), tiny_random(max_streams=1, sampling=GREEDY,
-                                                                        speculative=False)
+    on, off = (
+        tiny_random(max_streams=1, sampling=GREEDY),
+        tiny_random(max_streams=1, sampling=GREEDY, speculative=False),
+    )
     yield on, off
     on.close()
     off.close()
@@ -55,8 +61,9 @@ def engines():
 
 def test_whole_text_takes_no_speculative_path(engines):
     on, off = engines
-    before, spoken, confirmed = (on.stats()[k] for k in ("revised_units", "units_spoken_speculative",
-                                                          "confirmed_units"))
+    before, spoken, confirmed = (
+        on.stats()[k] for k in ("revised_units", "units_spoken_speculative", "confirmed_units")
+    )
     audio, timings = _speak(on, [TEXT])
     assert on.counters["revised_units"] == before  # nothing encoded twice
     assert on.stats()["units_spoken_speculative"] == spoken
@@ -85,11 +92,13 @@ def test_revisions_that_land_before_the_ar_reads_give_the_whole_texts_audio():
 
 def _stalled(engine, stream_step):
     """Wait until slot 0 stops stepping (its text ran dry); returns its step."""
+
     def still():
         first = int(engine.slots.step[0])
         time.sleep(0.1)
         stream_step[0] = int(engine.slots.step[0])
         return first == stream_step[0] and first > 0
+
     assert wait_until(still, 30)
     return stream_step[0]
 
@@ -133,18 +142,25 @@ def test_place_keeps_started_units_and_chains_the_rest_from_the_confirmed_end():
     step 25 (units 4 and 5 started); a re-encode of 4..12 keeps their frames and chains unit 6 on from 25."""
     from streaming.slots import Slots
     from tts.model import MODEL_PRESETS
+
     slots = Slots(MODEL_PRESETS["tiny"], 1, 32)
     rows = torch.tensor([0])
     first = torch.arange(4, 10)[None]
     slots.settled[0], slots.frames[0] = 20, 20
-    begin, durations, write = slots.place(rows, first, torch.ones(1, 6, dtype=torch.bool),
-                                          torch.tensor([[3, 2, 5, 1, 1, 1]]), torch.tensor([0]))
+    begin, durations, write = slots.place(
+        rows, first, torch.ones(1, 6, dtype=torch.bool), torch.tensor([[3, 2, 5, 1, 1, 1]]), torch.tensor([0])
+    )
     assert begin.tolist() == [[20, 23, 25, 30, 31, 32]] and write.all() and int(slots.settled[0]) == 20
     slots.add_units(rows, first, write, begin, begin + durations)
     slots.step[0] = 25
     positions = torch.arange(4, 13)[None]
-    begin, durations, write = slots.place(rows, positions, torch.ones(1, 9, dtype=torch.bool),
-                                          torch.tensor([[9, 9, 4, 2, 2, 2, 2, 2, 2]]), torch.tensor([3]))
+    begin, durations, write = slots.place(
+        rows,
+        positions,
+        torch.ones(1, 9, dtype=torch.bool),
+        torch.tensor([[9, 9, 4, 2, 2, 2, 2, 2, 2]]),
+        torch.tensor([3]),
+    )
     assert durations.tolist() == [[3, 2, 4, 2, 2, 2, 2, 2, 2]]  # units 4, 5 keep 3 and 2 frames
     assert begin[0, :4].tolist() == [20, 23, 25, 29]
     assert write.tolist() == [[False, False] + [True] * 7]
@@ -156,6 +172,7 @@ def test_pace_eases_with_the_lead_never_grows_back_and_ends_with_the_text():
     text in one piece (its factor kept) and for closed text (for good)."""
     from streaming.slots import PACE_LEAD, PACE_LEAD_FULL, Slots
     from tts.model import MODEL_PRESETS
+
     slots = Slots(MODEL_PRESETS["shipped"], 4, 32)
     slots.stretch_max = 1.2
     rows = torch.arange(4)

@@ -1,5 +1,6 @@
 """Incremental text: words spoken as they arrive, the same units as whole sentences, holds, sentence ends,
 flush/end, markup split across pieces, word timings."""
+
 import time
 
 import pytest
@@ -47,6 +48,7 @@ def test_no_lookahead_differs_at_most_in_how_function_words_sound_and_loses_no_w
     """Lookahead 0 reads a word before its next one comes (FLUENT): "the" as before a consonant, no linking,
     and a word espeak would join into one already spoken ("of a": əvə) is read on its own, not lost."""
     from rapidfuzz.distance import Levenshtein
+
     got, want = "".join(word_by_word(text, 0)), whole(text)
     assert Levenshtein.distance(got, want) <= 0.05 * len(want)
     plain = str.maketrans("", "", "ʲɹˈˌ ")
@@ -210,12 +212,12 @@ def test_word_timings_wait_for_all_of_a_words_units():
     assert spell(ids) == "^həlˈoʊ"
     half = len(ids) - 2
     assert stream.word_timings(0, list(range(half)), [1] * half, 0.02) == []
-    assert stream.word_timings(half, [half, half + 1], [1, 1], 0.02) == [{"word": "Hello", "start": 0.02,
-                                                                          "end": 0.14}]
+    assert stream.word_timings(half, [half, half + 1], [1, 1], 0.02) == [{"word": "Hello", "start": 0.02, "end": 0.14}]
 
 
 def test_a_long_text_reaches_the_engine_a_few_sentences_a_take():
     from streaming.textstream import TAKE_CHARS
+
     text = " ".join(SENTENCES * 12)
     assert len(text) > 3 * TAKE_CHARS
     stream = TextStream()
@@ -254,6 +256,7 @@ def test_a_first_take_reads_one_sentence(end):
 
 class _Clocked(TextStream):
     """A stream on a clock the test moves (`TextStream.clock`)."""
+
     now = 0.0
     clock = staticmethod(lambda: _Clocked.now)
 
@@ -332,8 +335,10 @@ def test_a_long_second_word_is_not_taken_for_the_texts_pace(monkeypatch):
     """The hold counts the pieces to come at their mean size so far or, when that is less, with one more piece
     of PRIOR_CHARS: at 1.2x the speaking rate, "The beauty " says little of the words after it and starts later
     than by its own mean, "The boy " (shorter than the prior) starts as by its own."""
-    long, short = (_words(text) for text in ("The beauty of the view stunned the young boy.",
-                                               "The boy was there when the sun rose."))
+    long, short = (
+        _words(text)
+        for text in ("The beauty of the view stunned the young boy.", "The boy was there when the sun rose.")
+    )
     with_prior = _released_at(long, 3.8), _released_at(short, 3.8)
     monkeypatch.setattr(textstream, "PRIOR_CHARS", 1e6)  # the mean so far is always the less
     by_own_mean = _released_at(long, 3.8), _released_at(short, 3.8)
@@ -368,6 +373,7 @@ def test_a_held_start_ends_between_pieces_at_release_at_without_more_text():
 def test_text_that_outruns_the_hold_is_released_at_once_and_held_text_is_not():
     """`released_at_once` (the engine's cue for INCREMENTAL_CHUNKS): words at 20 a second go on with the take that
     first has enough units; at 3 a second the hold waits for their pace; text sent whole never counts."""
+
     def release(rate):
         stream = _Clocked(hold_start=True)
         for i, piece in enumerate(WORDS):
@@ -395,6 +401,7 @@ def test_the_hold_plans_with_a_first_chunk_smaller_than_the_engines(monkeypatch)
     are released about that much audio (40 ms) later than by the same plan with the engine's first chunk, so the
     player starts with that much more in hand than the text's pace needs; and no sooner than by a plan with the
     engine's own chunks, which grow more slowly (`textstream.PLANNED_CHUNKS`)."""
+
     def release_at():
         stream = _Clocked(hold_start=True)
         for i, piece in enumerate(WORDS[:2]):
@@ -426,6 +433,7 @@ def test_start_latency_is_the_guess_until_measured_then_a_low_one_of_the_last_st
 def test_a_longer_start_latency_releases_a_held_start_that_much_sooner():
     """The player starts when the first chunk comes: planning with a start latency 40 ms longer moves every
     chunk's deadline 40 ms later, so the hold ends 40 ms sooner (`TextStream.start_latency_s`)."""
+
     def release_at(latency_s):
         stream = _Clocked(hold_start=True)
         stream.start_latency_s = latency_s
@@ -504,6 +512,7 @@ def test_synthesize_stream_hold_false_speaks_slow_text_before_it_ends(tiny_engin
     import threading
 
     from tts.api import synthesize_stream
+
     heard = threading.Event()
 
     def words():

@@ -1,4 +1,5 @@
 """The compact token files that carry the corpus to the GPU machine read back exactly."""
+
 import numpy as np
 import torch
 
@@ -19,9 +20,15 @@ def test_parts_round_trip(tmp_path):
     rows, codes = [], []
     for i in range(7):
         frames = rng.integers(1, 5, size=rng.integers(3, 9))
-        rows.append({"id": f"joe-{i:06d}", "voice": "joe", "duration": frames.sum() / 50,
-                     "units": [SYMBOLS[u] for u in rng.integers(4, len(SYMBOLS), len(frames))],
-                     "frames": frames.tolist()})
+        rows.append(
+            {
+                "id": f"joe-{i:06d}",
+                "voice": "joe",
+                "duration": frames.sum() / 50,
+                "units": [SYMBOLS[u] for u in rng.integers(4, len(SYMBOLS), len(frames))],
+                "frames": frames.tolist(),
+            }
+        )
         codes.append(rng.integers(0, 1024, (8, frames.sum())).astype(np.int16))
     write_parts(rows, codes, tmp_path, "joe", 10, part_bytes=60)  # tiny parts: several files
     assert len(list(tmp_path.glob("joe-*.npz"))) > 1
@@ -42,6 +49,7 @@ def test_a_retrained_encoder_gets_its_own_token_cache(tmp_path):
         (tmp_path / name).mkdir()
         save_codec(codec, tmp_path / name)
         return codec_fingerprint(tmp_path / name)
+
     first = fingerprint("a")
     with torch.no_grad():
         next(codec.decoder.parameters()).add_(1e-2)

@@ -1,6 +1,7 @@
 """The AR trainer's batches: every utterance once per epoch, within the frame budget, and DataLoader
 workers together yield exactly the single-process epoch, in order; a deepened model starts as the original;
 the codec trainer's learning-rate schedule."""
+
 import dataclasses
 import itertools
 import random
@@ -18,9 +19,16 @@ def make_rows(count: int, seed: int = 0) -> list[dict]:
     for i in range(count):
         durations = torch.tensor([rng.randint(1, 6) for _ in range(rng.randint(2, 12))])
         frames = int(durations.sum())
-        rows.append({"id": f"joe-{i:06d}", "unit_ids": torch.randint(4, 40, (len(durations),)),
-                     "durations": durations, "n_frames": frames, "voice_id": i % 5,
-                     "codes": torch.randint(0, 1024, (8, frames), dtype=torch.int16)})
+        rows.append(
+            {
+                "id": f"joe-{i:06d}",
+                "unit_ids": torch.randint(4, 40, (len(durations),)),
+                "durations": durations,
+                "n_frames": frames,
+                "voice_id": i % 5,
+                "codes": torch.randint(0, 1024, (8, frames), dtype=torch.int16),
+            }
+        )
     return rows
 
 
@@ -44,8 +52,9 @@ def test_workers_split_each_epoch_exactly():
 
 
 def test_deepened_model_computes_what_the_original_did():
-    cfg = dataclasses.replace(MODEL_PRESETS["tiny"], layers=3, codebooks=8, codebook_size=1024, window=96,
-                              text_slots=16)
+    cfg = dataclasses.replace(
+        MODEL_PRESETS["tiny"], layers=3, codebooks=8, codebook_size=1024, window=96, text_slots=16
+    )
     torch.manual_seed(0)
     model = TTSModel(cfg).eval()
     batch = collate(make_rows(4), [0, 1, 2, 3], 1024)
@@ -59,13 +68,16 @@ def test_deepened_model_computes_what_the_original_did():
 
 
 def test_grown_voice_tables_keep_old_voices_and_start_new_ones_at_their_mean():
-    cfg = dataclasses.replace(MODEL_PRESETS["tiny"], codebooks=8, codebook_size=1024, window=96, text_slots=16,
-                              voices=4)
+    cfg = dataclasses.replace(
+        MODEL_PRESETS["tiny"], codebooks=8, codebook_size=1024, window=96, text_slots=16, voices=4
+    )
     torch.manual_seed(0)
     model = TTSModel(cfg).eval()
     grown = grow_voices(model, 6).eval()
     assert grown.cfg.voices == 6 and grown.sinks.shape[0] == 6
-    assert torch.equal(grown.sinks[:4], model.sinks) and torch.equal(grown.text.voice.weight[:4], model.text.voice.weight)
+    assert torch.equal(grown.sinks[:4], model.sinks) and torch.equal(
+        grown.text.voice.weight[:4], model.text.voice.weight
+    )
     assert torch.allclose(grown.sinks[5], model.sinks.mean(0))
     batch = collate(make_rows(4), [0, 1, 2, 3], 1024)  # voices 0-3 only: the old rows compute what they did
     with torch.no_grad():
@@ -116,6 +128,7 @@ def test_decoder_soup_keeps_the_encoder_and_codebooks(tmp_path):
 
 def test_codec_learning_rate_falls_along_a_half_cosine_to_its_floor():
     from training.train_codec import time_cosine
+
     factors = [time_cosine(p / 10, 0.1) for p in range(11)]
     assert factors[0] == 1.0 and abs(factors[5] - 0.55) < 1e-12 and abs(factors[10] - 0.1) < 1e-12
     assert all(a > b for a, b in zip(factors, factors[1:]))

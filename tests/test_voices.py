@@ -1,20 +1,24 @@
 """Voice blending: spec parsing beside the voice table, the model's weighted voice rows, and blends
 spoken by the engine."""
+
 import copy
 
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_model_and_codec
 
 from streaming.engine import Engine, SamplingConfig, UnknownVoice
+from testkit import tiny_model_and_codec
 from tts.api import synthesize
 from tts.model import MODEL_PRESETS, TTSModel
 from tts.voices import blend_preset, voice_mix
 
-PRESETS = {"joe": {"name": "joe", "index": 0, "pace": 0.8}, "slt": {"name": "slt", "index": 1, "pace": 1.0},
-           "kumo": {"name": "kumo", "index": 5, "pace": 0.9, "temperature": 0.5},
-           "dusk": {"name": "dusk", "blend": "joe:0.5+slt:0.5", "pace": 0.85, "description": "a named blend"}}
+PRESETS = {
+    "joe": {"name": "joe", "index": 0, "pace": 0.8},
+    "slt": {"name": "slt", "index": 1, "pace": 1.0},
+    "kumo": {"name": "kumo", "index": 5, "pace": 0.9, "temperature": 0.5},
+    "dusk": {"name": "dusk", "blend": "joe:0.5+slt:0.5", "pace": 0.85, "description": "a named blend"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +86,26 @@ def test_blend_preset_names_the_mix_and_means_its_settings():
     assert plain["name"] == "joe" and plain["mix"] == {0: 1.0} and "blend" not in plain
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("bob", "unknown voice 'bob'"), ("", "unknown voice ''"), ("joe:0.5+bob:0.5", "unknown voice 'bob'"),
-    ("joe:0.5+kumo:0.6", "sum to 1.1"), ("joe:0.2+kumo:0.2", "sum to 0.4"), ("joe:x+kumo:1", "not a number"),
-    ("joe:nan+kumo:0.5", "positive"), ("joe:-1+kumo:2", "positive"), ("joe:inf+kumo:0", "positive"),
-    ("joe:0.5+joe:0.5", "twice"), ("joe+kumo:1", "every voice a weight"), ("joe:0.5+", "unknown voice ''"),
-    ("joe+" * 100 + "kumo", "unknown voice"), (None, "a voice is a name"), (3, "a voice is a name"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("bob", "unknown voice 'bob'"),
+        ("", "unknown voice ''"),
+        ("joe:0.5+bob:0.5", "unknown voice 'bob'"),
+        ("joe:0.5+kumo:0.6", "sum to 1.1"),
+        ("joe:0.2+kumo:0.2", "sum to 0.4"),
+        ("joe:x+kumo:1", "not a number"),
+        ("joe:nan+kumo:0.5", "positive"),
+        ("joe:-1+kumo:2", "positive"),
+        ("joe:inf+kumo:0", "positive"),
+        ("joe:0.5+joe:0.5", "twice"),
+        ("joe+kumo:1", "every voice a weight"),
+        ("joe:0.5+", "unknown voice ''"),
+        ("joe+" * 100 + "kumo", "unknown voice"),
+        (None, "a voice is a name"),
+        (3, "a voice is a name"),
+    ],
+)
 def test_bad_specs_are_refused_with_a_reason(spec, message):
     with pytest.raises(ValueError, match=message):
         voice_mix(spec, PRESETS)
@@ -117,8 +134,9 @@ def row_holding(model: TTSModel, weights: torch.Tensor, row: int) -> TTSModel:
 def test_the_engine_speaks_a_blend_as_a_voice_whose_rows_are_the_mix(engine):
     blended = synthesize(TEXT, voice="joe:0.6+rms:0.4", engine=engine)
     weights = torch.tensor([0.6, 0.0, 0.4, 0.0, 0.0])
-    reference_engine = Engine(row_holding(engine.model, weights, 0), engine.codec, engine.voices, max_streams=1,
-                              sampling=GREEDY)
+    reference_engine = Engine(
+        row_holding(engine.model, weights, 0), engine.codec, engine.voices, max_streams=1, sampling=GREEDY
+    )
     reference = synthesize(TEXT, voice="joe", engine=reference_engine)
     reference_engine.close()
     assert len(blended) == len(reference)

@@ -1,6 +1,7 @@
-"""`tts serve --workers N` (streaming/workers.py): real server processes on real sockets, the tiny random-weight
+"""`tts serve --workers N` (serving/workers.py): real server processes on real sockets, the tiny random-weight
 engine on the CPU. Two workers share the public port; a session's resume that lands on the other worker is relayed
 to its owner and gets exactly the rest of the audio; the parent's stop (or death) stops every worker."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,26 +18,31 @@ from pathlib import Path
 import pytest
 import websockets
 
-from helpers import STARTS, Received, assert_same_output, cut_and_resume, open_contexts, send, uninterrupted, wait_until
+from testkit import STARTS, Received, assert_same_output, cut_and_resume, open_contexts, send, uninterrupted, wait_until
 
 TESTS = Path(__file__).resolve().parent
 # The real `serve(workers=2)`, with each worker's engine the tiny one (a picklable factory the workers call)
-SERVE = ("import functools, logging, sys; sys.path.insert(0, {tests!r}); import helpers, server; "
-         "logging.basicConfig(level=logging.INFO); "
-         "server.serve(port=0, workers=2, max_streams=4, engine=functools.partial(helpers.tiny_random), "
-         "log_level='warning', resume_window_s=10)")
+SERVE = (
+    "import functools, logging, sys; sys.path.insert(0, {tests!r}); import testkit, server; "
+    "logging.basicConfig(level=logging.INFO); "
+    "server.serve(port=0, workers=2, max_streams=4, engine=functools.partial(testkit.tiny_random), "
+    "log_level='warning', resume_window_s=10)"
+)
 
 
 class Pool:
     """A `serve(workers=2)` parent process: its public port and its workers' private ports, read from its log."""
 
     def __init__(self):
-        self.process = subprocess.Popen([sys.executable, "-c", SERVE.format(tests=str(TESTS))], cwd=TESTS.parent,
-                                        stderr=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", SERVE.format(tests=str(TESTS))], cwd=TESTS.parent, stderr=subprocess.PIPE, text=True
+        )
         self.log: list[str] = []
         threading.Thread(target=self._read_log, daemon=True).start()  # drained, so that no worker blocks on it
-        if not wait_until(lambda: self.said("listening on") or self.process.poll() is not None, 120) \
-                or self.process.poll() is not None:
+        if (
+            not wait_until(lambda: self.said("listening on") or self.process.poll() is not None, 120)
+            or self.process.poll() is not None
+        ):
             self.stop()
             raise RuntimeError("the workers did not start:\n" + "".join(self.log))
         match = re.search(r"listening on http://127\.0\.0\.1:(\d+) .*addresses: (.*)", self.said("listening on"))
@@ -58,8 +64,9 @@ class Pool:
 
     def workers(self) -> list[int]:
         """The pids of the parent's workers (its spawned children; multiprocessing's resource tracker aside)."""
-        out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(self.process.pid)], capture_output=True,
-                             text=True).stdout
+        out = subprocess.run(
+            ["ps", "-ww", "-o", "pid=,args=", "--ppid", str(self.process.pid)], capture_output=True, text=True
+        ).stdout
         return [int(line.split()[0]) for line in out.splitlines() if "spawn_main" in line]
 
     def stop(self) -> None:
@@ -83,6 +90,7 @@ def gone(pids: list[int]) -> bool:
             return False
         with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited (its parent has not reaped it yet)
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+
     return not any(alive(pid) for pid in pids)
 
 
@@ -106,8 +114,14 @@ def test_a_resume_landing_on_the_other_worker_is_relayed_with_no_gap_and_no_dupl
     """A session on worker 0, cut by a transport abort after part of its audio was acknowledged, resumed on
     worker 1's address: worker 1 relays it to worker 0, and the audio equals the uninterrupted stream's."""
     owner, other = (pool.ws_url(port) for port in pool.peers)
-    cut = run(cut_and_resume(owner, lambda: pool.health(pool.peers[0])[0]["awaiting_resume"] == 1, resume_url=other,
-                             watch=lambda: pool.health(pool.peers[1])[0]))
+    cut = run(
+        cut_and_resume(
+            owner,
+            lambda: pool.health(pool.peers[0])[0]["awaiting_resume"] == 1,
+            resume_url=other,
+            watch=lambda: pool.health(pool.peers[1])[0],
+        )
+    )
     assert cut.held, "the owner did not hold the dropped session"
     assert cut.token.startswith("0.") and len(cut.token) == 24  # worker 0's index, then 128 random bits
     assert cut.resumed["type"] == "resumed" and cut.resumed["resume_token"].startswith("0.")

@@ -1,5 +1,6 @@
-"""The Wyoming server (streaming/wyoming.py) on a real loopback socket, driven by the `wyoming` package's own
+"""The Wyoming server (serving/wyoming.py) on a real loopback socket, driven by the `wyoming` package's own
 async client, on the tiny random-weight engine with greedy sampling (so the same text gives the same audio)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,13 +13,12 @@ from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient
 from wyoming.error import Error
 from wyoming.info import Describe, Info
-from wyoming.tts import (Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped,
-                         SynthesizeVoice)
+from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped, SynthesizeVoice
 
-from streaming import wyoming as wyoming_server
-from helpers import tiny_random
-from streaming.engine import Engine, SamplingConfig
-from streaming.wyoming import WyomingServer
+from serving import wyoming as wyoming_server
+from serving.wyoming import WyomingServer
+from streaming.engine import SamplingConfig
+from testkit import tiny_random
 from tts.api import synthesize
 
 TEXT = "Hello there. How are you today? The ring never grows."
@@ -68,8 +68,9 @@ async def events_until(conn, last: type) -> list:
 
 
 def pcm(events) -> np.ndarray:
-    return np.frombuffer(b"".join(AudioChunk.from_event(e).audio for e in events if AudioChunk.is_type(e.type)),
-                         dtype="<i2")
+    return np.frombuffer(
+        b"".join(AudioChunk.from_event(e).audio for e in events if AudioChunk.is_type(e.type)), dtype="<i2"
+    )
 
 
 def as_s16(audio: np.ndarray) -> np.ndarray:
@@ -131,6 +132,7 @@ def test_streamed_chunks_equal_the_whole_text_and_end_with_synthesize_stopped(se
 
 def test_speech_starts_before_the_streamed_text_ends(server):
     """The first sentence is spoken while the client is still sending the rest (no synthesize-stop yet)."""
+
     async def go():
         async with client(server) as conn:
             await conn.write_event(SynthesizeStart().event())
@@ -147,6 +149,7 @@ def test_speech_starts_before_the_streamed_text_ends(server):
 
 def test_an_empty_stream_just_stops(server):
     """An LLM turn with no text for speech: no error, no audio, only synthesize-stopped."""
+
     async def go():
         async with client(server) as conn:
             await conn.write_event(SynthesizeStart().event())
@@ -157,8 +160,10 @@ def test_an_empty_stream_just_stops(server):
     assert types(run(go())) == ["synthesize-stopped"]
 
 
-@pytest.mark.parametrize("voice, code", [(SynthesizeVoice(name="nobody"), "unknown_voice"),
-                                         (SynthesizeVoice(language="de_DE"), "unsupported_language")])
+@pytest.mark.parametrize(
+    "voice, code",
+    [(SynthesizeVoice(name="nobody"), "unknown_voice"), (SynthesizeVoice(language="de_DE"), "unsupported_language")],
+)
 def test_bad_voice_is_an_error_and_the_stream_still_stops(server, voice, code):
     async def go():
         async with client(server) as conn:
@@ -186,13 +191,16 @@ def test_english_language_picks_the_default_voice(server):
     assert len(pcm(run(go()))) > 0
 
 
-@pytest.mark.parametrize("events, code", [
-    ([Synthesize("   ").event()], "bad_text"),
-    ([Synthesize("x" * 100_000).event()], "bad_text"),
-    ([Synthesize("<speak>Hi</speak>", text_format="ssml").event()], "unsupported_text_format"),
-    ([SynthesizeChunk("orphan chunk").event()], "bad_event"),
-    ([SynthesizeStop().event()], "bad_event"),
-])
+@pytest.mark.parametrize(
+    "events, code",
+    [
+        ([Synthesize("   ").event()], "bad_text"),
+        ([Synthesize("x" * 100_000).event()], "bad_text"),
+        ([Synthesize("<speak>Hi</speak>", text_format="ssml").event()], "unsupported_text_format"),
+        ([SynthesizeChunk("orphan chunk").event()], "bad_event"),
+        ([SynthesizeStop().event()], "bad_event"),
+    ],
+)
 def test_bad_requests_get_typed_errors_and_the_connection_lives_on(server, events, code):
     async def go():
         async with client(server) as conn:
@@ -226,6 +234,7 @@ def test_server_full_is_an_error_after_waiting(monkeypatch):
     monkeypatch.setattr(wyoming_server, "OPEN_WAIT_S", 0.3)
     busy = tiny_random(max_streams=1)
     with WyomingServer(busy, f"tcp://127.0.0.1:{free_port()}") as running:
+
         async def go():
             async with client(running) as holder, client(running) as other:
                 await holder.write_event(SynthesizeStart().event())
@@ -240,16 +249,21 @@ def test_server_full_is_an_error_after_waiting(monkeypatch):
 
 def test_the_http_server_and_wyoming_share_one_engine(make_server, engine):
     """`tts serve --wyoming-uri`: both servers on one engine; each answers while the other speaks."""
-    import urllib.request, json  # noqa: E401
+    import json
+    import urllib.request  # noqa: E401
 
     http = make_server(engine)
     with WyomingServer(engine, f"tcp://127.0.0.1:{free_port()}") as wy:
+
         async def go():
             async with client(wy) as conn:
                 await conn.write_event(Synthesize(TEXT).event())
-                request = urllib.request.Request(http.url + "/v1/audio/speech", method="POST",
-                                                 data=json.dumps({"input": TEXT, "response_format": "pcm"}).encode(),
-                                                 headers={"Content-Type": "application/json"})
+                request = urllib.request.Request(
+                    http.url + "/v1/audio/speech",
+                    method="POST",
+                    data=json.dumps({"input": TEXT, "response_format": "pcm"}).encode(),
+                    headers={"Content-Type": "application/json"},
+                )
                 body = await asyncio.to_thread(lambda: urllib.request.urlopen(request, timeout=60).read())
                 return body, await events_until(conn, AudioStop)
 
@@ -259,6 +273,7 @@ def test_the_http_server_and_wyoming_share_one_engine(make_server, engine):
 
 def test_zeroconf_announces_the_server_and_withdraws_it(engine):
     from zeroconf import Zeroconf
+
     port = free_port()
     service = "_wyoming._tcp.local."
     with WyomingServer(engine, f"tcp://127.0.0.1:{port}", zeroconf_name="tts-test") as running:

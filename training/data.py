@@ -1,4 +1,5 @@
 """Corpus manifests and audio, loaded once into memory."""
+
 from __future__ import annotations
 
 import hashlib

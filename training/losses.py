@@ -1,4 +1,5 @@
 """Codec training losses: multi-scale log-mel L1 and a multi-scale STFT discriminator (hinge)."""
+
 from __future__ import annotations
 
 import math
@@ -10,8 +11,10 @@ from torch import nn
 
 def mel_filters(n_fft: int, n_mels: int, sample_rate: int) -> torch.Tensor:
     """(n_mels, n_fft//2+1) triangular HTK-mel filters."""
+
     def to_mel(hz):
         return 2595 * math.log10(1 + hz / 700)
+
     mels = torch.linspace(to_mel(0), to_mel(sample_rate / 2), n_mels + 2)
     hz = 700 * (10 ** (mels / 2595) - 1)
     bins = torch.linspace(0, sample_rate / 2, n_fft // 2 + 1)
@@ -46,8 +49,9 @@ class STFTDiscriminator(nn.Module):
         self.register_buffer("window", torch.hann_window(n_fft), persistent=False)
         layers = [nn.Conv2d(2, channels, (3, 9), padding=(1, 4))]
         for dilation in (1, 2, 4):
-            layers.append(nn.Conv2d(channels, channels, (3, 9), stride=(1, 2), dilation=(dilation, 1),
-                                    padding=(dilation, 4)))
+            layers.append(
+                nn.Conv2d(channels, channels, (3, 9), stride=(1, 2), dilation=(dilation, 1), padding=(dilation, 4))
+            )
         layers.append(nn.Conv2d(channels, channels, (3, 3), padding=1))
         self.layers = nn.ModuleList(layers)
         self.head = nn.Conv2d(channels, 1, (3, 3), padding=1)
@@ -72,14 +76,18 @@ class MultiScaleSTFTDiscriminator(nn.Module):
 
 
 def discriminator_loss(fake_out, real_out) -> torch.Tensor:
-    return sum(F.relu(1 - r).mean() + F.relu(1 + f).mean() for (f, _), (r, _) in zip(fake_out, real_out)) / len(fake_out)
+    return sum(F.relu(1 - r).mean() + F.relu(1 + f).mean() for (f, _), (r, _) in zip(fake_out, real_out)) / len(
+        fake_out
+    )
 
 
 def generator_losses(fake_out, real_out) -> tuple[torch.Tensor, torch.Tensor]:
     adversarial = sum(F.relu(1 - f).mean() for f, _ in fake_out) / len(fake_out)
-    matching = sum(F.l1_loss(ff, rf.detach()) / (rf.detach().abs().mean() + 1e-5)
-                   for (_, fake_feats), (_, real_feats) in zip(fake_out, real_out)
-                   for ff, rf in zip(fake_feats, real_feats)) / (len(fake_out) * len(fake_out[0][1]))
+    matching = sum(
+        F.l1_loss(ff, rf.detach()) / (rf.detach().abs().mean() + 1e-5)
+        for (_, fake_feats), (_, real_feats) in zip(fake_out, real_out)
+        for ff, rf in zip(fake_feats, real_feats)
+    ) / (len(fake_out) * len(fake_out[0][1]))
     return adversarial, matching
 
 

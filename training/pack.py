@@ -1,8 +1,10 @@
-"""Pack the corpus for the GPU machine (needs Debian's opus-tools): re-encode audio as 28 kbit/s Ogg/Opus in parts of at most
+"""Pack the corpus for the GPU machine (needs Debian's opus-tools): re-encode audio as 28 kbit/s Ogg/Opus in parts of
+at most
 ``--part-mb`` MB (each device call carries at most 64 MiB), manifests in part 0.
 
     python -m training.pack --corpus corpus --out upload
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +47,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("upload"))
     parser.add_argument("--part-mb", type=float, default=52)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--hours-per-voice", type=float, default=0,
-                        help="pack only each voice's first training utterances up to this many hours (0: all)")
+    parser.add_argument(
+        "--hours-per-voice",
+        type=float,
+        default=0,
+        help="pack only each voice's first training utterances up to this many hours (0: all)",
+    )
     args = parser.parse_args()
     staging = args.out / "all"
     jobs, manifests = [], {}

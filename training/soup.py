@@ -9,6 +9,7 @@ Each folder holds ``model-*.safetensors`` shards as `training.train_ar.export` w
 ``--files`` matches). Tensors are matched by name across shards, averaged in fp32 with equal weights and written
 back in fp16 in the first folder's shard layout, with its config and voice list and the sources as metadata.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,9 @@ def soup(folders: list[Path], out: Path, files: str = "model-*.safetensors") -> 
         old.unlink()
     for name, metadata, tensors in models[0]:
         averaged = {k: (sum(m[k].float() for m in merged) / len(merged)).half() for k in tensors}
-        kept = {k: metadata[k] for k in ("config", "voices") if k in metadata}  # one run's steps and losses would mislead
+        kept = {
+            k: metadata[k] for k in ("config", "voices") if k in metadata
+        }  # one run's steps and losses would mislead
         save_file(averaged, str(out / name), metadata={**kept, "soup": json.dumps([f.name for f in folders])})
 
 

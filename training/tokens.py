@@ -6,6 +6,7 @@ Training the AR model needs only the tokens, the phoneme units and their duratio
 of 8 x 10-bit codes at 50 Hz pack into about 36 MB, against about 250 MB of Opus audio. Codes are bit-packed
 (10 bits each for a 1024-entry codebook) and written per voice in parts of at most ``--part-mb``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ def pack_bits(values: np.ndarray, bits: int) -> np.ndarray:
 
 
 def unpack_bits(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
-    as_bits = np.unpackbits(packed, bitorder="little")[:count * bits].reshape(count, bits).astype(np.uint32)
+    as_bits = np.unpackbits(packed, bitorder="little")[: count * bits].reshape(count, bits).astype(np.uint32)
     return (as_bits << np.arange(bits, dtype=np.uint32)).sum(1).astype(np.int16)
 
 
@@ -38,23 +39,32 @@ def encode_audio(codec: Codec, corpus: Path, rows: list[dict], workers: int, dev
     """(K, n_frames) int16 codes of each row's stored audio, on ``device``. The codec pads audio to whole frames,
     so codes are cut to the manifest's frame count, the count the row's unit durations add up to."""
     waves = load_audio(corpus, rows, workers)
-    return [codec.encode(torch.from_numpy(wave).to(device)[None])[0][:, :row["n_frames"]].to(torch.int16)
-            for row, wave in zip(rows, waves)]
+    return [
+        codec.encode(torch.from_numpy(wave).to(device)[None])[0][:, : row["n_frames"]].to(torch.int16)
+        for row, wave in zip(rows, waves)
+    ]
 
 
 @torch.inference_mode()
-def encode_rows(corpus: Path, rows: list[dict], codec_folder: Path, cache: Path, workers: int,
-                shard: tuple[int, int] = (0, 1), device: str = "cpu") -> list[np.ndarray] | None:
+def encode_rows(
+    corpus: Path,
+    rows: list[dict],
+    codec_folder: Path,
+    cache: Path,
+    workers: int,
+    shard: tuple[int, int] = (0, 1),
+    device: str = "cpu",
+) -> list[np.ndarray] | None:
     """(K, n_frames) int16 codes of every row, encoded in fp32 on ``device`` from the stored audio.
 
     Each utterance's codes are kept in ``cache/<id>.npy``, so a growing corpus only encodes what is new.
     ``shard`` (i, n): encode only every n-th missing utterance from the i-th, and return None (parallel runs)."""
     codec = load_codec(codec_folder, device)
     cache.mkdir(parents=True, exist_ok=True)
-    todo = [r for r in rows if not (cache / f"{r['id']}.npy").exists()][shard[0]::shard[1]]
+    todo = [r for r in rows if not (cache / f"{r['id']}.npy").exists()][shard[0] :: shard[1]]
     per_chunk = 64 if device == "cpu" else 1024  # bounded memory; a GPU round spends less on starting reader pools
     for start in range(0, len(todo), per_chunk):
-        chunk = todo[start:start + per_chunk]
+        chunk = todo[start : start + per_chunk]
         for row, coded in zip(chunk, encode_audio(codec, corpus, chunk, workers, device)):
             np.save(cache / f"{row['id']}.npy.tmp.npy", coded.cpu().numpy())
             (cache / f"{row['id']}.npy.tmp.npy").rename(cache / f"{row['id']}.npy")
@@ -75,11 +85,16 @@ def write_parts(rows: list[dict], codes: list[np.ndarray], out: Path, stem: str,
             end += 1
         block = np.concatenate(codes[begin:end], axis=1)  # (K, frames)
         units = [np.array([SYMBOL_ID[u] for u in r["units"]], np.int16) for r in rows[begin:end]]
-        np.savez(out / f"{stem}-{part:02d}.npz", codes=pack_bits(block.ravel(), bits), shape=np.array(block.shape),
-                 n_frames=np.array([c.shape[1] for c in codes[begin:end]]), unit_count=np.array([len(u) for u in units]),
-                 unit_ids=np.concatenate(units),
-                 durations=np.concatenate([r["frames"] for r in rows[begin:end]]).astype(np.int16),
-                 meta=np.array(json.dumps([{k: r[k] for k in ("id", "voice", "duration")} for r in rows[begin:end]])))
+        np.savez(
+            out / f"{stem}-{part:02d}.npz",
+            codes=pack_bits(block.ravel(), bits),
+            shape=np.array(block.shape),
+            n_frames=np.array([c.shape[1] for c in codes[begin:end]]),
+            unit_count=np.array([len(u) for u in units]),
+            unit_ids=np.concatenate(units),
+            durations=np.concatenate([r["frames"] for r in rows[begin:end]]).astype(np.int16),
+            meta=np.array(json.dumps([{k: r[k] for k in ("id", "voice", "duration")} for r in rows[begin:end]])),
+        )
         part, begin = part + 1, end
 
 
@@ -93,10 +108,15 @@ def read_parts(folder: Path, bits: int = 10) -> list[dict]:
         frame_ends, unit_ends = np.cumsum(data["n_frames"]), np.cumsum(data["unit_count"])
         for i, meta in enumerate(json.loads(str(data["meta"]))):
             f0, u0 = (frame_ends[i - 1] if i else 0), (unit_ends[i - 1] if i else 0)
-            rows.append({**meta, "n_frames": int(data["n_frames"][i]),
-                         "codes": torch.from_numpy(block[:, f0:frame_ends[i]].copy()),
-                         "unit_ids": torch.from_numpy(data["unit_ids"][u0:unit_ends[i]].astype(np.int64)),
-                         "durations": torch.from_numpy(data["durations"][u0:unit_ends[i]].astype(np.int64))})
+            rows.append(
+                {
+                    **meta,
+                    "n_frames": int(data["n_frames"][i]),
+                    "codes": torch.from_numpy(block[:, f0 : frame_ends[i]].copy()),
+                    "unit_ids": torch.from_numpy(data["unit_ids"][u0 : unit_ends[i]].astype(np.int64)),
+                    "durations": torch.from_numpy(data["durations"][u0 : unit_ends[i]].astype(np.int64)),
+                }
+            )
     return rows
 
 
@@ -116,7 +136,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("upload/tokens"))
     parser.add_argument("--voices", nargs="+", default=None)
     parser.add_argument("--part-mb", type=float, default=20)
-    parser.add_argument("--cache", type=Path, default=Path("cache/tokens"), help="per-codec folders of per-utterance codes")
+    parser.add_argument(
+        "--cache", type=Path, default=Path("cache/tokens"), help="per-codec folders of per-utterance codes"
+    )
     parser.add_argument("--shard", default="0/1", help="i/n: encode every n-th missing utterance only, write nothing")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cuda on the GPU machine: the codec is fp32 either way")

@@ -9,6 +9,7 @@ Encodes the corpus with the trained codec (cached in ``<out>/tokens.pt``), or re
 forcing, the same selective masks the engine serves with, dropout and token noise, keeping the
 checkpoint with the best held-out loss.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from safetensors.torch import save_file
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from training.data import is_heldout, read_manifests
 from training.tokens import encode_audio, read_parts
@@ -91,13 +92,15 @@ class TrainBatches(IterableDataset):
 def losses(model: TTSModel, batch: tuple[torch.Tensor, ...], device: str, noise: float):
     cfg = model.cfg
     units, starts, text_phoneme, inputs, targets, frame_pos, step_phoneme, voice, durations = (
-        t.to(device, non_blocking=True) for t in batch)
+        t.to(device, non_blocking=True) for t in batch
+    )
     if noise > 0:
         flip = (torch.rand(inputs.shape, device=device) < noise) & (inputs < cfg.codebook_size)
         inputs = torch.where(flip, torch.randint_like(inputs, cfg.codebook_size), inputs)
     states, log_dur = model.text(units, voice)
-    logits = model(inputs, frame_pos, step_phoneme, model.voice_prefix(voice),
-                   model.text_keys_values(states, starts), text_phoneme)
+    logits = model(
+        inputs, frame_pos, step_phoneme, model.voice_prefix(voice), model.text_keys_values(states, starts), text_phoneme
+    )
     token_loss = F.cross_entropy(logits.float().flatten(0, 2), targets.flatten(), ignore_index=-100)
     real = text_phoneme >= 0
     dur_loss = F.mse_loss(log_dur.float()[real], torch.log1p(durations.float())[real])
@@ -149,8 +152,11 @@ def grow_voices(model: TTSModel, voices: int) -> TTSModel:
 
 def export(model: TTSModel, folder: Path, meta: dict, shard_bytes: int = 15_000_000) -> None:
     """fp16 safetensors in shards ``model-00.safetensors``, ... of at most ``shard_bytes`` each."""
-    metadata = {"config": json.dumps(model.cfg.__dict__), "voices": json.dumps(VOICES),
-                **{k: str(v) for k, v in meta.items()}}
+    metadata = {
+        "config": json.dumps(model.cfg.__dict__),
+        "voices": json.dumps(VOICES),
+        **{k: str(v) for k, v in meta.items()},
+    }
     shards, size = [{}], 0
     for name, tensor in model.state_dict().items():
         tensor = tensor.detach().half().contiguous().cpu()
@@ -169,7 +175,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--corpus", type=Path, default=Path("corpus"))
     parser.add_argument("--codec", type=Path, default=None, help="folder holding the codec files")
-    parser.add_argument("--tokens", type=Path, default=None, help="folder of `training.tokens` parts, instead of encoding")
+    parser.add_argument(
+        "--tokens", type=Path, default=None, help="folder of `training.tokens` parts, instead of encoding"
+    )
     parser.add_argument("--init", type=Path, default=None, help="start from the model in this folder")
     parser.add_argument("--out", type=Path, default=Path("runs/ar"))
     parser.add_argument("--preset", default="base")
@@ -178,8 +186,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--noise", type=float, default=0.05)
     parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--deepen-every", type=int, default=0,
-                        help="grow the --init model: an identity-initialised copy after every N blocks")
+    parser.add_argument(
+        "--deepen-every",
+        type=int,
+        default=0,
+        help="grow the --init model: an identity-initialised copy after every N blocks",
+    )
     args = parser.parse_args()
     if args.tokens is None and args.codec is None:
         parser.error("give --tokens (pre-encoded parts) or --codec (to encode the corpus here)")
@@ -199,8 +211,10 @@ def main() -> None:
     train = [r for r in rows if not is_heldout(r["id"])]
     heldout = [r for r in rows if is_heldout(r["id"])]
     hours = {v: round(sum(r["duration"] for r in train if r["voice"] == v) / 3600, 2) for v in VOICES}
-    print(json.dumps({"train_utterances": len(train), "heldout_utterances": len(heldout), "train_hours": hours}),
-          flush=True)
+    print(
+        json.dumps({"train_utterances": len(train), "heldout_utterances": len(heldout), "train_hours": hours}),
+        flush=True,
+    )
     model = load_model(args.init, device)[0].train() if args.init else TTSModel(MODEL_PRESETS[args.preset]).to(device)
     if model.cfg.voices < len(VOICES):
         model = grow_voices(model, len(VOICES)).train()
@@ -212,26 +226,39 @@ def main() -> None:
     budget, start, step, best, log = args.minutes * 60, time.time(), 0, float("inf"), []
     codebook_size = model.cfg.codebook_size
     heldout_batches = [collate(heldout, idx, codebook_size) for idx in batches(heldout, args.frames_per_batch)]
-    train_batches = DataLoader(TrainBatches(train, args.frames_per_batch, codebook_size), batch_size=None,
-                               num_workers=args.workers, pin_memory=device == "cuda",
-                               prefetch_factor=4 if args.workers else None)
+    train_batches = DataLoader(
+        TrainBatches(train, args.frames_per_batch, codebook_size),
+        batch_size=None,
+        num_workers=args.workers,
+        pin_memory=device == "cuda",
+        prefetch_factor=4 if args.workers else None,
+    )
 
     def checkpoint(step, lr, token_loss, dur_loss, best) -> float:
         """Log held-out beside training losses; keep the checkpoint with the best held-out loss."""
         held_token, held_dur = heldout_losses(model, heldout_batches, device, autocast)
-        entry = {"step": step, "min": round((time.time() - start) / 60, 2), "lr": round(lr, 6),
-                 "train_token": round(token_loss.item(), 4), "train_dur": round(dur_loss.item(), 4),
-                 "heldout_token": round(held_token, 4), "heldout_dur": round(held_dur, 4)}
+        entry = {
+            "step": step,
+            "min": round((time.time() - start) / 60, 2),
+            "lr": round(lr, 6),
+            "train_token": round(token_loss.item(), 4),
+            "train_dur": round(dur_loss.item(), 4),
+            "heldout_token": round(held_token, 4),
+            "heldout_dur": round(held_dur, 4),
+        }
         log.append(entry)
         print(json.dumps(entry), flush=True)
         if held_token + held_dur < best:
             export(model, args.out, {"steps": step, "heldout": json.dumps(entry), "train_hours": json.dumps(hours)})
             return held_token + held_dur
         return best
+
     if args.init:  # the starting model on this round's held-out set: the baseline the run must beat
         held_token, held_dur = heldout_losses(model, heldout_batches, device, autocast)
-        print(json.dumps({"step": 0, "heldout_token": round(held_token, 4), "heldout_dur": round(held_dur, 4)}),
-              flush=True)
+        print(
+            json.dumps({"step": 0, "heldout_token": round(held_token, 4), "heldout_dur": round(held_dur, 4)}),
+            flush=True,
+        )
     for batch in train_batches:
         elapsed = (time.time() - start) / budget
         if elapsed >= 1:

@@ -1,10 +1,13 @@
 """Train the codec on the teacher corpus (GPU).
 
     python -m training.train_codec --corpus corpus --minutes 9 --out runs/codec
-    python -m training.train_codec --corpus corpus --minutes 15 --init voices --decoder-only --gan-after 0 --lr 2e-4 --out runs/codec
+    python -m training.train_codec --corpus corpus --minutes 15 --init voices --decoder-only --gan-after 0 --lr 2e-4 \\
+        --out runs/codec
 
-    python -m training.train_codec --corpus corpus --minutes 9 --init voices --keep-codebooks --gan-after 0 --lr 1e-4 --out runs/codec
-    python -m training.train_codec --corpus corpus --minutes 15 --init voices --keep-codebooks --gan-after 0 --lr 1.5e-4 --decay-to 0.1 --out runs/codec
+    python -m training.train_codec --corpus corpus --minutes 9 --init voices --keep-codebooks --gan-after 0 --lr 1e-4 \\
+        --out runs/codec
+    python -m training.train_codec --corpus corpus --minutes 15 --init voices --keep-codebooks --gan-after 0 \\
+        --lr 1.5e-4 --decay-to 0.1 --out runs/codec
 
 The second form fine-tunes only the decoder of a trained codec: the encoder and codebooks stay frozen, so the
 tokens an AR model was trained on keep their meaning, and the decoder always sees all codebooks, as in serving.
@@ -17,6 +20,7 @@ Multi-scale log-mel L1 alone for the first ``--gan-after`` fraction of the time,
 multi-scale STFT discriminator (hinge) and feature matching. Writes fp16 safetensors checkpoints of the
 trained weights' exponential moving average (``--ema``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,9 +72,15 @@ def main() -> None:
     parser.add_argument("--init", type=Path, default=None, help="start from the codec in this folder")
     parser.add_argument("--decoder-only", action="store_true", help="freeze the encoder and codebooks")
     parser.add_argument("--keep-codebooks", action="store_true", help="train encoder and decoder, freeze the codebooks")
-    parser.add_argument("--ema", type=float, default=0.999, help="decay of the trained weights' average that is saved; 0: off")
-    parser.add_argument("--decay-to", type=float, default=1.0,
-                        help="both learning rates at the end of the time budget, as a fraction of the start (1: constant)")
+    parser.add_argument(
+        "--ema", type=float, default=0.999, help="decay of the trained weights' average that is saved; 0: off"
+    )
+    parser.add_argument(
+        "--decay-to",
+        type=float,
+        default=1.0,
+        help="both learning rates at the end of the time budget, as a fraction of the start (1: constant)",
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
@@ -95,8 +105,14 @@ def main() -> None:
     params = [p for name in trained for p in getattr(codec, name).parameters()]
     opt_g = torch.optim.AdamW(params, args.lr, betas=(0.5, 0.9))
     opt_d = torch.optim.AdamW(disc.parameters(), 3e-4, betas=(0.5, 0.9))
-    averages = {name: AveragedModel(getattr(codec, name), multi_avg_fn=get_ema_multi_avg_fn(args.ema), use_buffers=True)
-                for name in trained} if args.ema else {}
+    averages = (
+        {
+            name: AveragedModel(getattr(codec, name), multi_avg_fn=get_ema_multi_avg_fn(args.ema), use_buffers=True)
+            for name in trained
+        }
+        if args.ema
+        else {}
+    )
 
     def save(meta: dict) -> None:
         """Checkpoint with the averaged weights: GAN training jitters from step to step, the average does not."""
@@ -106,6 +122,7 @@ def main() -> None:
         save_codec(codec, args.out, meta)
         for name, module in live.items():
             setattr(codec, name, module)
+
     length = int(args.seconds * cfg.sample_rate) // cfg.hop * cfg.hop
     budget, start, step, log = args.minutes * 60, time.time(), 0, []
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
@@ -142,8 +159,13 @@ def main() -> None:
             average.update_parameters(getattr(codec, name))
         step += 1
         if step % 200 == 0:
-            entry = {"step": step, "min": round((time.time() - start) / 60, 2), "mel": round(loss_mel.item(), 4),
-                     "commit": round(commit.item(), 4), "gan": gan}
+            entry = {
+                "step": step,
+                "min": round((time.time() - start) / 60, 2),
+                "mel": round(loss_mel.item(), 4),
+                "commit": round(commit.item(), 4),
+                "gan": gan,
+            }
             log.append(entry)
             print(json.dumps(entry), flush=True)
         if step % 2000 == 0:

@@ -17,6 +17,7 @@ weights are the generator's exponential moving average. The corpus folder may gr
 speech made on the same machine): a reader thread looks every ``--rescan`` minutes, and what it read joins
 the training data within 100 steps.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,13 @@ import torch.nn.functional as F
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from training.data import is_heldout, load_audio, read_manifests
-from training.losses import (MultiPeriodDiscriminator, MultiScaleMel, MultiScaleSTFTDiscriminator,
-                             discriminator_loss, generator_losses)
+from training.losses import (
+    MultiPeriodDiscriminator,
+    MultiScaleMel,
+    MultiScaleSTFTDiscriminator,
+    discriminator_loss,
+    generator_losses,
+)
 from training.train_codec import time_cosine
 from tts.codec import PART_BYTES, Codec, load_codec
 from tts.spectral_decoder import SPECTRAL_PRESETS, SpectralConfig
@@ -58,8 +64,11 @@ def save_round(decoder, folder: Path, meta: dict) -> None:
     for stale in folder.glob(f"{ROUND_FILE}*.safetensors"):
         stale.unlink()
     for i, part in enumerate(parts):
-        save_file(part, str(folder / (f"{ROUND_FILE}.safetensors" if i == 0 else f"{ROUND_FILE}-{i}.safetensors")),
-                  metadata=metadata)
+        save_file(
+            part,
+            str(folder / (f"{ROUND_FILE}.safetensors" if i == 0 else f"{ROUND_FILE}-{i}.safetensors")),
+            metadata=metadata,
+        )
 
 
 def codec_with_round(codec_folder: Path, round_folder: Path, device: str = "cpu") -> Codec:
@@ -106,12 +115,12 @@ class FrameData:
         while i < len(order):
             longest = len(waves[order[min(i + 63, len(order) - 1)]])
             n = max(1, min(64, int(batch_seconds * 24_000 // longest)))
-            group = order[i:i + n]
+            group = order[i : i + n]
             i += n
             width = len(waves[group[-1]])
             batch = torch.zeros(len(group), width)
             for j, index in enumerate(group):
-                batch[j, :len(waves[index])] = torch.from_numpy(waves[index])
+                batch[j, : len(waves[index])] = torch.from_numpy(waves[index])
             encoded = self.codec.encode(batch.to(self.device))  # (B, K, T); the causal encoder ignores right padding
             for j, index in enumerate(group):
                 frames = len(waves[index]) // self.hop
@@ -136,8 +145,9 @@ class FrameData:
         audio of the last ``frames`` frames delayed by ``delay`` samples. A crop lies inside one utterance."""
         width = warm + frames
         if self._valid is None:  # every frame a crop may start at, once per growth of the data
-            self._valid = torch.cat([torch.arange(s, s + n - width + 1) for s, n in zip(self.starts, self.lengths)
-                                     if n >= width]).to(self.device)
+            self._valid = torch.cat(
+                [torch.arange(s, s + n - width + 1) for s, n in zip(self.starts, self.lengths) if n >= width]
+            ).to(self.device)
         start = self._valid[torch.randint(len(self._valid), (batch,), device=self.device)]  # (B,)
         frame_index = start[:, None] + torch.arange(width, device=self.device)  # (B, W)
         codes = self.codes[frame_index].long().permute(0, 2, 1)  # (B, K, W)
@@ -154,7 +164,13 @@ class CorpusReader(threading.Thread):
 
     def __init__(self, corpora: list[Path], every_s: float, max_heldout: int, workers: int, batch: int = 400):
         super().__init__(daemon=True)
-        self.corpora, self.every_s, self.max_heldout, self.workers, self.batch = corpora, every_s, max_heldout, workers, batch
+        self.corpora, self.every_s, self.max_heldout, self.workers, self.batch = (
+            corpora,
+            every_s,
+            max_heldout,
+            workers,
+            batch,
+        )
         self.ready: queue.Queue = queue.Queue()
         self.heldout: list[tuple[dict, np.ndarray]] = []
         self.seen: set[str] = set()
@@ -170,11 +186,11 @@ class CorpusReader(threading.Thread):
     def read(self, corpus: Path) -> None:
         rows = [r for r in read_manifests(corpus) if r["id"] not in self.seen and (corpus / r["path"]).exists()]
         self.seen |= {r["id"] for r in rows}
-        held = [r for r in rows if is_heldout(r["id"])][:max(0, self.max_heldout - len(self.heldout))]
+        held = [r for r in rows if is_heldout(r["id"])][: max(0, self.max_heldout - len(self.heldout))]
         self.heldout += list(zip(held, load_audio(corpus, held, self.workers)))
         train = [r for r in rows if not is_heldout(r["id"])]
         for i in range(0, len(train), self.batch):
-            part = train[i:i + self.batch]
+            part = train[i : i + self.batch]
             self.ready.put((part, load_audio(corpus, part, self.workers)))
 
 
@@ -241,8 +257,12 @@ def main() -> None:
             data.add(rows, waves)
             added += len(rows)
         if added:
-            entry = {"min": round((time.time() - t0) / 60, 2), "added": added, "hours": round(data.hours(), 3),
-                     "heldout": len(reader.heldout)}
+            entry = {
+                "min": round((time.time() - t0) / 60, 2),
+                "added": added,
+                "hours": round(data.hours(), 3),
+                "heldout": len(reader.heldout),
+            }
             log.append(entry)
             print(json.dumps(entry), flush=True)
 
@@ -281,7 +301,7 @@ def main() -> None:
         latents, real = data.crops(args.batch, args.warm, frames, delay)
         gan, g_frozen = step >= gan_from, args.init is not None and step < args.d_warmup
         with torch.set_grad_enabled(not g_frozen):
-            fake = decoder(latents)[:, 0, args.warm * codec.cfg.hop:]
+            fake = decoder(latents)[:, 0, args.warm * codec.cfg.hop :]
         if gan:
             with autocast:
                 d_fake, d_real = judge(fake.detach(), real)
@@ -308,8 +328,12 @@ def main() -> None:
             entry["mel"] = loss_mel.item()
         step += 1
         if step % 250 == 0:
-            entry = {"step": step, "min": round((time.time() - t0) / 60, 2), "lr": round(args.lr * scale, 7),
-                     **{k: round(v, 4) for k, v in entry.items()}}
+            entry = {
+                "step": step,
+                "min": round((time.time() - t0) / 60, 2),
+                "lr": round(args.lr * scale, 7),
+                **{k: round(v, 4) for k, v in entry.items()},
+            }
             if step % 1000 == 0:
                 average.module.eval()
                 entry["heldout_mel"] = heldout_mel(average.module, codec, heldout, mel, delay, device)

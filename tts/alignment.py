@@ -1,4 +1,5 @@
 """Phoneme durations -> which unit each frame belongs to, and the teacher-forcing layout of a batch."""
+
 from __future__ import annotations
 
 import torch
@@ -49,11 +50,11 @@ def teacher_forcing_batch(items: list[tuple[torch.Tensor, torch.Tensor, torch.Te
         n, frames = len(u), codes.shape[1]
         units[b, :n], starts[b, :n], text_phoneme[b, :n] = u, start_frames(d), torch.arange(n)
         steps = delay(codes[None].long(), codebook_size)[0]  # (K, S)
-        inputs[b, :, 1:steps.shape[1]] = steps[:, :-1]
+        inputs[b, :, 1 : steps.shape[1]] = steps[:, :-1]
         valid = steps != codebook_size
-        targets[b, :, :steps.shape[1]] = torch.where(valid, steps, torch.full_like(steps, -100))
+        targets[b, :, : steps.shape[1]] = torch.where(valid, steps, torch.full_like(steps, -100))
         per_frame = frame_phonemes(d)
-        step_phoneme[b, :steps.shape[1]] = per_frame[torch.arange(steps.shape[1]).clamp(max=frames - 1)]
-        step_phoneme[b, steps.shape[1]:] = per_frame[-1]
+        step_phoneme[b, : steps.shape[1]] = per_frame[torch.arange(steps.shape[1]).clamp(max=frames - 1)]
+        step_phoneme[b, steps.shape[1] :] = per_frame[-1]
     frame_pos = torch.arange(s_max).expand(batch, s_max).contiguous()
     return units, starts, text_phoneme, inputs, targets, frame_pos, step_phoneme

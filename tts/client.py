@@ -12,6 +12,7 @@ A server started with API keys wants one: `connect(url, api_key=...)` (default: 
 A connection that drops mid-utterance is resumed on a new one (`connect(..., resume=False)` to fail instead):
 the audio goes on where it stopped, nothing lost or repeated.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,8 @@ import numpy as np
 import soundfile as sf
 import websockets
 
-from tts import SAMPLE_RATE
 from tts.output import PlaybackError, open_device
+from tts.rates import SAMPLE_RATE
 
 FILE_FORMATS = {"wav": ("WAV", "PCM_16"), "flac": ("FLAC", "PCM_16"), "ogg": ("OGG", "VORBIS")}
 TextSource = str | Iterable[str] | AsyncIterable[str]
@@ -145,11 +146,18 @@ class StreamClient:
         expired, ...), ClientError when no try got through."""
         failure = None
         for attempt in range(self.retries):
-            await asyncio.sleep(self.backoff_s * 2 ** attempt)
+            await asyncio.sleep(self.backoff_s * 2**attempt)
             try:
                 ws = await self._reopen()
-                await ws.send(json.dumps({"type": "resume", "token": self.resume_token,
-                                          "contexts": [{"bytes": self._got_bytes, "events": self._got_events}]}))
+                await ws.send(
+                    json.dumps(
+                        {
+                            "type": "resume",
+                            "token": self.resume_token,
+                            "contexts": [{"bytes": self._got_bytes, "events": self._got_events}],
+                        }
+                    )
+                )
                 async with asyncio.timeout(10):
                     answer = json.loads(await ws.recv())
             except (OSError, TimeoutError, ClientError, websockets.WebSocketException) as err:
@@ -164,15 +172,14 @@ class StreamClient:
             self.resume_token = answer["resume_token"]
             async with self._send_lock:
                 self.ws = ws
-                for text in self._outbox[answer["received"] - self._outbox_base:]:
+                for text in self._outbox[answer["received"] - self._outbox_base :]:
                     await ws.send(text)
             self.reconnects += 1
             return
         self.resume_token = None  # the session is lost: no more tries
         if isinstance(failure, ServerError):
             raise failure
-        raise ClientError(f"the connection to the server dropped and {self.retries} tries to resume failed: "
-                          f"{failure}")
+        raise ClientError(f"the connection to the server dropped and {self.retries} tries to resume failed: {failure}")
 
     async def _start(self, voice: str | None, speed: float, fmt: str, **options) -> None:
         start = {"type": "start", "voice": voice, "format": fmt, "speed": speed}
@@ -189,17 +196,36 @@ class StreamClient:
             await self._send({"type": "text", "text": piece})
         await self._send({"type": "end"})
 
-    async def stream(self, text: TextSource, voice: str | None = None, speed: float = 1.0, fmt: str = "pcm_s16le",
-                     *, seed: int | None = None, sample_rate: int | None = None, timings: bool = False,
-                     word_timings: bool = False) -> AsyncIterator[bytes]:
+    async def stream(
+        self,
+        text: TextSource,
+        voice: str | None = None,
+        speed: float = 1.0,
+        fmt: str = "pcm_s16le",
+        *,
+        seed: int | None = None,
+        sample_rate: int | None = None,
+        timings: bool = False,
+        word_timings: bool = False,
+        lexicon: dict[str, str] | None = None,
+    ) -> AsyncIterator[bytes]:
         """The utterance's binary frames in `fmt` (at `sample_rate`, default 24 kHz), as they arrive. `seed`: the
         same seed and request give the same audio. `timings` / `word_timings`: the server's timing events (phonemes
-        / words, in seconds) gather in `self.timings`. Leaving the loop early cancels the utterance: at once inside
+        / words, in seconds) gather in `self.timings`. `lexicon`: ``{"word": "/IPA/" or "respelling"}`` for this
+        utterance (`tts.lexicon`). Leaving the loop early cancels the utterance: at once inside
         `contextlib.aclosing(...)`, else when the generator is dropped (the next utterance on this connection
         waits for that)."""
         async with self._lock:
-            await self._start(voice, speed, fmt, seed=seed, sample_rate=sample_rate, timings=timings or None,
-                              word_timings=word_timings or None)
+            await self._start(
+                voice,
+                speed,
+                fmt,
+                seed=seed,
+                sample_rate=sample_rate,
+                timings=timings or None,
+                word_timings=word_timings or None,
+                lexicon=lexicon or None,
+            )
             sender = asyncio.create_task(self._send_text(text))
             try:
                 while True:
@@ -229,8 +255,9 @@ class StreamClient:
                         self.done = event
                         return
 
-    async def speak(self, text: TextSource, voice: str | None = None, speed: float = 1.0,
-                    **options) -> AsyncIterator[np.ndarray]:
+    async def speak(
+        self, text: TextSource, voice: str | None = None, speed: float = 1.0, **options
+    ) -> AsyncIterator[np.ndarray]:
         """float32 mono chunks at 24 kHz (or `sample_rate=`), as they are generated; `options` as for `stream`."""
         async with contextlib.aclosing(self.stream(text, voice, speed, fmt="f32le", **options)) as frames:
             async for frame in frames:
@@ -241,16 +268,18 @@ class StreamClient:
 
 
 @contextlib.asynccontextmanager
-async def connect(url: str, api_key: str | None = None, *, resume: bool = True, retries: int = 5,
-                  backoff_s: float = 0.1, **kwargs) -> AsyncIterator[StreamClient]:
+async def connect(
+    url: str, api_key: str | None = None, *, resume: bool = True, retries: int = 5, backoff_s: float = 0.1, **kwargs
+) -> AsyncIterator[StreamClient]:
     """An open StreamClient; `api_key` (default: $TTS_API_KEY) for a server that wants one; `resume`: reconnect
     and resume after a dropped connection (`retries` tries, back-off from `backoff_s` doubling); `kwargs` go to
     `websockets.connect`."""
     target = stream_url(url)
     if api_key := api_key or os.environ.get("TTS_API_KEY"):
         kwargs["additional_headers"] = {"Authorization": f"Bearer {api_key}", **kwargs.get("additional_headers", {})}
-    client = StreamClient(await _open(target, kwargs), functools.partial(_open, target, kwargs) if resume else None,
-                          retries, backoff_s)
+    client = StreamClient(
+        await _open(target, kwargs), functools.partial(_open, target, kwargs) if resume else None, retries, backoff_s
+    )
     try:
         yield client
     finally:
@@ -263,21 +292,34 @@ async def _open(target: str, kwargs: dict):
     except websockets.InvalidStatus as err:
         status = err.response.status_code
         hint = " (a wrong or missing API key: api_key=, or TTS_API_KEY; or an origin it does not allow)"
-        raise ClientError(f"the tts server at {target} refused the connection: HTTP {status}"
-                          f"{hint if status == 403 else ''}") from None
+        raise ClientError(
+            f"the tts server at {target} refused the connection: HTTP {status}{hint if status == 403 else ''}"
+        ) from None
     except (OSError, websockets.InvalidHandshake, websockets.InvalidURI) as err:
         raise ClientError(f"cannot reach the tts server at {target}: {err}") from None
 
 
-async def synthesize_async(url: str, text: TextSource, voice: str | None = None, speed: float = 1.0,
-                           seed: int | None = None, api_key: str | None = None) -> np.ndarray:
+async def synthesize_async(
+    url: str,
+    text: TextSource,
+    voice: str | None = None,
+    speed: float = 1.0,
+    seed: int | None = None,
+    api_key: str | None = None,
+) -> np.ndarray:
     async with connect(url, api_key) as client:
         chunks = [chunk async for chunk in client.speak(text, voice, speed, seed=seed)]
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
 
 
-def synthesize_via_server(url: str, text: TextSource, voice: str | None = None, speed: float = 1.0,
-                          seed: int | None = None, api_key: str | None = None) -> np.ndarray:
+def synthesize_via_server(
+    url: str,
+    text: TextSource,
+    voice: str | None = None,
+    speed: float = 1.0,
+    seed: int | None = None,
+    api_key: str | None = None,
+) -> np.ndarray:
     """The whole utterance from a running server, as one float32 array at 24 kHz (blocking)."""
     return asyncio.run(synthesize_async(url, text, voice, speed, seed, api_key))
 
@@ -310,8 +352,15 @@ async def _to_device(client: StreamClient, text, voice, speed, device) -> None:
             await asyncio.to_thread(device.write, chunk[:, None])
 
 
-def say_via_server(url: str, text: TextSource, voice: str | None = None, out: str | os.PathLike | None = None,
-                   speed: float = 1.0, fmt: str = "wav", api_key: str | None = None) -> dict:
+def say_via_server(
+    url: str,
+    text: TextSource,
+    voice: str | None = None,
+    out: str | os.PathLike | None = None,
+    speed: float = 1.0,
+    fmt: str = "wav",
+    api_key: str | None = None,
+) -> dict:
     """Speak `text` through a running server into the file `out` (24 kHz mono, `fmt` wav, flac or ogg;
     written atomically), or through a sound device when `out` is None. Returns the server's done event.
     Raises ServerError for what the server refused and ClientError for everything else."""

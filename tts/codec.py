@@ -3,6 +3,7 @@
 Every convolution pads on the left only, so the decoder can run chunk by chunk with carried state
 (`DecoderState`) and give exactly the samples of an offline decode of the same frames.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,12 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tts.decoder_state import DecoderState
+from tts.rates import SAMPLE_RATE
 from tts.spectral_decoder import SPECTRAL_PRESETS, SpectralConfig, SpectralDecoder
 
 
 @dataclass(frozen=True)
 class CodecConfig:
-    sample_rate: int = 24_000
+    sample_rate: int = SAMPLE_RATE
     channels: int = 32  # decoder width; the decoder is what runs at serving time
     encoder_channels: int = 24  # the encoder only tokenises the corpus, so it is kept smaller
     dim: int = 128
@@ -37,10 +39,13 @@ class CodecConfig:
         return self.sample_rate / self.hop
 
 
-CODEC_PRESETS = {"base": CodecConfig(),
-                 "tiny": CodecConfig(channels=4, encoder_channels=4, dim=16, codebook_size=32, codebooks=4),
-                 "tiny-spectral": CodecConfig(channels=4, encoder_channels=4, dim=16, codebook_size=32, codebooks=4,
-                                              spectral=SPECTRAL_PRESETS["tiny"])}
+CODEC_PRESETS = {
+    "base": CodecConfig(),
+    "tiny": CodecConfig(channels=4, encoder_channels=4, dim=16, codebook_size=32, codebooks=4),
+    "tiny-spectral": CodecConfig(
+        channels=4, encoder_channels=4, dim=16, codebook_size=32, codebooks=4, spectral=SPECTRAL_PRESETS["tiny"]
+    ),
+}
 LEAD_IN_FRAMES = 10  # frames of silence a stream's decoder has heard before its first frame (200 ms)
 
 
@@ -60,7 +65,7 @@ class CausalConv1d(nn.Conv1d):
 
     def step(self, x: torch.Tensor, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.cat([history, x], dim=-1)
-        return super().forward(x), x[..., x.shape[-1] - self.context:]
+        return super().forward(x), x[..., x.shape[-1] - self.context :]
 
 
 class CausalConvTranspose1d(nn.ConvTranspose1d):
@@ -82,7 +87,7 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
 
     def step(self, x: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         y = super().forward(x)
-        y = torch.cat([y[..., : self.tail] + tail, y[..., self.tail:]], dim=-1)
+        y = torch.cat([y[..., : self.tail] + tail, y[..., self.tail :]], dim=-1)
         cut = y.shape[-1] - self.tail
         return y[..., :cut], y[..., cut:] - self.bias[:, None]
 
@@ -137,8 +142,15 @@ class Decoder(nn.Module):
         self.lstm = SkipLSTM(ch) if cfg.lstm else None
         blocks = []
         for stride in cfg.strides:
-            blocks.append(nn.ModuleList([CausalConvTranspose1d(ch, ch // 2, 2 * stride, stride),
-                                         ResidualUnit(ch // 2, 1), ResidualUnit(ch // 2, 3)]))
+            blocks.append(
+                nn.ModuleList(
+                    [
+                        CausalConvTranspose1d(ch, ch // 2, 2 * stride, stride),
+                        ResidualUnit(ch // 2, 1),
+                        ResidualUnit(ch // 2, 3),
+                    ]
+                )
+            )
             ch //= 2
         self.blocks = nn.ModuleList(blocks)
         self.out = CausalConv1d(ch, 1, 7)
@@ -154,16 +166,22 @@ class Decoder(nn.Module):
     def init_state(self, batch: int, device=None, dtype=torch.float32) -> DecoderState:
         def zeros(ch, n):
             return torch.zeros(batch, ch, n, device=device, dtype=dtype)
+
         buffers = [zeros(self.inp.in_channels, self.inp.context)]
         for up, res1, res3 in self.blocks:
-            buffers += [zeros(up.out_channels, up.tail), zeros(res1.conv1.in_channels, res1.conv1.context),
-                        zeros(res3.conv1.in_channels, res3.conv1.context)]
+            buffers += [
+                zeros(up.out_channels, up.tail),
+                zeros(res1.conv1.in_channels, res1.conv1.context),
+                zeros(res3.conv1.in_channels, res3.conv1.context),
+            ]
         buffers.append(zeros(self.out.in_channels, self.out.context))
         lstm = None
         if self.lstm is not None:
             hidden = self.lstm.lstm.hidden_size
-            lstm = (torch.zeros(1, batch, hidden, device=device, dtype=dtype),
-                    torch.zeros(1, batch, hidden, device=device, dtype=dtype))
+            lstm = (
+                torch.zeros(1, batch, hidden, device=device, dtype=dtype),
+                torch.zeros(1, batch, hidden, device=device, dtype=dtype),
+            )
         return DecoderState(buffers, lstm)
 
     def step(self, z: torch.Tensor, state: DecoderState) -> torch.Tensor:
@@ -196,7 +214,7 @@ class ResidualVQ(nn.Module):
     def encode(self, z: torch.Tensor, n_q: int | None = None) -> torch.Tensor:  # (B, D, T) -> (B, K, T)
         residual, codes = z.transpose(1, 2).float(), []
         for book in self.codebooks[:n_q]:  # book: (N, D)
-            distance = (residual.pow(2).sum(-1, keepdim=True) - 2 * residual @ book.T + book.pow(2).sum(-1))
+            distance = residual.pow(2).sum(-1, keepdim=True) - 2 * residual @ book.T + book.pow(2).sum(-1)
             index = distance.argmin(-1)  # (B, T)
             residual = residual - book[index]
             codes.append(index)
@@ -247,7 +265,7 @@ class Codec(nn.Module):
         14 frames decoded, the first 4,800 samples dropped, 1,920 returned."""
         lead_in = self.silence_codes().expand(codes.shape[0], -1, -1)
         audio = self.decoder(self.quantizer.decode(torch.cat([lead_in, codes], -1)))[:, 0]
-        return audio[:, LEAD_IN_FRAMES * self.cfg.hop:]
+        return audio[:, LEAD_IN_FRAMES * self.cfg.hop :]
 
 
 CODEC_FILES = ("codec_encoder.safetensors", "codec_decoder.safetensors")  # then codec_decoder-1.safetensors, ...
@@ -272,8 +290,11 @@ def save_codec(codec: Codec, folder, meta: dict | None = None) -> None:
 
     state = {k: v.detach().half().contiguous().cpu() for k, v in codec.state_dict().items()}
     metadata = {"config": json.dumps(dataclasses.asdict(codec.cfg)), **(meta or {})}
-    save_file({k: v for k, v in state.items() if k.startswith("encoder.")}, str(Path(folder) / CODEC_FILES[0]),
-              metadata=metadata)
+    save_file(
+        {k: v for k, v in state.items() if k.startswith("encoder.")},
+        str(Path(folder) / CODEC_FILES[0]),
+        metadata=metadata,
+    )
     parts, size = [{}], 0
     for k, v in state.items():
         if k.startswith("encoder."):
@@ -292,8 +313,9 @@ def save_codec(codec: Codec, folder, meta: dict | None = None) -> None:
 def config_from_json(cfg: dict) -> CodecConfig:
     """The `CodecConfig` that `dataclasses.asdict` wrote as JSON (lists back to tuples, the spectral part typed)."""
     spectral = cfg.get("spectral")
-    return CodecConfig(**{**cfg, "strides": tuple(cfg["strides"]),
-                          "spectral": SpectralConfig(**spectral) if spectral else None})
+    return CodecConfig(
+        **{**cfg, "strides": tuple(cfg["strides"]), "spectral": SpectralConfig(**spectral) if spectral else None}
+    )
 
 
 def load_codec(folder, device="cpu") -> Codec:

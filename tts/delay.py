@@ -11,6 +11,7 @@ Worked example, K=3 codebooks, T=2 frames a, b (``_`` = nothing):
 There are T + K - 1 steps. Step s takes the tokens of step s - 1 as input (all ``_`` at step 0), where
 ``_`` is the token id ``codebook_size``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,7 +22,7 @@ def delay(codes: torch.Tensor, empty: int) -> torch.Tensor:
     batch, books, frames = codes.shape
     out = codes.new_full((batch, books, frames + books - 1), empty)
     for k in range(books):
-        out[:, k, k:k + frames] = codes[:, k]
+        out[:, k, k : k + frames] = codes[:, k]
     return out
 
 
@@ -29,4 +30,4 @@ def undelay(steps: torch.Tensor) -> torch.Tensor:
     """(B, K, S) step tokens -> (B, K, S - K + 1) frame codes: the inverse of `delay`."""
     books = steps.shape[1]
     frames = steps.shape[2] - books + 1
-    return torch.stack([steps[:, k, k:k + frames] for k in range(books)], dim=1)
+    return torch.stack([steps[:, k, k : k + frames] for k in range(books)], dim=1)

@@ -9,6 +9,7 @@ Empty slots hold position -1 and are never visible.
 Worked example (behind=1, ahead=2, window=3): query t=10, p=4. Text slots holding phonemes
 [2, 3, 4, 5, 6, 7] -> [F, T, T, T, T, F]. Audio slots holding frames [7, 8, 9, 10, -1] -> [F, T, T, T, F].
 """
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ One step per 20 ms frame; all K codebooks of a frame come out of one step by a d
 (`tts.delay`). Each step's attention is split into a position-free part over the voice/sink prefix and a
 rotary part over text slots and recent audio, masked by `tts.masks`. Sampling and I/O live elsewhere.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,7 @@ class ModelConfig:
 MODEL_PRESETS = {
     "base": ModelConfig(),  # the first rounds' model, and `train_ar --preset`'s default
     "shipped": ModelConfig(layers=8, voices=6),  # base after train_ar.deepen(every=3) and a sixth voice
-    "tiny": ModelConfig(dim=32, layers=2, heads=2, codebooks=4, codebook_size=32, window=8,
-                        text_slots=10, dropout=0.0),
+    "tiny": ModelConfig(dim=32, layers=2, heads=2, codebooks=4, codebook_size=32, window=8, text_slots=10, dropout=0.0),
 }
 
 
@@ -132,8 +132,9 @@ class TextEncoder(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(cfg.n_symbols, cfg.dim, padding_idx=0)
         self.voice = nn.Embedding(cfg.voices, cfg.dim)
-        self.convs = nn.ModuleList(nn.Conv1d(cfg.dim, cfg.dim, cfg.text_kernel, padding=cfg.text_kernel // 2)
-                                   for _ in range(cfg.text_layers))
+        self.convs = nn.ModuleList(
+            nn.Conv1d(cfg.dim, cfg.dim, cfg.text_kernel, padding=cfg.text_kernel // 2) for _ in range(cfg.text_layers)
+        )
         self.norms = nn.ModuleList(nn.LayerNorm(cfg.dim) for _ in range(cfg.text_layers))
         self.duration = nn.Sequential(nn.Linear(cfg.dim, cfg.dim), nn.GELU(), nn.Linear(cfg.dim, 1))
         self.drop = nn.Dropout(cfg.dropout)
@@ -173,8 +174,9 @@ class TTSModel(nn.Module):
         ``voice``: row indices (B,) or blend weights (B, V), as in `TextEncoder.forward`."""
         x, prefix = voice_rows(self.sinks, voice), []
         no_context = torch.zeros(x.shape[0], self.cfg.heads, 0, self.cfg.head_dim, device=x.device, dtype=x.dtype)
-        zero_pos = rope_angles(torch.zeros(x.shape[:2], dtype=torch.long, device=x.device), self.cfg.head_dim,
-                               self.cfg.rope_base)
+        zero_pos = rope_angles(
+            torch.zeros(x.shape[:2], dtype=torch.long, device=x.device), self.cfg.head_dim, self.cfg.rope_base
+        )
         empty_mask = torch.zeros(x.shape[0], x.shape[1], 0, dtype=torch.bool, device=x.device)
         for block in self.blocks:
             h = block.attn_norm(x)
@@ -197,7 +199,7 @@ class TTSModel(nn.Module):
         """Run the transformer over audio steps. tokens (B, K, T) are the step inputs, frame_pos (B, T) their
         frame positions, phoneme (B, T) each step's aligned unit. ``prefix``/``text_kv`` are (keys, values),
         each indexed by layer: (L, B, H, S or N, D) stacks (`voice_prefix`, `text_keys_values`) or lists of
-        their layers' views (`streaming.decode.decode_step`); ``text_phoneme`` (B, N) the unit index of each
+        their layers' views (`streaming.step_caches.decode_step`); ``text_phoneme`` (B, N) the unit index of each
         text slot (-1 empty).
         ``audio_kv_fn(layer, k, v, frame_pos)`` returns (keys, values, key positions) for the audio part;
         by default the steps attend to themselves (teacher forcing). ``window`` overrides the audio window

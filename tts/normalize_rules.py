@@ -1,23 +1,37 @@
-"""The rules that read one token of a sentence aloud, looking at its neighbours, and the number words.
+"""The rules that read one token of a sentence aloud, looking at its neighbours (the number words: `tts.number_words`).
 
 Each rule is ``rule(ctx, i) -> spoken forms of tokens i, i+1, ... | None``; `first_rule` tries them in
 order (the order matters: a date before a range, a unit before a plain number). A rule that reads two
 tokens together ("$5 million" -> "five", "million dollars") returns a form for each, so every token keeps
 its own spoken form (word timings refer to what was written). The facts are in `tts.normalize_tables`.
 """
+
 from __future__ import annotations
 
 import re
 import unicodedata
 
 from tts.normalize_tables import (
-    ABBREVIATIONS, BEFORE_NUMBER, CURRENCIES, CURRENCY_CODES, FRACTION_NAMES, MAGNITUDES, MONTH_OF, MONTHS,
-    NONFINAL, REGNAL_TITLES, ROMAN_CARDINAL_AFTER, SPACED_UNITS, SPELLED, SYMBOL_WORDS, TITLES, TOP_DOMAINS,
-    UNITS, URL_SYMBOLS, VULGAR_FRACTIONS,
+    ABBREVIATIONS,
+    BEFORE_NUMBER,
+    CURRENCIES,
+    CURRENCY_CODES,
+    MAGNITUDES,
+    MONTH_OF,
+    MONTHS,
+    NONFINAL,
+    REGNAL_TITLES,
+    ROMAN_CARDINAL_AFTER,
+    SPACED_UNITS,
+    SPELLED,
+    SYMBOL_WORDS,
+    TITLES,
+    TOP_DOMAINS,
+    UNITS,
+    URL_SYMBOLS,
+    VULGAR_FRACTIONS,
 )
-
-LONGEST_NUMBER = 15  # digits; longer runs are read digit by digit (num2words overflows near 10**306)
-
+from tts.number_words import cardinal, counted_amount, digits, fraction, number, ordinal, year
 
 _LEAD = "\"'([{¿¡“‘«*_"
 _TRAIL = "\"')]}”’»*_,;:!?."
@@ -41,8 +55,13 @@ def split_token(text: str) -> tuple[str, str, str]:
 
 def _keeps_period(core: str) -> bool:
     low = core.lower()
-    return (low in TITLES or low in ABBREVIATIONS or low in BEFORE_NUMBER or low in NONFINAL
-            or bool(re.fullmatch(r"(?:[A-Za-z]\.)+[A-Za-z]|[A-Za-z]", core)))
+    return (
+        low in TITLES
+        or low in ABBREVIATIONS
+        or low in BEFORE_NUMBER
+        or low in NONFINAL
+        or bool(re.fullmatch(r"(?:[A-Za-z]\.)+[A-Za-z]|[A-Za-z]", core))
+    )
 
 
 _CAPS, _TWO_LETTERS = re.compile(r"[A-Z][A-Z']+"), re.compile(r"[A-Za-z]{2}")
@@ -53,7 +72,10 @@ class Context:
 
     def __init__(self, tokens: list):
         self.tokens = tokens
-        parts = [split_token(clean(t.text)) if t.kind == "word" else ("", "", "") for t in tokens]
+        parts = [
+            split_token(clean(t.text)) if t.kind == "word" and not t.text.startswith("<") else ("", "", "")
+            for t in tokens
+        ]  # an element's words are its own (`tts.ssml`)
         self.raw = [t.text for t in tokens]
         self.core = [p[1] for p in parts]
         self.trail = [p[2] for p in parts]
@@ -69,10 +91,10 @@ def clean(text: str) -> str:
     """NFKC (but vulgar fractions and ™ read as themselves), curly quotes straight, controls removed."""
     if text.isascii() and text.isprintable():
         return text  # the common case, already clean: NFKC and the table change nothing in printable ASCII
-    text = "".join(ch if ch in VULGAR_FRACTIONS or ch in "™" else unicodedata.normalize("NFKC", ch)
-                   for ch in text)
-    text = text.translate({0x2018: "'", 0x2019: "'", 0x201C: '"', 0x201D: '"', 0x2212: "-", 0x2013: "-",
-                           0x2014: " - ", 0x2044: "/"})
+    text = "".join(ch if ch in VULGAR_FRACTIONS or ch in "™" else unicodedata.normalize("NFKC", ch) for ch in text)
+    text = text.translate(
+        {0x2018: "'", 0x2019: "'", 0x201C: '"', 0x201D: '"', 0x2212: "-", 0x2013: "-", 0x2014: " - ", 0x2044: "/"}
+    )
     return "".join(ch for ch in text if unicodedata.category(ch)[0] != "C")
 
 
@@ -95,8 +117,13 @@ def by_rules(ctx: Context, i: int) -> list[str]:
 
 # Words of letters that some rule reads: months ("March" 4), titles ("Mr" Li), abbreviations ("vs", "etc"),
 # words before a number, symbol names. A rule that claims a word of letters adds it here.
-_RULE_WORDS = frozenset(MONTH_OF) | frozenset(TITLES) | frozenset(ABBREVIATIONS) | frozenset(BEFORE_NUMBER) \
+_RULE_WORDS = (
+    frozenset(MONTH_OF)
+    | frozenset(TITLES)
+    | frozenset(ABBREVIATIONS)
+    | frozenset(BEFORE_NUMBER)
     | frozenset(SYMBOL_WORDS)
+)
 _LETTERS = re.compile(r"[^\W\d_]+(?:['-][^\W\d_]+)*'?")
 _ROMAN_DIGITS = frozenset("IVXLCDM")
 
@@ -110,76 +137,6 @@ def plain_word(core: str) -> bool:
         return False
     numeral = core[:-2] if core.endswith("'s") else core
     return not _ROMAN_DIGITS.issuperset(numeral) and core.replace("'", "").replace("-", "").isalpha()
-
-
-# ---- number words ---------------------------------------------------------------------------------
-def _num2words(number: int, **kwargs) -> str:
-    from num2words import num2words  # imported on use: training on the GPU needs only the unit table
-    return re.sub(r",| and\b", "", num2words(number, **kwargs))
-
-
-def digits(text: str, zero: str = "zero") -> str:
-    """ "4607" -> "four six zero seven" (``zero="oh"`` for phone numbers)."""
-    names = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-    return " ".join(zero if d == "0" else names[int(d)] for d in text if d.isdigit())
-
-
-def cardinal(number: int) -> str:
-    if number < 0:
-        return f"minus {cardinal(-number)}"
-    if len(str(number)) > LONGEST_NUMBER:
-        return digits(str(number))
-    return _num2words(number)
-
-
-def ordinal(number: int) -> str:
-    if len(str(number)) > LONGEST_NUMBER:
-        return digits(str(number))
-    return _num2words(number, to="ordinal")
-
-
-def year(number: int) -> str:
-    """1990 -> nineteen ninety, 2005 -> two thousand five, 1905 -> nineteen oh-five."""
-    return _num2words(number, to="year") if 1000 <= number <= 2099 else cardinal(number)
-
-
-_NUMBER = re.compile(r"(?P<sign>[-+]?)(?P<int>\d{1,3}(?:,\d{3})+|\d*)(?:\.(?P<frac>\d+))?")
-
-
-def number(text: str, years: bool = False) -> str | None:
-    """A written number, or None: "-1,234.50" -> minus one thousand two hundred thirty-four point five zero.
-    ``years``: a bare four-digit integer from 1000 to 2099 is read as a year."""
-    match = _NUMBER.fullmatch(text)
-    if not match or not (match.group("int") or match.group("frac")):
-        return None
-    sign = {"-": "minus ", "+": "plus "}[match.group("sign")] if match.group("sign") else ""
-    whole, frac = match.group("int").replace(",", ""), match.group("frac")
-    if not whole:
-        said = ""
-    elif len(whole) > 1 and whole.startswith("0"):
-        said = digits(whole)
-    elif years and not frac and "," not in match.group("int") and len(whole) == 4 and 1000 <= int(whole) <= 2099:
-        said = year(int(whole))
-    else:
-        said = cardinal(int(whole))
-    if frac:
-        said = f"{said} point {digits(frac)}".strip()
-    return sign + said
-
-
-def _amount(text: str) -> tuple[str, bool] | None:
-    """A number to count things with: (words, plural?). "1" -> ("one", False), "1.5" -> (..., True)."""
-    said = number(text)
-    if said is None:
-        return None
-    return said, text.lstrip("+-").replace(",", "") not in ("1", "1.0")
-
-
-def fraction(numerator: int, denominator: int) -> str | None:
-    if not (2 <= denominator <= 16 or denominator in (32, 64, 100, 1000)) or numerator > 10 * denominator:
-        return None
-    one, many = FRACTION_NAMES.get(denominator, (ordinal(denominator), ordinal(denominator) + "s"))
-    return f"{cardinal(numerator)} {one if numerator == 1 else many}"
 
 
 # ---- rules: each (ctx, i) -> spoken forms of tokens i, i+1, ... or None ----------------------------
@@ -198,7 +155,8 @@ def _url(ctx: Context, i: int) -> list[str] | None:
     core = ctx.core[i]
     email = re.fullmatch(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+", core)
     web = re.fullmatch(r"(?:https?://|www\.)\S+", core, re.I) or re.fullmatch(
-        r"[\w-]+(?:\.[\w-]+)*\.(?P<tld>[a-z]{2,6})(?:/\S*)?", core, re.I)
+        r"[\w-]+(?:\.[\w-]+)*\.(?P<tld>[a-z]{2,6})(?:/\S*)?", core, re.I
+    )
     if not email and not (web and (web.groupdict().get("tld") is None or web.group("tld").lower() in TOP_DOMAINS)):
         return None
     address = re.sub(r"^https?://", "", core, flags=re.I).rstrip("/")
@@ -221,7 +179,7 @@ def _phone(ctx: Context, i: int) -> list[str] | None:
     if whole and ("-" in core or "." in core):
         groups = [g for g in whole.groups() if g]
         prefix = ["one"] if whole.group(1) else []
-        return [", ".join(prefix + [digits(g, "oh") for g in groups[1 if prefix else 0:]])]
+        return [", ".join(prefix + [digits(g, "oh") for g in groups[1 if prefix else 0 :]])]
     if re.fullmatch(r"\(\d{3}\)", ctx.raw[i]) and re.fullmatch(r"\d{3}-\d{4}", ctx.at(i + 1)):
         return [digits(core, "oh") + ",", ", ".join(digits(g, "oh") for g in ctx.at(i + 1).split("-"))]
     return None
@@ -231,8 +189,9 @@ _AMPM = re.compile(r"(?P<ap>[ap])\.?m\.?", re.I)
 
 
 def _time(ctx: Context, i: int) -> list[str] | None:
-    match = re.fullmatch(r"(\d{1,2}):(\d\d)(?::(\d\d))?(?P<ampm>[ap]\.?m\.?)?", ctx.core[i], re.I) or \
-        re.fullmatch(r"(\d{1,2})(?:\.(\d\d))?()(?P<ampm>[ap]\.?m\.?)", ctx.core[i], re.I)
+    match = re.fullmatch(r"(\d{1,2}):(\d\d)(?::(\d\d))?(?P<ampm>[ap]\.?m\.?)?", ctx.core[i], re.I) or re.fullmatch(
+        r"(\d{1,2})(?:\.(\d\d))?()(?P<ampm>[ap]\.?m\.?)", ctx.core[i], re.I
+    )
     dotted = re.fullmatch(r"\d{1,2}\.\d\d", ctx.core[i])
     if dotted and _AMPM.fullmatch(ctx.at(i + 1)):  # "3.45 pm", as ASR transcripts write it
         match = re.fullmatch(r"(\d{1,2})\.(\d\d)()(?P<ampm>)", ctx.core[i])
@@ -281,16 +240,18 @@ def _written_date(ctx: Context, i: int) -> list[str] | None:
         return [MONTHS[month - 1], ordinal(int(day.group(1)))]
     day = re.fullmatch(r"(\d{1,2})(?:st|nd|rd|th)?", ctx.core[i])
     after = ctx.at(i + 1).rstrip(".")
-    if day and 1 <= int(day.group(1)) <= 31 and after.lower() in MONTH_OF and after[:1].isupper() \
-            and not ctx.trail[i]:
+    if day and 1 <= int(day.group(1)) <= 31 and after.lower() in MONTH_OF and after[:1].isupper() and not ctx.trail[i]:
         return [f"the {ordinal(int(day.group(1)))} of"]
     return None
 
 
 def _money(ctx: Context, i: int) -> list[str] | None:
     core = ctx.core[i]
-    match = re.fullmatch(r"(?P<cur>[$£€¥₹₩])(?P<a>\d[\d,]*(?:\.\d+)?)(?P<mag>[kKmMbBtT]n?|mm)?"
-                         r"(?:-(?P=cur)?(?P<b>\d[\d,]*(?:\.\d+)?)(?P<mag2>[kKmMbBtT]n?)?)?", core)
+    match = re.fullmatch(
+        r"(?P<cur>[$£€¥₹₩])(?P<a>\d[\d,]*(?:\.\d+)?)(?P<mag>[kKmMbBtT]n?|mm)?"
+        r"(?:-(?P=cur)?(?P<b>\d[\d,]*(?:\.\d+)?)(?P<mag2>[kKmMbBtT]n?)?)?",
+        core,
+    )
     code = None
     if not match:
         code = re.fullmatch(r"(?P<a>\d[\d,]*(?:\.\d+)?)", core) and CURRENCY_CODES.get(ctx.at(i + 1).lower())
@@ -298,8 +259,11 @@ def _money(ctx: Context, i: int) -> list[str] | None:
             return None
         return [_money_words(code, core, None), ""]
     cur, mag = match.group("cur"), (match.group("mag") or match.group("mag2") or "").lower()
-    following = MAGNITUDES.get(ctx.at(i + 1).lower()) if not mag and ctx.at(i + 1).lower() in (
-        "thousand", "million", "billion", "trillion") else None
+    following = (
+        MAGNITUDES.get(ctx.at(i + 1).lower())
+        if not mag and ctx.at(i + 1).lower() in ("thousand", "million", "billion", "trillion")
+        else None
+    )
     if following:
         amount = number(match.group("a"))
         return [amount, f"{following} {CURRENCIES[cur][1]}"] if amount else None
@@ -341,11 +305,11 @@ def _with_unit(ctx: Context, i: int) -> list[str] | None:
     match = re.fullmatch(r"([-+]?\d[\d,]*(?:\.\d+)?)\s?(°[CFK]?|[A-Za-zµ°²/]+2?)", ctx.core[i])
     counted = ctx.at(i - 1).lower() not in ("a", "an")  # "a 512 GB drive": the unit names a kind, singular
     if match and match.group(2) in UNITS:
-        amount = _amount(match.group(1))
+        amount = counted_amount(match.group(1))
         if amount:
             one, many = UNITS[match.group(2)]
             return [f"{amount[0]} {many if amount[1] and counted else one}"]
-    amount = _amount(ctx.core[i]) if ctx.at(i + 1) in SPACED_UNITS else None
+    amount = counted_amount(ctx.core[i]) if ctx.at(i + 1) in SPACED_UNITS else None
     if amount and not ctx.trail[i]:
         one, many = UNITS[ctx.at(i + 1)]
         return [amount[0], many if amount[1] and counted else one]
@@ -375,8 +339,17 @@ def _decade(ctx: Context, i: int) -> list[str] | None:
     if match.group(1) and tens == 0:
         century = int(match.group(1))
         return [f"{cardinal(century * 100)}s" if century % 10 == 0 else f"{cardinal(century)} hundreds"]
-    plural = {"one": "tens", "two": "twenties", "three": "thirties", "four": "forties", "five": "fifties",
-              "six": "sixties", "seven": "seventies", "eight": "eighties", "nine": "nineties"}
+    plural = {
+        "one": "tens",
+        "two": "twenties",
+        "three": "thirties",
+        "four": "forties",
+        "five": "fifties",
+        "six": "sixties",
+        "seven": "seventies",
+        "eight": "eighties",
+        "nine": "nineties",
+    }
     decade = plural[digits(str(tens))]
     if match.group(1):
         prefix = cardinal(int(match.group(1)))
@@ -509,8 +482,9 @@ def _alnum(text: str) -> str:
         elif run in SYMBOL_WORDS:
             words.append(SYMBOL_WORDS[run])
         elif run[0].isalpha():
-            words.append(".".join(run) + "." if run in SPELLED or (len(run) <= 3 and run.isupper()
-                                                                    and "&" in text) else run)
+            words.append(
+                ".".join(run) + "." if run in SPELLED or (len(run) <= 3 and run.isupper() and "&" in text) else run
+            )
     return " ".join(w for w in words if w)
 
 
@@ -531,13 +505,38 @@ def _dash_words(ctx: Context, i: int) -> list[str] | None:
     """ "word—word" and "and/or": the parts read apart ("-" alone is a pause, see _markup_free)."""
     core = ctx.core[i]
     if " - " in core:
-        return [", ".join(_plain(p.strip()) if not number(p.strip()) else number(p.strip())
-                          for p in core.split(" - ") if p.strip())]
+        return [
+            ", ".join(
+                _plain(p.strip()) if not number(p.strip()) else number(p.strip())
+                for p in core.split(" - ")
+                if p.strip()
+            )
+        ]
     if re.fullmatch(r"[A-Za-z]+/[A-Za-z]+", core):
         return [" ".join(core.split("/"))]
     return None
 
 
-_RULES = (_markup_free, _url, _phone, _date, _time, _money, _percent, _number_sign, _decade, _ordinal,
-          _dimensions, _with_unit, _fraction, _mixed_number, _version, _range, _plain_number, _roman,
-          _abbreviation, _symbol, _dash_words)
+_RULES = (
+    _markup_free,
+    _url,
+    _phone,
+    _date,
+    _time,
+    _money,
+    _percent,
+    _number_sign,
+    _decade,
+    _ordinal,
+    _dimensions,
+    _with_unit,
+    _fraction,
+    _mixed_number,
+    _version,
+    _range,
+    _plain_number,
+    _roman,
+    _abbreviation,
+    _symbol,
+    _dash_words,
+)

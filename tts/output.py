@@ -3,8 +3,9 @@
 Every sink is a context manager whose ``with`` gives ``write(chunk)`` for float32 mono chunks; leaving it normally
 completes the output (renames the file into place, plays to the end); leaving it by an exception (an error,
 Ctrl-C) discards it (removes the temporary file, stops the sound). Encoding goes through the server's
-encoders (`streaming.containers`), so a file holds exactly what `POST /v1/audio/speech` would send.
+encoders (`tts.containers`), so a file holds exactly what `POST /v1/audio/speech` would send.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,10 +18,18 @@ from pathlib import Path
 
 import numpy as np
 
-from streaming.containers import Encoder
+from tts.containers import AudioEncoder
 
-FORMATS = {".wav": "wav", ".mp3": "mp3", ".ogg": "opus", ".opus": "opus", ".flac": "flac", ".aac": "aac",
-           ".pcm": "pcm", ".raw": "pcm"}  # file suffix -> encoder format; pcm is 16-bit little-endian, headerless
+FORMATS = {
+    ".wav": "wav",
+    ".mp3": "mp3",
+    ".ogg": "opus",
+    ".opus": "opus",
+    ".flac": "flac",
+    ".aac": "aac",
+    ".pcm": "pcm",
+    ".raw": "pcm",
+}  # file suffix -> encoder format; pcm is 16-bit little-endian, headerless
 PLAYBACK_BUFFER_S = 30.0  # audio generated ahead of the sound device, at most
 
 
@@ -39,8 +48,10 @@ def format_for(path: str | Path, explicit: str | None = None) -> str:
         return "wav"
     suffix = Path(path).suffix.lower()
     if suffix not in FORMATS:
-        raise ValueError(f"cannot tell the audio format of {str(path)!r} from its suffix; use one of "
-                         f"{', '.join(FORMATS)} or --format")
+        raise ValueError(
+            f"cannot tell the audio format of {str(path)!r} from its suffix; use one of "
+            f"{', '.join(FORMATS)} or --format"
+        )
     return FORMATS[suffix]
 
 
@@ -64,7 +75,7 @@ def atomic_file(path: str | Path, mode: str = "wb"):
 @contextlib.contextmanager
 def file_sink(path: str | Path, fmt: str):
     """``write(chunk)`` encodes into a file as chunks arrive; the file appears complete or not at all."""
-    with atomic_file(path) as file, contextlib.closing(Encoder(fmt, file=file)) as encoder:
+    with atomic_file(path) as file, contextlib.closing(AudioEncoder(fmt, file=file)) as encoder:
         yield lambda chunk: file.write(encoder.encode(chunk))  # containers write the (seekable) file, so
         file.write(encoder.finish())  # their headers get completed; raw PCM comes back as bytes
 
@@ -77,7 +88,8 @@ def stdout_sink(fmt: str, out=None):
     def write(chunk: np.ndarray) -> None:
         out.write(encoder.encode(chunk))
         out.flush()
-    with contextlib.closing(Encoder(fmt)) as encoder:
+
+    with contextlib.closing(AudioEncoder(fmt)) as encoder:
         yield write
         out.write(encoder.finish())
         out.flush()
@@ -90,11 +102,13 @@ def open_device(sample_rate: int, instead: str = "tts say TEXT -o out.wav"):
     try:
         import sounddevice
     except ImportError:
-        raise PlaybackError(f"playing needs the sounddevice package: pip install 'tts[audio]'; "
-                            f"or write a file: {instead}") from None
+        raise PlaybackError(
+            f"playing needs the sounddevice package: pip install 'tts[audio]'; or write a file: {instead}"
+        ) from None
     except OSError as err:  # the package is there but the PortAudio library is not
-        raise PlaybackError(f"cannot play: {err} (install PortAudio, e.g. apt-get install libportaudio2); "
-                            f"or write a file: {instead}") from None
+        raise PlaybackError(
+            f"cannot play: {err} (install PortAudio, e.g. apt-get install libportaudio2); or write a file: {instead}"
+        ) from None
     try:
         sounddevice.check_output_settings(samplerate=sample_rate, channels=1, dtype="float32")
         return sounddevice.OutputStream(samplerate=sample_rate, channels=1, dtype="float32")

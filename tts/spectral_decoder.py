@@ -11,6 +11,7 @@ reach are finished only by the next chunk's. The decoder's output is therefore i
 Example, the base preset: hop 480, sub 4 -> a spectrum every 120 samples (5 ms), n_fft 480 -> each spans 4
 such blocks, so 3 blocks (360 samples, 15 ms) are held back.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,7 +42,7 @@ def _causal_conv(conv: nn.Conv1d, x: torch.Tensor, history: torch.Tensor | None)
     new history. Example: kernel 7, a chunk of 4 frames -> 6 + 4 = 10 frames in, 4 out, the last 6 kept."""
     context = conv.kernel_size[0] - 1
     x = F.pad(x, (context, 0)) if history is None else torch.cat([history, x], dim=-1)
-    return conv(x), x[..., x.shape[-1] - context:]
+    return conv(x), x[..., x.shape[-1] - context :]
 
 
 class ConvNeXtBlock(nn.Module):
@@ -97,7 +98,9 @@ class SpectralDecoder(nn.Module):
         self.delay = cfg.n_fft - self.block
         self.inp = nn.Conv1d(latent_dim, cfg.dim, cfg.kernel)
         self.norm = nn.LayerNorm(cfg.dim)
-        self.blocks = nn.ModuleList(ConvNeXtBlock(cfg.dim, cfg.hidden, cfg.kernel, cfg.layers) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(
+            ConvNeXtBlock(cfg.dim, cfg.hidden, cfg.kernel, cfg.layers) for _ in range(cfg.layers)
+        )
         self.out_norm = nn.LayerNorm(cfg.dim)
         self.bins = cfg.n_fft // 2 + 1
         self.head = nn.Linear(cfg.dim, cfg.sub * 2 * self.bins)
@@ -125,9 +128,9 @@ class SpectralDecoder(nn.Module):
         if earlier is None:
             earlier = frames.new_zeros(B, self.overlap, self.cfg.n_fft)
         padded = torch.cat([earlier, frames], dim=1).reshape(B, self.overlap + S, self.overlap + 1, self.block)
-        out = padded[:, self.overlap:, 0]
+        out = padded[:, self.overlap :, 0]
         for k in range(1, self.overlap + 1):
-            out = out + padded[:, self.overlap - k: self.overlap - k + S, k]
+            out = out + padded[:, self.overlap - k : self.overlap - k + S, k]
         return out.reshape(B, 1, S * self.block), padded[:, S:].reshape(B, self.overlap, self.cfg.n_fft)
 
     def _run(self, z: torch.Tensor, buffers: list[torch.Tensor] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -135,6 +138,7 @@ class SpectralDecoder(nn.Module):
 
         def carried():
             return next(state) if state is not None else None
+
         x, new = _causal_conv(self.inp, z, carried())
         kept = [new]
         x = self.norm(x.transpose(1, 2)).transpose(1, 2)

@@ -6,6 +6,7 @@ MAX_CUE_WORDS words and lasts at most MAX_CUE_S seconds (unless one word alone i
 differ only in their header and the decimal mark of the time stamps, so both are written here rather than
 by two libraries.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,12 +23,13 @@ def cues(words: list[dict]) -> list[tuple[float, float, str]]:
     past MAX_CUE_S seconds is cut before the word that would take it there.
     Example: "Hello there." + a 9-word sentence -> "Hello there." | first 5 words | last 4 words."""
     from tts.normalize import Token, split_sentences
+
     out = []
     for start, stop, _ in split_sentences([Token(w["word"], 0, 0) for w in words], final=True):
         count = -(-(stop - start) // MAX_CUE_WORDS)
         sizes = [(stop - start) // count + (i < (stop - start) % count) for i in range(count)]
         for size in sizes:
-            out += _within_duration(words[start:start + size])
+            out += _within_duration(words[start : start + size])
             start += size
     return [(c[0]["start"], max(c[-1]["end"], c[0]["start"]), " ".join(w["word"] for w in c)) for c in out]
 

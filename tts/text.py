@@ -7,6 +7,7 @@ these units, so one front end serves every voice.
 `sentence_units` phonemises one sentence of tokens and says which token each unit speaks, so
 word timings refer to what the user wrote and incremental text can be spoken word by word.
 """
+
 from __future__ import annotations
 
 import re
@@ -15,15 +16,21 @@ import unicodedata
 from functools import lru_cache
 
 from tts.normalize import TextError, Token, end_mark, join_spoken, normalize, speak, split_sentences, tokenize
+from tts.symbols import SYMBOL_ID, SYMBOLS
 
-__all__ = ["SYMBOLS", "SYMBOL_ID", "MAX_TEXT_CHARS", "TextError", "normalize", "phonemize", "text_to_sentences",
-           "sentence_units", "to_ids"]
+__all__ = [
+    "SYMBOLS",
+    "SYMBOL_ID",
+    "MAX_TEXT_CHARS",
+    "TextError",
+    "normalize",
+    "phonemize",
+    "text_to_sentences",
+    "sentence_units",
+    "to_ids",
+]
 
 
-# Index 0 is padding. The order is frozen: model checkpoints index into it.
-SYMBOLS = ("_^$ !'(),-.:;?abcdefhijklmnopqrstuvwxyzæçðøħŋœǀǁǂǃɐɑɒɓɔɕɖɗɘəɚɛɜɞɟɠɡɢɣɤɥɦɧɨɪɫɬɭɮɯɰɱɲɳɴɵɶɸ"
-           "ɹɺɻɽɾʀʁʂʃʄʈʉʊʋʌʍʎʏʐʑʒʔʕʘʙʛʜʝʟʡʢʲˈˌːˑ˞βθχᵻⱱ0123456789̧̪̯̩̃ʰˤε↓#")
-SYMBOL_ID = {s: i for i, s in enumerate(SYMBOLS)}
 PAD, BOS, EOS = 0, SYMBOL_ID["^"], SYMBOL_ID["$"]
 MAX_TEXT_CHARS = 20_000
 
@@ -39,6 +46,7 @@ def _espeak():
     Piper sets its own voice before each call, and every voice here speaks en-us)."""
     from piper import espeakbridge
     from piper.phonemize_espeak import ESPEAK_DATA_DIR
+
     espeakbridge.initialize(str(ESPEAK_DATA_DIR))
     espeakbridge.set_voice(ESPEAK_VOICE)
     return espeakbridge
@@ -111,6 +119,7 @@ def _run_units(run: list[tuple[int, str]]) -> tuple[list[str], list[int]]:
     that espeak joins ("on the" -> ɔnðə) are still told apart. -1: spaces and punctuation.
     Example: [(4, "on"), (5, "the")] -> units ɔ n ð ə, owners 4 4 5 5."""
     from rapidfuzz.distance import Indel
+
     text = join_spoken(said for _, said in run)
     sentences = [s for s in _espeak_units(text) if s]
     units = [u for k, s in enumerate(sentences) for u in ([" "] if k else []) + s]
@@ -151,14 +160,14 @@ def sentence_units(tokens: list[Token], spoken: list[str], closed: bool) -> tupl
         owners.extend(more_owners)
 
     for index, (token, said) in enumerate(zip(tokens, spoken)):
-        if token.kind == "word":
+        if token.kind == "word" and not token.phonemes:
             if said:
                 run.append((index, said))
             continue
         if run:
             add(*_run_units(run))
             run = []
-        more = list(token.phonemes) if token.kind == "phonemes" else pause_units(token.pause_ms)
+        more = list(token.phonemes) if token.phonemes else pause_units(token.pause_ms)
         add(more, [index] * len(more))
     if run:
         add(*_run_units(run))

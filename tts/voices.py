@@ -1,4 +1,5 @@
 """Shipped voices: ``voices/voices.json`` names each voice and the checkpoints beside it."""
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,9 @@ def voice_mix(voice: str, presets: dict[str, dict]) -> dict[int, float]:
             return voice_mix(presets[voice]["blend"], {n: p for n, p in presets.items() if "blend" not in p})
         return {presets[voice]["index"]: 1.0}
     if not {"+", ":"} & set(voice) or len(voice) > MAX_SPEC_CHARS:
-        raise ValueError(f"unknown voice {voice[:40]!r}; choose one of {sorted(presets)} "
-                         "or blend them, e.g. 'joe:0.6+kumo:0.4'")
+        raise ValueError(
+            f"unknown voice {voice[:40]!r}; choose one of {sorted(presets)} or blend them, e.g. 'joe:0.6+kumo:0.4'"
+        )
     names, weights = [], []
     for part in voice.split("+"):
         name, _, weight = part.strip().partition(":")
@@ -71,16 +73,23 @@ def _rounded(mix: dict[int, float]) -> dict[int, float]:
 
 def blend_preset(voice: str, presets: dict[str, dict], temperature: float) -> dict:
     """The preset a stream speaks with: the named preset, or for a blend spec one made up of its voices'
-    (pace and temperature are their weighted means; ``temperature`` stands in for a voice without one), with
+    (pace, temperature and loudness gain_db are their weighted means; ``temperature`` stands in for a voice
+    without one), with
     ``mix`` (row -> weight) and ``name``, the spec normalised (voices in row order, weights to 4 decimals):
     "kumo:0.4+joe:0.6" and "joe:0.6+kumo:0.4" are both named "joe:0.6+kumo:0.4"; "joe:1" is "joe"."""
     mix = voice_mix(voice, presets)
     named = {p["index"]: n for n, p in presets.items() if "index" in p}
     parts = [(presets[named[row]], weight) for row, weight in mix.items()]
-    name = "+".join(f"{named[row]}:{weight:g}" for row, weight in mix.items()) if len(mix) > 1 else named[next(iter(mix))]
-    mixed = {"name": name, **({"blend": name} if len(mix) > 1 else {}),
-             "pace": round(sum(w * p.get("pace", 1.0) for p, w in parts), 4),
-             "temperature": round(sum(w * p.get("temperature", temperature) for p, w in parts), 4)}
+    name = (
+        "+".join(f"{named[row]}:{weight:g}" for row, weight in mix.items()) if len(mix) > 1 else named[next(iter(mix))]
+    )
+    mixed = {
+        "name": name,
+        **({"blend": name} if len(mix) > 1 else {}),
+        "pace": round(sum(w * p.get("pace", 1.0) for p, w in parts), 4),
+        "temperature": round(sum(w * p.get("temperature", temperature) for p, w in parts), 4),
+        "gain_db": round(sum(w * p.get("gain_db", 0.0) for p, w in parts), 2),
+    }
     return {**mixed, **presets.get(voice, presets.get(name, {})), "mix": mix}
 
 
@@ -92,6 +101,8 @@ def _weight(text: str, spec: str) -> float:
     if not (math.isfinite(weight) and weight > 0):
         raise ValueError(f"blend {spec!r}: weight {text!r} must be a positive number")
     return weight
+
+
 def attribution(preset: dict) -> str:
     """What a voice learned from and the licence of its weights, for listings (``tts voices``, Wyoming's info).
 
