@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmarks: timing percentiles, log-mel distance, held-out data."""
+"""Shared helpers for the benchmarks: timing percentiles, log-mel distance, DNSMOS, held-out data."""
 
 from __future__ import annotations
 
@@ -36,6 +36,23 @@ def log_mel_l1(a: np.ndarray, b: np.ndarray, sample_rate: int = 24_000) -> float
         return torch.log(filters @ spec + 1e-5)
 
     return float((mel(a) - mel(b)).abs().mean())
+
+
+def corpus_form(audio: np.ndarray, sr: int) -> np.ndarray:
+    """24 kHz, silence trimmed to 0.1 s margins, -20 dBFS RMS: the form of every corpus utterance."""
+    from training.corpus import finish_audio
+
+    return finish_audio(audio, sr, np.array([len(audio) / sr]))[0]
+
+
+def dnsmos(audio: np.ndarray, sr: int = 24_000) -> dict[str, float]:
+    """P.835 OVRL/SIG/BAK and P.808 MOS of one clip, resampled to 16 kHz and peak-normalised."""
+    import soxr
+    from speechmos import dnsmos as model
+
+    audio16 = soxr.resample(audio.astype(np.float32), sr, 16_000)
+    scores = model.run(np.clip(audio16 / max(np.abs(audio16).max(), 1e-6), -1, 1), 16_000)
+    return {key: float(scores[f"{key}_mos"]) for key in ("ovrl", "sig", "bak", "p808")}
 
 
 def harvard(n: int) -> list[str]:

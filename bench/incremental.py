@@ -27,7 +27,8 @@ minute of audio; ``least_margin_ms`` (p5/p50 over the sentences): per sentence, 
 player once speaking (when it reaches a chunk's first frame less when the chunk came: `least_margin`), what tells
 a lucky stall-free run from a safe one; ``demo_player``: the same for the demo's player, which (re)starts once
 100 ms of audio wait
-(``first_sound_ms``: when it first sounds); ``wer`` (Whisper tiny.en, `tts.asr`) and ``dnsmos`` (speechmos OVRL) of the audio, with the
+(``first_sound_ms``: when it first sounds); ``wer`` (Whisper tiny.en, `tts.asr`) and ``dnsmos`` (speechmos OVRL) of
+the audio, with the
 same for the sentences sent whole. Each sentence is spoken with the same seed both ways, so word by word and
 whole differ only where their units or holds differ. ``1.2x`` is 1.2 times the speaking rate of the whole
 sentences (words per second of their audio), the slowest text the targets promise no stall for.
@@ -62,7 +63,8 @@ def words_of(sentence: str) -> list[str]:
 class TextClock:
     """When the text thread has handed a stream what the engine's first step needs: units 0..`ahead` encoded,
     so ``ahead + 1`` units (`engine_lookahead`; without speculative encoding each with `text_lookahead` units of
-    right context: ``text_lookahead + ahead + 1``), or fewer, once closed by a flush or the end. Wraps the engine's text worker's hand-off; `since` reads the latest. The
+    right context: ``text_lookahead + ahead + 1``), or fewer, once closed by a flush or the end. Wraps the engine's
+    text worker's hand-off; `since` reads the latest. The
     first chunk (2 frames) needs the steps through its 2nd frame (the delay pattern: step 8), whose unit's
     lookahead asks for a few units more (about 14), so ``engine_ms`` includes any wait for those."""
 
@@ -710,7 +712,8 @@ class Timeline:
     """When each hand-off of a stream's start first happened, by spying on public methods (nothing in the engine
     changes): the text arriving (`TextStream.push`), read into units and the hold (`TextStream.marks`), handed to
     the engine (the text worker's hand-off), the engine's first tick with it (the stream's "prefill" mark: the
-    tick that encoded its first units; `Stream.schedule` hears only of confirmed units, later with speculation), its first chunk due (`CodecWorker.decode`), decoded (`Stream.deliver`).
+    tick that encoded its first units; `Stream.schedule` hears only of confirmed units, later with speculation), its
+    first chunk due (`CodecWorker.decode`), decoded (`Stream.deliver`).
     The reader's side (a read, or bytes on the client's socket) the bench adds."""
 
     STAGES = ("pushed", "read", "enough", "released", "handed", "first_tick", "chunk_due", "delivered")

@@ -9,7 +9,8 @@
 
 Step times are AR step + sampling per frame tick, after warm-up; on the CPU the engine's step is the one
 every user path gets (ONNX Runtime) unless ``--step`` says otherwise, and so is the codec decoder
-(ONNX Runtime, `kernels.ort_codec`) unless ``--codec torch``. Baselines run eagerly, batch 1, on the same weights: ``ring`` is our step through
+(ONNX Runtime, `kernels.ort_codec`) unless ``--codec torch``. Baselines run eagerly, batch 1, on the same weights:
+``ring`` is our step through
 the ring caches, ``no_cache`` recomputes the whole prefix for every step, ``concat_cache`` grows a
 concatenated KV cache and attends to everything (what a default dynamic cache does). The speed-ups compare
 the baselines with ``ring``, measured the same way in the same run.
@@ -18,7 +19,8 @@ On a GPU (``--device cuda``) the report is the load table instead: one engine, a
 (a) all starting in the same instant and (b) arriving as a Poisson process at ``--arrival-rate`` a second;
 per load: real-time or not, whole-tick, AR step and codec call p50/p99, time to first audio p50/p99, and
 GPU memory per stream; the tick's parts (`Engine.tick_phases`), the parts of the slowest 1 % of ticks, the
-tick once every stream has had its first audio (past the start burst), and the garbage collections. ``--profile DIR`` adds a torch-profiler trace of ticks at the largest real-time load.
+tick once every stream has had its first audio (past the start burst), and the garbage collections. ``--profile DIR``
+adds a torch-profiler trace of ticks at the largest real-time load.
 """
 
 from __future__ import annotations

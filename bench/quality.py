@@ -6,9 +6,14 @@ the engine, default flags and sampling), on held-out sentences. Prints one JSON 
     python -m bench.quality --voices joe kumo --n 30
     python -m bench.quality --only ours --temperature 0.5 --top-k 20 --out /tmp/t05.json   # sampling settings
     python -m bench.quality --samples docs/voices    # the listening page's clips: teacher and ours, Ogg Opus
+    python -m bench.quality --set modern --voices joe               # the modern set's 213 test sentences
+    python -m bench.quality --set modern --split dev --only ours    # its 43 dev sentences: choosing settings
 
-Text: the held-out end of the corpus text (``training.corpus --heldout`` takes its utterances from there; no
-training slice reaches it), never the Harvard sentences; every voice speaks the same sentences. Each clip is
+Text: ``--set corpus`` (default), the held-out end of the corpus text (``training.corpus --heldout`` takes its
+utterances from there; no training slice reaches it), never the Harvard sentences; ``--set modern``, everyday
+modern English from other sources (``bench.modern``: conversation, assistant answers, news, instructions,
+technical text, numbers, names), whose teacher audio is spoken once and cached. Every voice speaks the same
+sentences. Each clip is
 trimmed to 0.1 s of silence either side as the corpus trims its audio, resampled to 16 kHz and peak-normalised
 before DNSMOS. A blend preset (a ``blend`` key in voices.json) has no teacher: only its own row.
 
@@ -24,15 +29,17 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-import soxr
 import torch
 
-from bench.common import ROOT
-from training.corpus import TEACHERS, fetch_texts, finish_audio, make_utterances, speak_teacher
+from bench import modern
+from bench.common import ROOT, corpus_form, dnsmos
+from bench.modern import SPLITS
+from training.corpus import TEACHERS, fetch_texts, make_utterances, speak_teacher
 from tts import SAMPLE_RATE
 from tts.asr import transcribe, wer
 
@@ -42,20 +49,6 @@ SCORES = ("ovrl", "sig", "bak", "p808", "wer")
 def heldout_texts(n: int, skip: int = 0, cache: Path = ROOT / "cache") -> list[str]:
     """Utterances ``skip`` to ``skip + n`` from the far end of the corpus text, the end ``--heldout`` speaks."""
     return make_utterances(fetch_texts(cache))[::-1][skip : skip + n]
-
-
-def corpus_form(audio: np.ndarray, sr: int) -> np.ndarray:
-    """24 kHz, silence trimmed to 0.1 s margins, -20 dBFS RMS: the form of every corpus utterance."""
-    return finish_audio(audio, sr, np.array([len(audio) / sr]))[0]
-
-
-def dnsmos(audio: np.ndarray, sr: int = SAMPLE_RATE) -> dict[str, float]:
-    """P.835 OVRL/SIG/BAK and P.808 MOS of one clip, resampled to 16 kHz and peak-normalised."""
-    from speechmos import dnsmos as model
-
-    audio16 = soxr.resample(audio.astype(np.float32), sr, 16_000)
-    scores = model.run(np.clip(audio16 / max(np.abs(audio16).max(), 1e-6), -1, 1), 16_000)
-    return {key: float(scores[f"{key}_mos"]) for key in ("ovrl", "sig", "bak", "p808")}
 
 
 def median_f0(audio: np.ndarray, sr: int = SAMPLE_RATE) -> float:
@@ -87,13 +80,10 @@ def centroid(embeddings: list[np.ndarray]) -> np.ndarray:
     return mean / np.linalg.norm(mean)
 
 
-def score(text: str, audio: np.ndarray) -> dict:
-    return {
-        **dnsmos(audio),
-        "wer": wer(text, transcribe(audio, SAMPLE_RATE)),
-        "f0": median_f0(audio),
-        "embedding": speaker_embedding(audio),
-    }
+def score(text: str, audio: np.ndarray, known: dict | None = None) -> dict:
+    """DNSMOS, WER, pitch and speaker embedding of one clip; DNSMOS and WER taken from ``known`` where given."""
+    scored = {key: known[key] for key in SCORES} if known else {**dnsmos(audio), "wer": wer(text, transcribe(audio))}
+    return {**scored, "f0": median_f0(audio), "embedding": speaker_embedding(audio)}
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -107,24 +97,59 @@ def summarise(rows: list[dict]) -> dict:
     return out
 
 
-def measure_voice(engine, codec, voice: str, texts: list[str], parts: list[str]) -> tuple[dict, dict]:
-    """(scores per part and the gaps between parts, speaker centroid per part)."""
+Teacher = Callable[[str, int, str], tuple[np.ndarray, "dict | None"]]
+
+
+def spoken_now(voice: str, index: int, text: str) -> tuple[np.ndarray, None]:
+    """The teacher speaks ``text`` afresh, in the corpus's form (``measure_voice``'s default ``teacher``)."""
+    return corpus_form(*speak_teacher(voice, text)[:2]), None
+
+
+def measure_voice(
+    engine,
+    codec,
+    voice: str,
+    texts: list[str],
+    parts: list[str],
+    teacher_audio: Teacher = spoken_now,
+    log: Path | None = None,
+) -> tuple[dict, dict]:
+    """(scores per part and the gaps between parts, speaker centroid per part). ``teacher_audio(voice, i,
+    text)`` gives the teacher's clip of ``texts[i]`` (24 kHz, corpus form) and its DNSMOS and WER if known.
+    ``log``: each sentence's scores are appended there as one JSON line per part, as they come (a run cut
+    short still leaves what it measured)."""
     from tts.api import synthesize
 
     rows: dict[str, list] = {part: [] for part in parts}
     has_teacher = voice in TEACHERS
-    for text in texts:
+
+    def keep(part: str, index: int, scores: dict) -> None:
+        rows[part].append(scores)
+        if log:
+            with log.open("a") as f:
+                f.write(
+                    json.dumps(
+                        {
+                            "voice": voice,
+                            "index": index,
+                            "part": part,
+                            **{k: v for k, v in scores.items() if k != "embedding"},
+                        }
+                    )
+                    + "\n"
+                )
+
+    for index, text in enumerate(texts):
         if has_teacher and {"teacher", "codec"} & set(parts):
-            audio, sr = speak_teacher(voice, text)[:2]
-            teacher = corpus_form(audio, sr)
+            teacher, known = teacher_audio(voice, index, text)
             if "teacher" in parts:
-                rows["teacher"].append(score(text, teacher))
+                keep("teacher", index, score(text, teacher, known))
             if "codec" in parts:
                 with torch.inference_mode():
                     decoded = codec.decode(codec.encode(torch.from_numpy(teacher)[None]))[0].numpy()[: len(teacher)]
-                rows["codec"].append(score(text, decoded))
+                keep("codec", index, score(text, decoded))
         if "ours" in parts:
-            rows["ours"].append(score(text, corpus_form(synthesize(text, voice=voice, engine=engine), SAMPLE_RATE)))
+            keep("ours", index, score(text, corpus_form(synthesize(text, voice=voice, engine=engine), SAMPLE_RATE)))
     report = {part: summarise(r) for part, r in rows.items() if r}
     if "teacher" in report and "codec" in report:
         report["codec_gap_ovrl"] = round(report["codec"]["ovrl"] - report["teacher"]["ovrl"], 4)
@@ -184,15 +209,56 @@ def write_samples(engine, folder: Path, voices: list[str]) -> dict:
     return {"text": text, "files": written}
 
 
+def chosen_texts(args) -> tuple[list[str], Teacher, dict]:
+    """(texts, their teacher audio, what to say about them in the report) for ``--set``."""
+    if args.text_set == "corpus":
+        n = 15 if args.n is None else args.n
+        return (
+            heldout_texts(n, args.skip),
+            spoken_now,
+            {
+                "set": "corpus",
+                "skip": args.skip,
+                "text": "held-out corpus utterances (training.corpus text, far end), the same for every voice",
+            },
+        )
+    chosen = modern.sentences(args.split)[args.skip : None if args.n is None else args.skip + args.n]
+
+    def cached(voice: str, i: int, text: str) -> tuple[np.ndarray, dict | None]:
+        known = modern.teacher_scores(voice, chosen[i]) if "teacher" in args.only else None
+        return modern.teacher_audio(voice, chosen[i]), known
+
+    return (
+        [s.text for s in chosen],
+        cached,
+        {
+            "set": "modern",
+            "split": args.split,
+            "skip": args.skip,
+            "text": "modern held-out sentences (bench/data/modern, "
+            f"{args.split} split, file order), the same for every voice; teacher audio cached in {modern.CACHE}",
+        },
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--n", type=int, default=15, help="held-out sentences per voice")
+    parser.add_argument(
+        "--set",
+        choices=("corpus", "modern"),
+        default="corpus",
+        dest="text_set",
+        help="held-out corpus utterances, or the modern set (bench.modern)",
+    )
+    parser.add_argument("--split", choices=SPLITS, default="test", help="--set modern: test (reported) or dev")
+    parser.add_argument("--n", type=int, help="sentences per voice (default: 15 of the corpus, all of a modern split)")
     parser.add_argument(
         "--skip",
         type=int,
         default=0,
-        help="start this far into the held-out text: a "
-        "validation set for choosing settings without looking at the reported sentences",
+        help="start this far into the held-out text (--set corpus: "
+        "a validation set for choosing settings without looking at the reported sentences; --set "
+        "modern: a share of the split, to run it in parts)",
     )
     parser.add_argument("--voices", nargs="*", help="default: every voice the engine lists")
     parser.add_argument("--only", nargs="+", choices=("teacher", "codec", "ours"), default=["teacher", "codec", "ours"])
@@ -201,6 +267,7 @@ def main() -> None:
     )
     parser.add_argument("--top-k", type=int, help="sample from this many tokens (default: the engine's)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "quality.json")
+    parser.add_argument("--log", type=Path, help="append each sentence's scores here (JSON lines) as they come")
     parser.add_argument("--samples", type=Path, help="instead: write one short clip per voice into this folder")
     args = parser.parse_args()
     torch.set_flush_denormal(True)
@@ -215,16 +282,17 @@ def main() -> None:
     if args.samples:
         print(json.dumps(write_samples(engine, args.samples, args.voices or list(engine.voices)), indent=1))
         return
-    texts = heldout_texts(args.n, args.skip)
+    texts, teacher_audio, about = chosen_texts(args)
     voices, centroids = {}, {}
     for voice in args.voices or list(engine.voices):
-        voices[voice], centroids[voice] = measure_voice(engine, engine.codec, voice, texts, args.only)
+        voices[voice], centroids[voice] = measure_voice(
+            engine, engine.codec, voice, texts, args.only, teacher_audio, args.log
+        )
     for voice, similarity in speaker_similarity(centroids).items():
         voices[voice]["speaker"] = similarity
     report = {
         "sentences": len(texts),
-        "skip": args.skip,
-        "text": "held-out corpus utterances (training.corpus text, far end), the same for every voice",
+        **about,
         "sampling": {
             "top_k": engine.sampling.top_k,
             "temperature": "per voice preset" if args.temperature is None else args.temperature,

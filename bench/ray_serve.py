@@ -18,7 +18,8 @@ server without Ray (what Ray's proxy and the replica processes cost).
 `--cores-per-replica N`: each replica count gets a Ray cluster of its own whose processes may run only on N cores
 per replica (started under a CPU affinity, `cluster`: cores 0..R*N-1 for R replicas, which the replicas share,
 as Ray pins nothing), each replica asking N CPUs, and this process (the clients) runs on the cores after them: on
-a many-core host (the H200 machine's 16), R replicas get R*N cores, as scale-out gives them machines. `ttfa_ms_p50_at_capacity` then compares one
+a many-core host (the H200 machine's 16), R replicas get R*N cores, as scale-out gives them machines.
+`ttfa_ms_p50_at_capacity` then compares one
 replica at the largest load it keeps real-time with two at twice that load.
 
 `--kill`: replica failover (serving/failover.py) on two replicas. Per trial: one seeded utterance, its text sent
@@ -29,7 +30,8 @@ kill point: `gap_ms` (the kill -> the first audio frame over the resumed connect
 holds, from the latest checkpoint it holds), `from_checkpoints` (replays that attached a checkpoint rather than
 regenerating the utterance from its start), `exact` (trials whose audio equals the reference: equal length, every
 sample within 3 steps of 16 bits), `max_abs_diff` and `first_diff_s` (where the first sample more than 3 steps
-apart lies, in seconds: before the kill point, the runs had parted before the kill). Ray starts a replacement replica after each kill; the next
+apart lies, in seconds: before the kill point, the runs had parted before the kill). Ray starts a replacement replica
+after each kill; the next
 trial waits until the proxy routes to it. `snapshot` is what a checkpoint costs, measured afterwards in this
 process on the same engine: `Engine.snapshot` of a speaking stream (ms, p50/p99) and its bytes.
 `--checkpoint-audio-s S` checkpoints every S s of an utterance's audio (default 1; 0: none, every replay

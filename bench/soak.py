@@ -322,7 +322,7 @@ async def _engine_figures(base: str) -> dict:
 
 
 def timeline_by_minute(lines: list[dict], started: float, minutes: int) -> list[dict]:
-    """The server's timelines (one per stream, `Hub` with TTS_TIMELINE_LOG) of served utterances, by the minute
+    """The server's timelines (one per stream, TTS_TIMELINE_LOG) of served utterances, by the minute
     their request came in: the server's first audio (request to sent) p50/p99, each stage's median (ms since the
     stage before it), and the slowest three stage by stage with the engine ticks from first step to first chunk.
     Stages as `_stages` counts them."""

@@ -336,8 +336,7 @@ def quality(n: int, skip: int) -> dict:
     step differ, the yardstick a gap is judged against). Whisper tiny.en WER and DNSMOS OVRL per sentence
     (`bench.quality`'s trim and normalisation); ``*_minus_fp32``: paired mean differences with their
     standard errors. Largest logit difference from fp32 over 100 steps of steady speech, too."""
-    from bench.common import harvard
-    from bench.quality import corpus_form, dnsmos
+    from bench.common import corpus_form, dnsmos, harvard
     from kernels.auto import faster_codec_step
     from streaming.engine import Engine
     from tts import SAMPLE_RATE

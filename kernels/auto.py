@@ -134,10 +134,10 @@ class DefaultStepFactory:
 
 
 def shipped_session(module, kind: str, what: str):
-    """`kernels.weightless.session` of ``module``'s graph ``kind``: None when none ships for its key, or
+    """`kernels.weightless.graph_session` of ``module``'s graph ``kind``: None when none ships for its key, or
     (with a warning naming ``what``) when ONNX Runtime cannot use it; the caller then builds instead."""
     try:
-        return weightless.session(module, kind)
+        return weightless.graph_session(module, kind)
     except Exception as err:  # a graph this ONNX Runtime cannot load, say
         warnings.warn(f"shipped {what} graph unusable, building the {what} instead: {err}")
         return None

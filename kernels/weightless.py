@@ -144,7 +144,7 @@ def weights(tensors: dict[str, torch.Tensor], manifest: list[list]) -> dict[str,
 
 
 # ---- load ---------------------------------------------------------------------------------------------
-def session(module: torch.nn.Module, kind: str, folder: Path | None = None):
+def graph_session(module: torch.nn.Module, kind: str, folder: Path | None = None):
     """An ONNX Runtime session of graph ``kind`` of ``module`` from its shipped weightless graph, made once
     per module and kind; None when no graph ships for its key. Raises if the graph does not load or does not
     fit the weights."""
@@ -200,7 +200,7 @@ def recipe(name: str, weight: np.ndarray, arrays: dict[str, np.ndarray], quantiz
     return found[0] if found else None
 
 
-def export(module: torch.nn.Module, kind: str, path: Path) -> None:
+def export_weightless(module: torch.nn.Module, kind: str, path: Path) -> None:
     """Export graph ``kind`` of ``module`` to ``path`` as `kernels.auto` would build it."""
     import kernels.ort_codec as ort_codec
 
@@ -214,7 +214,7 @@ def export(module: torch.nn.Module, kind: str, path: Path) -> None:
         path.with_name("fp32.onnx").rename(path)
 
 
-def write(module: torch.nn.Module, kind: str, folder: Path | None = None, keep_bytes: int = 4096) -> Path:
+def write_graph(module: torch.nn.Module, kind: str, folder: Path | None = None, keep_bytes: int = 4096) -> Path:
     """Export graph ``kind`` of ``module``, then write it to ``folder`` without its weights, with their
     recipes beside it; older graphs of that kind there are removed. A weight no recipe remakes stays in
     the graph if it is at most ``keep_bytes`` (a constant), else this raises."""
@@ -223,7 +223,7 @@ def write(module: torch.nn.Module, kind: str, folder: Path | None = None, keep_b
 
     with tempfile.TemporaryDirectory() as tmp:
         exported = Path(tmp) / "graph.onnx"
-        export(module, kind, exported)
+        export_weightless(module, kind, exported)
         graph = onnx.load(str(exported))
     arrays = {name: tensor.detach().cpu().contiguous().numpy() for name, tensor in sources(module, kind).items()}
     manifest, shapes, quantized = [], {}, {}
@@ -255,4 +255,4 @@ if __name__ == "__main__":  # python -m kernels.weightless: rewrite the shipped 
 
     model, codec, _ = load_shipped()
     for module, kind in ((model, "step"), (model, "step-int8"), (codec, "codec")):
-        print(write(module, kind))
+        print(write_graph(module, kind))

@@ -7,22 +7,74 @@ import asyncio
 import contextlib
 import ctypes
 import functools
+import json
+import logging
 from pathlib import Path
 
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
 from serving import http_api, workers
-from serving.context import Hub
+from serving.context import ServerContext, clients_of
 from serving.limits import Limits
-from serving.session import stream_endpoint
+from serving.protocol import CLIENT_MESSAGE, ProtocolError, Resume
+from serving.session import Session, error_message
+from tts.lexicon import Lexicon
 
+log = logging.getLogger("tts.server")
 DEMO_DIR = Path(__file__).resolve().parent.parent / "demo"
+RESUME_GRACE_S = 5.0  # how long a connection over the caps has to say it resumes a waiting session
 TRIM_EVERY_S = 60.0  # how often the C heap's free pages go back to the system (`_trim_heap`)
+
+
+async def stream_endpoint(ws: WebSocket) -> None:
+    hub: ServerContext = ws.app.state.hub
+    clients = clients_of(ws.scope, hub)
+    await ws.accept()
+    step: tuple | None  # (the session, a resume or None)
+    try:
+        step = (Session(hub, clients, hub.admission.connect(clients)), None)
+    except ProtocolError as err:
+        step = await _resume_past_caps(ws, hub, err, clients)
+    while step is not None:  # a resume moves the socket to the session it names
+        session, resume = step
+        try:
+            step = await session.serve(ws, resume)
+        except Exception:  # a bug must cost one connection, never the server
+            log.exception("WebSocket session failed")
+            await session.close()
+            step = None
+
+
+async def _resume_past_caps(ws: WebSocket, hub: ServerContext, refusal: ProtocolError, clients: tuple) -> tuple | None:
+    """A connection over the connection caps may still resume a session that waits for it: that session's own
+    place in the caps is what it takes (else a client whose every connection dropped at once could not come back,
+    its waiting sessions filling its cap). Only as many such connections wait at once, for RESUME_GRACE_S at
+    most, as its identity has sessions waiting (`Admission.resume_grace`); the others are refused at once.
+    (session, resume) when its first message resumes one; else the refusal (or why the resume failed) is sent,
+    the socket closed (1013: try again later), and None returned."""
+    if (grace := hub.admission.resume_grace(clients)) is not None:
+        try:
+            with contextlib.suppress(TimeoutError, ValidationError, TypeError, KeyError):
+                async with asyncio.timeout(RESUME_GRACE_S):
+                    message = await ws.receive()
+                if isinstance(msg := CLIENT_MESSAGE.validate_json(message["text"]), Resume):
+                    try:
+                        return Session.claim(hub, msg, clients)
+                    except ProtocolError as err:
+                        refusal = err
+        finally:
+            grace.release()
+    with contextlib.suppress(WebSocketDisconnect, WebSocketDisconnected, OSError):
+        await ws.send_text(json.dumps(error_message(refusal)))
+        await ws.close(1013, refusal.code)
+    return None
 
 
 class _DemoRoute(Route):
@@ -43,12 +95,15 @@ def build_app(
     allow_origins=(),
     aliases: dict[str, str] | None = None,
     load_engine=None,
+    lexicon=None,
 ) -> Starlette:
-    """The ASGI app. `engine=None`: ``load_engine()`` loads one on first use (`server.create_app`: the process-wide engine).
+    """The ASGI app. `engine=None`: ``load_engine()`` loads one on first use (`server.create_app`: the process-wide
+    engine).
     `api_keys`: when given, every /v1 endpoint wants one. `allow_origins`: browser origins, besides the server's
     own, that may use the API and the WebSocket (and get CORS headers); "*" allows any. `aliases`: OpenAI voice
-    names -> voices (default: voices/voices.json)."""
-    hub = Hub(engine, limits or Limits(), aliases, tuple(api_keys), tuple(allow_origins), load_engine)
+    names -> voices (default: voices/voices.json). `lexicon`: the server's pronunciations (`tts.lexicon`)."""
+    hub = ServerContext(engine, limits or Limits(), aliases, tuple(api_keys), tuple(allow_origins), load_engine)
+    hub.lexicon = Lexicon.of(lexicon)
     demo = StaticFiles(directory=DEMO_DIR, html=True)
     api = http_api
     routes = [
@@ -105,7 +160,7 @@ class _WorkerHeader:
 
 
 @contextlib.asynccontextmanager
-async def _lifespan(hub: Hub, app: Starlette):
+async def _lifespan(hub: ServerContext, app: Starlette):
     """While serving, trim the C heap now and then (`_trim_heap`). At shutdown, end the sessions that wait for a
     resume (their engine streams would outlive the server), then close what the hub holds open."""
     trimming = asyncio.create_task(_trim_heap(TRIM_EVERY_S))

@@ -1,6 +1,6 @@
 """What every connection of the server shares: the engine, the limits and admission, the voice aliases, the API
 keys, and a thread pool for the engine's blocking calls (opening a stream; audio is awaited without a thread,
-`Hub.chunks`); and who a connection is (its address, its API key). serving/session.py (the WebSocket) and
+`ServerContext.chunks`); and who a connection is (its address, its API key). serving/session.py (the WebSocket) and
 serving/http_api.py (HTTP) use it; it serves no endpoint itself."""
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from serving.protocol import ProtocolError
 from serving.resume import SpentTokens
 from serving.workers import relayed_address
 from streaming.engine import ServerFull, UnknownVoice
+from tts.lexicon import Lexicon, LexiconError
 from tts.rates import SAMPLE_RATE
 from tts.text import TextError
 
 
-class Hub:
+class ServerContext:
     """What every connection shares: the engine, the limits, admission, the voice aliases, the API keys and
     a thread pool for the engine's blocking calls (so no connection waits for another's)."""
 
@@ -47,6 +48,7 @@ class Hub:
         self.resume_tokens: dict = {}  # resume token -> its session, or None once spent (resume_used)
         self.spent_tokens = SpentTokens()  # tokens spent by resumes of sessions that have ended (resume_used)
         self.streams: set = set()  # engine streams open for clients, WebSocket and HTTP
+        self.lexicon = Lexicon()  # the server's (`tts serve --lexicon`); a request's entries win over it
         path = os.environ.get("TTS_TIMELINE_LOG")
         self.timeline_log = None if not path else TimelineLog(path)
 
@@ -89,6 +91,13 @@ class Hub:
         """Characters of one utterance: max_text_chars, or the engine's own limit if that is lower."""
         return min(self.limits.max_text_chars, getattr(self._engine, "max_chars", self.limits.max_text_chars))
 
+    def lexicon_for(self, entries: dict[str, str] | None) -> Lexicon:
+        """The server's lexicon with a request's entries; bad_value naming a bad entry."""
+        try:
+            return self.lexicon.merged(entries)
+        except LexiconError as err:
+            raise ProtocolError("bad_value", str(err), "lexicon") from None
+
     def check_length(self, chars: int, what: str, param: str = "text") -> None:
         """text_too_long past `text_limit`."""
         if chars > (limit := self.text_limit):
@@ -104,13 +113,22 @@ class Hub:
                 f"{chars} characters of text may become (max_audio_s, audio_s_per_char)",
             )
 
-    async def open(self, clients: tuple, voice: str | None, speed: float, seed: int | None, on_queued=None):
-        """(ticket, engine stream): a slot from admission (waiting in its queue if need be), then the stream.
-        The caller hands both back to `close`."""
+    async def open(
+        self,
+        clients: tuple,
+        voice: str | None,
+        speed: float,
+        seed: int | None,
+        on_queued=None,
+        lexicon: Lexicon | None = None,
+    ):
+        """(ticket, engine stream): a slot from admission (waiting in its queue if need be), then the stream,
+        its words said as ``lexicon`` says (default: the server's). The caller hands both back to `close`."""
         engine = await self.engine()
         asked = time.perf_counter()
         ticket = await self.admission.stream(clients, on_queued)
         stream = await self._open_stream(engine, ticket, voice, speed, seed)
+        stream.text.lexicon = self.lexicon if lexicon is None else lexicon  # before any text is pushed
         stream.mark("request", asked)
         self.streams.add(stream)
         return ticket, stream
@@ -247,7 +265,7 @@ def api_key(scope) -> str | None:
     return None
 
 
-def clients_of(scope, hub: Hub) -> tuple:
+def clients_of(scope, hub: ServerContext) -> tuple:
     """The identities one connection counts against: its remote address, and its API key when keys are set."""
     address = relayed_address(scope) or (scope.get("client") or ("unknown",))[0]
     key = api_key(scope) if hub.api_keys else None

@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from serving.admission import retry_after_header
-from serving.context import Hub, api_key, clients_of, origin_allowed
+from serving.context import ServerContext, api_key, clients_of, origin_allowed
 from serving.protocol import ProtocolError, SpeechRequest, check_whole_text, validation_error
 from tts.codec import CodecConfig
 from tts.containers import MEDIA_TYPES, AudioEncoder
@@ -36,7 +36,7 @@ class AccessMiddleware:
     HTTP 403, either way (uvicorn's empty answer to a close before accept: its answer to a custom HTTP response
     there logs a spurious error for every refusal). /health and the demo's static files are open."""
 
-    def __init__(self, app, hub: Hub):
+    def __init__(self, app, hub: ServerContext):
         self.app, self.hub = app, hub
 
     async def __call__(self, scope, receive, send):
@@ -93,7 +93,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return body
 
 
-async def _speech_request(request: Request, hub: Hub) -> SpeechRequest:
+async def _speech_request(request: Request, hub: ServerContext) -> SpeechRequest:
     """The validated request: JSON, voice, and its text (`tts.text.validate_text`: length, characters, something
     speakable). What the engine's text front end makes of the text is still known with the first audio, before
     the status line (`speech`)."""
@@ -103,6 +103,7 @@ async def _speech_request(request: Request, hub: Hub) -> SpeechRequest:
     except ValidationError as err:
         raise validation_error(err) from None
     req.voice = hub.resolve_voice(req.voice_name)
+    hub.lexicon_for(req.lexicon)  # a bad entry is refused here, before the request is admitted
     hub.check_length(len(req.input), "input is", "input")
     check_whole_text(req.input, hub.text_limit, "input")  # before the engine or the queue: a 400, no audio
     return req
@@ -139,10 +140,10 @@ class SpeechResponse(StreamingResponse):
     """The speech body, streamed as it is generated: raw audio, or OpenAI's SSE events. A failure after the
     status line is visible: SSE sends an error event; raw audio ends the chunked body without its terminating
     chunk, so the client reads an incomplete body rather than a short file. The slot and the connection are
-    released however the response ends. ``chunks`` are the stream's (`Hub.chunks`), ``first`` the first of them,
-    read before the status line."""
+    released however the response ends. ``chunks`` are the stream's (`ServerContext.chunks`), ``first`` the first
+    of them, read before the status line."""
 
-    def __init__(self, hub: Hub, req: SpeechRequest, ticket, stream, clients: tuple, chunks, first):
+    def __init__(self, hub: ServerContext, req: SpeechRequest, ticket, stream, clients: tuple, chunks, first):
         self._hub, self._req, self._ticket, self._stream, self._clients = hub, req, ticket, stream, clients
         self._chunks, self._first = chunks, first
         self._encoder = AudioEncoder(
@@ -211,7 +212,7 @@ class SpeechResponse(StreamingResponse):
 
 
 async def speech(request: Request):
-    hub: Hub = request.app.state.hub
+    hub: ServerContext = request.app.state.hub
     clients = clients_of(request.scope, hub)
     try:
         await hub.engine()
@@ -224,7 +225,9 @@ async def speech(request: Request):
         return Response(status_code=400)
     opened = chunks = first = None
     try:
-        opened = await _until_disconnect(request, hub.open(clients, req.voice, req.speed, req.seed))
+        opened = await _until_disconnect(
+            request, hub.open(clients, req.voice, req.speed, req.seed, lexicon=hub.lexicon_for(req.lexicon))
+        )
         if opened is not GONE:
             opened[1].push_text(req.input)
             opened[1].end()
@@ -246,7 +249,7 @@ async def speech(request: Request):
     return SpeechResponse(hub, req, *opened, clients, chunks, first)
 
 
-async def _abandon(hub: Hub, clients: tuple, opened, chunks) -> None:
+async def _abandon(hub: ServerContext, clients: tuple, opened, chunks) -> None:
     """Undo what `speech` had done when it cannot answer with audio."""
     if chunks is not None:
         await chunks.aclose()
@@ -256,7 +259,7 @@ async def _abandon(hub: Hub, clients: tuple, opened, chunks) -> None:
 
 
 async def voices(request: Request) -> JSONResponse:
-    hub: Hub = request.app.state.hub
+    hub: ServerContext = request.app.state.hub
     engine = await hub.engine()
     listed = [{k: v.get(k) for k in VOICE_KEYS} for v in engine.voices.values()]
     return JSONResponse(
@@ -266,7 +269,7 @@ async def voices(request: Request) -> JSONResponse:
 
 async def audio_voices(request: Request) -> JSONResponse:
     """{"voices": [{"id", "name", ...}]}: the voices, then the aliases, as Open WebUI reads them."""
-    hub: Hub = request.app.state.hub
+    hub: ServerContext = request.app.state.hub
     engine = await hub.engine()
     own = [
         {

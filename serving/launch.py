@@ -16,7 +16,7 @@ from starlette.applications import Starlette
 
 from serving import workers
 from serving.app import build_app
-from serving.context import Hub
+from serving.context import ServerContext
 from serving.limits import Limits
 
 log = logging.getLogger("tts.server")
@@ -59,11 +59,13 @@ def run_server(
     workers: int = 1,
     max_streams: int | None = None,
     load_engine=None,
+    lexicon=None,
     **limits,
 ) -> None:
-    """Serve until interrupted. `limits` are the fields of `Limits` (max_connections=..., ...); `api_keys` and
-    `allow_origins` as in `create_app`. The engine loads, and compiles its step unless ``compile`` is false (or
-    TTS_NO_COMPILE=1), before the socket opens, so missing weights fail here and the first client waits for neither.
+    """Serve until interrupted. `limits` are the fields of `Limits` (max_connections=..., ...); `api_keys`,
+    `allow_origins` and `lexicon` as in `create_app`. The engine loads, and compiles its step unless ``compile`` is
+    false (or TTS_NO_COMPILE=1), before the socket opens, so missing weights fail here and the first client waits
+    for neither.
     ``workers`` > 1: that many server processes behind the one port (`serve_workers`); ``engine`` is then None
     or a picklable ``factory(max_streams=, max_open=) -> Engine`` that each worker calls. ``engine`` None:
     ``load_engine(max_streams=, compile=, max_open=)`` builds it (`server.serve`: `tts.api.get_engine`)."""
@@ -80,12 +82,12 @@ def run_server(
             compile,
             log_level,
             lim,
-            {"api_keys": tuple(api_keys), "allow_origins": tuple(allow_origins)},
+            {"api_keys": tuple(api_keys), "allow_origins": tuple(allow_origins), "lexicon": lexicon},
         )
     if engine is None:
         engine = load_engine(max_streams=max_streams, compile=compile, max_open=lim.max_connections)
     sock = _bind(host, port, lim)
-    app = build_app(engine, lim, api_keys=api_keys, allow_origins=allow_origins)
+    app = build_app(engine, lim, api_keys=api_keys, allow_origins=allow_origins, lexicon=lexicon)
     _freeze_heap()
     _server(app, lim, log_level).run(sockets=[sock])
 
@@ -222,10 +224,13 @@ class ServerThread(_Addresses):
         api_keys=(),
         allow_origins=(),
         aliases: dict[str, str] | None = None,
+        lexicon=None,
         **limits,
     ):
         self.limits = Limits(**limits)
-        self.app = build_app(engine, self.limits, api_keys=api_keys, allow_origins=allow_origins, aliases=aliases)
+        self.app = build_app(
+            engine, self.limits, api_keys=api_keys, allow_origins=allow_origins, aliases=aliases, lexicon=lexicon
+        )
         self._sock = _bind(host, port, self.limits)
         self.host, self.port = self._sock.getsockname()[:2]
         self._server = _server(self.app, self.limits, log_level)
@@ -234,7 +239,7 @@ class ServerThread(_Addresses):
         )
 
     @property
-    def hub(self) -> Hub:
+    def hub(self) -> ServerContext:
         return self.app.state.hub
 
     def start(self, timeout: float = 30.0) -> ServerThread:

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from tts.lexicon import MAX_ENTRIES
 from tts.text import TextError, check_characters, validate_text
 
 # code -> HTTP status. Over WebSocket the same codes come as {"type": "error", "code": ...}.
@@ -84,6 +85,7 @@ HTTP_FORMATS = ("wav", "pcm", "mp3", "opus", "aac", "flac")
 ContextId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
 Seed = Annotated[int, Field(ge=0, lt=2**63)]
 SampleRate = Literal[OUTPUT_RATES]
+LexiconEntries = Annotated[dict[str, str], Field(max_length=MAX_ENTRIES)]  # checked entry by entry: `Hub.lexicon_for`
 
 
 class _Strict(BaseModel):
@@ -105,6 +107,7 @@ class Start(_Strict):
     # (the earliest first audio, but word-by-word text then stalls more: measured idle without the hold, 37 and
     # 9.6 stalls/min at 5 and 10 words/s, 44 at 1.2x the speaking rate).
     hold: bool = True
+    lexicon: LexiconEntries | None = None  # {"word": "/IPA/" or "respelling"}: tts/lexicon.py
 
 
 class Text(_Strict):
@@ -176,6 +179,7 @@ class SpeechRequest(BaseModel):
     stream_format: Literal["audio", "sse"] = "audio"
     seed: Annotated[Seed, Field(strict=True)] | None = None
     sample_rate: SampleRate = 24_000  # a Literal: only these very ints (the string "16000" is refused)
+    lexicon: LexiconEntries | None = None  # this server's extension, as the WebSocket's start
 
     @property
     def voice_name(self) -> str | None:
@@ -194,6 +198,7 @@ _ERROR_CODES = {
     "string_too_short": "bad_value",
     "string_too_long": "bad_value",
     "string_pattern_mismatch": "bad_value",
+    "too_long": "bad_value",
 }
 _MESSAGE_TYPES = ("start", "text", "flush", "end", "cancel", "ack", "resume")
 

@@ -111,7 +111,7 @@ class ScaleConfig:
 class EngineServer:
     """One engine and the server app on it, in a Ray Serve replica. ``engine_factory(**engine_kwargs)`` builds
     the engine (`tts.api.get_engine`; tests pass the tiny engine's); ``app_factory(engine, **app_kwargs)`` the
-    ASGI app (`server.create_app`), whose ``state.hub`` is the `serving.context.Hub` it serves from."""
+    ASGI app (`server.create_app`), whose ``state.hub`` is the `serving.context.ServerContext` it serves from."""
 
     def __init__(
         self,

@@ -1,5 +1,4 @@
-"""WebSocket sessions (/v1/stream): one client's session, its utterances (contexts) and their audio pumps, and
-the endpoint that admits a connection or resumes a session past the connection caps (docs/protocol.md)."""
+"""WebSocket sessions (/v1/stream, docs/protocol.md): a client's session, its utterances and their audio pumps."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDiscon
 
 from serving import workers
 from serving.admission import owner
-from serving.context import Hub, clients_of
+from serving.context import ServerContext
 from serving.protocol import (
     CLIENT_MESSAGE,
     UNCOUNTED,
@@ -30,13 +29,9 @@ from serving.protocol import (
     validation_error,
 )
 from serving.resume import Link, LinkBroken, ReplayLog, dropped
-from serving.text_gate import SpeakableGate
-from tts.containers import AudioEncoder
-from tts.rates import SAMPLE_RATE
-from tts.text import TextError
+from serving.utterance import ContextUtterance
 
 log = logging.getLogger("tts.server")
-RESUME_GRACE_S = 5.0  # how long a connection over the caps has to say it resumes a waiting session
 
 
 class Session:
@@ -50,7 +45,7 @@ class Session:
     expires and frees everything. Meanwhile it is set aside from its client's caps (serving/admission.py):
     it never locks its own client out, and the client's oldest waiting session gives way to one more."""
 
-    def __init__(self, hub: Hub, clients: tuple, place):
+    def __init__(self, hub: ServerContext, clients: tuple, place):
         self.hub, self.limits, self.clients, self.place = hub, hub.limits, clients, place
         self.utterances: dict[str | None, ContextUtterance] = {}
         self.logs: dict[str | None, ReplayLog] = {}
@@ -86,7 +81,7 @@ class Session:
         token it used); the rest of each context's output is sent first. Returns (session, resume) when the
         client resumed another session on this socket, else None."""
         if self.closed:  # expired just as a resume named it
-            await ws.send_text(json.dumps(_error(ProtocolError("resume_expired", "the session has expired"))))
+            await ws.send_text(json.dumps(error_message(ProtocolError("resume_expired", "the session has expired"))))
             return None
         if self.link is not None:
             self.link.cut(replaced=True)  # the server still thought the old socket alive: it is half-open
@@ -182,7 +177,7 @@ class Session:
                     self._unlink(link)
 
     async def send_error(self, err: ProtocolError, context_id: str | None = None, **how) -> None:
-        await self.transmit(context_id, event=_error(err), **how)
+        await self.transmit(context_id, event=error_message(err), **how)
 
     async def _send(self, link: Link, context_id: str | None, event: dict | None, audio: bytes | None) -> None:
         if audio is None:
@@ -235,7 +230,7 @@ class Session:
 
     # ---- resuming --------------------------------------------------------------------------------
     @staticmethod
-    def claim(hub: Hub, msg: Resume, clients: tuple) -> tuple[Session, tuple]:
+    def claim(hub: ServerContext, msg: Resume, clients: tuple) -> tuple[Session, tuple]:
         """(the session `msg.token` names, (where each of its contexts resumes, the token)), or resume_expired /
         resume_used / resume_forbidden (another identity's session) / resume_offset. Claiming spends the token
         (synchronously: of two resumes racing with one token, one wins); a refused claim spends nothing."""
@@ -331,7 +326,7 @@ class Session:
                     async with asyncio.timeout(1.0):  # a client that reads nothing gets no goodbye
                         await link.send_text(
                             json.dumps(
-                                _error(
+                                error_message(
                                     ProtocolError(
                                         "idle_timeout", f"no text and no audio for {self.limits.idle_timeout_s:g} s"
                                     )
@@ -393,7 +388,7 @@ class Session:
             )
         await self.hub.engine()
         voice = self.hub.resolve_voice(msg.voice)
-        self.utterances[msg.context_id] = ContextUtterance(self, msg, voice)
+        self.utterances[msg.context_id] = ContextUtterance(self, msg, voice, self.hub.lexicon_for(msg.lexicon))
 
     async def _on_text(self, msg: Text) -> None:
         utterance = self._utterance(msg.context_id, "text")
@@ -430,7 +425,7 @@ class _Resumed(Exception):
     """The client resumed another session on this socket: args (session, (positions, token))."""
 
 
-def _error(err: ProtocolError) -> dict:
+def error_message(err: ProtocolError) -> dict:
     return {"type": "error", "code": err.code, "message": err.message}
 
 
@@ -439,241 +434,4 @@ def _type_of(text: str):
     with contextlib.suppress(ValueError):
         if isinstance(message := json.loads(text), dict):
             return message.get("type")
-    return None
-
-
-class ContextUtterance:
-    """One utterance on a socket: queued (waiting for a slot; its text is kept) -> open -> ending (end received)
-    -> gone. It ends with exactly one `done`, or, refused before `ready`, with one `error` alone. Only its own
-    task sends those, so a cancel never cuts one in half: a cancel ends the wait or the engine stream, and the
-    task then says `done`."""
-
-    def __init__(self, session: Session, start: Start, voice: str | None):
-        self.session, self.start, self.voice, self.context_id = session, start, voice, start.context_id
-        self.state, self.ticket, self.stream, self.pending = "queued", None, None, []
-        self.chars, self.samples, self.cancelled = 0, 0, False
-        self.first_text_at = self.first_audio_at = None
-        self.encoder = AudioEncoder(start.format, start.sample_rate)
-        self.opening = asyncio.ensure_future(
-            session.hub.open(session.clients, voice, start.speed, start.seed, self._queued)
-        )
-        self.left = asyncio.Event()  # set once the context is free for the next start (`_leave`)
-        self.gate = SpeakableGate()  # no audio goes out before the text has something speakable
-        self.task = asyncio.create_task(self._run())
-
-    def push(self, kind: str, text: str = "") -> None:
-        """text / flush / end: to the engine stream, or kept until the stream opens."""
-        if kind == "text":
-            self.chars += len(text)
-            self.gate.add(text)
-            if text.strip():
-                self.first_text_at = self.first_text_at or time.perf_counter()
-        elif kind == "end":
-            self.state = "ending"
-            self.gate.end()
-        if self.stream is None:
-            self.pending.append((kind, text))
-        else:
-            self._apply(kind, text)
-
-    def _apply(self, kind: str, text: str) -> None:
-        try:
-            {"text": lambda: self.stream.push_text(text), "flush": self.stream.flush, "end": self.stream.end}[kind]()
-        except TextError as err:
-            raise ProtocolError("bad_text", str(err), "text") from None
-
-    def hold(self, held: bool) -> None:
-        """Hold (or release) the engine stream while the session waits for a resume, its slot set aside from
-        the client's caps."""
-        if self.stream is not None:
-            self.stream.hold() if held else self.stream.release()
-            self.ticket.set_aside() if held else self.ticket.put_back()
-
-    async def cancel(self) -> None:
-        """Stop at once: the wait in the queue ends, or generation stops and queued audio is dropped; then
-        `done` with cancelled true. Returns once the utterance is gone."""
-        self.cancelled = True
-        self.gate.end()
-        if self.stream is not None:
-            self.stream.cancel()
-        else:
-            self.opening.cancel()
-        # Until the context is free, not until `done` is sent: should the socket drop meanwhile, the sender
-        # waits for a resume, and the reader (this caller) must be free to see the drop.
-        left = asyncio.ensure_future(self.left.wait())
-        await asyncio.wait([self.task, left], return_when=asyncio.FIRST_COMPLETED)
-        left.cancel()
-
-    async def stop(self) -> None:
-        """The connection is going: end everything, say nothing."""
-        if self.stream is not None:
-            self.stream.cancel()
-        self.opening.cancel()
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
-        self._close_opened()  # should the task have been cancelled before it took the stream
-        self.encoder.close()
-
-    def _close_opened(self) -> None:
-        opening = self.opening
-        if opening.done() and not opening.cancelled() and opening.exception() is None:
-            self.session.hub.close(*opening.result())  # idempotent
-
-    async def _run(self) -> None:
-        try:
-            await self._speak()
-        except (WebSocketDisconnect, WebSocketDisconnected, OSError, TimeoutError):
-            pass  # the client has gone or stalled (also while being told of a failure); the session ends
-        finally:
-            self._leave()
-            self._close_opened()
-            self.encoder.close()
-
-    async def _speak(self) -> None:
-        try:
-            try:
-                self.ticket, self.stream = await self.opening
-                if not self.start.hold:
-                    self.stream.text.hold_off()
-            except asyncio.CancelledError:
-                if not self.cancelled or asyncio.current_task().cancelling():
-                    raise  # the connection is going
-                return await self._finish()  # cancelled while queued
-            if self.cancelled:
-                return await self._finish()
-            if self.state == "queued":
-                self.state = "open"
-            if self.session.awaiting_resume:  # the socket dropped while it waited for a slot
-                self.hold(True)
-            for kind, text in self.pending:
-                self._apply(kind, text)
-            self.pending = []
-            seed = {} if self.start.seed is None else {"seed": self.start.seed}
-            await self._event(
-                {
-                    "type": "ready",
-                    "sample_rate": self.encoder.rate,
-                    "format": self.start.format,
-                    "voice": self.stream.voice,
-                    "speed": self.start.speed,
-                    **seed,
-                    **self.session.offer_resume(),
-                }
-            )
-            await self._pump()
-        except ProtocolError as err:
-            if self.stream is None:  # refused before ready: no utterance was opened
-                self._leave()
-                await self.session.send_error(err, self.context_id)
-            else:  # nothing speakable, or the engine failed
-                await self.session.send_error(err, self.context_id)
-                await self._finish(failed=True)
-        except (WebSocketDisconnect, WebSocketDisconnected, OSError, TimeoutError):
-            raise
-        except Exception as err:  # a bug ends this utterance, not the connection
-            log.exception("utterance failed")
-            await self.session.send_error(ProtocolError("internal", f"internal error: {err}"), self.context_id)
-            await self._finish(failed=True)
-
-    async def _queued(self, position: int) -> None:
-        await self.session.transmit(
-            self.context_id, event={"type": "queued", "position": position}, keep=False, wait=False
-        )  # a place in the queue is news only while it holds
-
-    async def _pump(self) -> None:
-        """Engine -> socket. Each send waits while the socket is backed up, and no read happens meanwhile,
-        so the engine's queue fills and it pauses this stream's generation."""
-        stream, start = self.stream, self.start
-        if not await self.gate.wait() and not self.cancelled:  # the text ended with nothing to say
-            raise ProtocolError("bad_text", "the utterance's text has nothing speakable in it", "text")
-        async for chunk in self.session.hub.chunks(stream):
-            timing = {}
-            if start.timings and (phonemes := stream.take_timings()):
-                timing["phonemes"] = phonemes  # scheduled just ahead of their audio
-            if start.word_timings and (words := stream.take_word_timings()):
-                timing["words"] = words
-            if timing:
-                await self._event({"type": "timing", **timing})
-            self.session.hub.check_audio(self.samples + len(chunk), self.chars)
-            await self._send_audio(self.encoder.encode(chunk), len(chunk))
-        if not self.cancelled:
-            await self._send_audio(self.encoder.finish(), 0)
-        await self._finish()
-
-    async def _send_audio(self, data: bytes, samples: int) -> None:
-        self.samples += samples  # an encoder may hold a chunk back, but it is in the utterance
-        if data:
-            await self.session.transmit(self.context_id, audio=data)
-            self.first_audio_at = self.first_audio_at or time.perf_counter()
-
-    async def _event(self, event: dict) -> None:
-        await self.session.transmit(self.context_id, event=event)
-
-    def _leave(self) -> None:
-        """Free the context for the next start (before the last event goes, so a client answering it is served)."""
-        if self.session.utterances.get(self.context_id) is self:
-            del self.session.utterances[self.context_id]
-        self.left.set()
-
-    async def _finish(self, failed: bool = False) -> None:
-        """The utterance's one `done`, once its context and its slot are free (a client answering it at once
-        with the next start is served without waiting)."""
-        self._leave()
-        self._close_opened()
-        ttfa = None
-        if self.first_text_at is not None and self.first_audio_at is not None:
-            ttfa = round((self.first_audio_at - self.first_text_at) * 1000, 1)
-        stats = self.stream.stats if self.stream is not None else {"rtf": None, "ttfa_ms": None}
-        await self._event(
-            {
-                "type": "done",
-                "cancelled": self.cancelled or failed,
-                "audio_seconds": round(self.samples / SAMPLE_RATE, 3),
-                "ttfa_ms": ttfa,
-                "rtf": stats["rtf"],
-                "engine_ttfa_ms": stats["ttfa_ms"],
-            }
-        )
-
-
-async def stream_endpoint(ws: WebSocket) -> None:
-    hub: Hub = ws.app.state.hub
-    clients = clients_of(ws.scope, hub)
-    await ws.accept()
-    try:
-        step = (Session(hub, clients, hub.admission.connect(clients)), None)
-    except ProtocolError as err:
-        step = await _resume_past_caps(ws, hub, err, clients)
-    while step is not None:  # a resume moves the socket to the session it names
-        session, resume = step
-        try:
-            step = await session.serve(ws, resume)
-        except Exception:  # a bug must cost one connection, never the server
-            log.exception("WebSocket session failed")
-            await session.close()
-            step = None
-
-
-async def _resume_past_caps(ws: WebSocket, hub: Hub, refusal: ProtocolError, clients: tuple) -> tuple | None:
-    """A connection over the connection caps may still resume a session that waits for it: that session's own
-    place in the caps is what it takes (else a client whose every connection dropped at once could not come back,
-    its waiting sessions filling its cap). Only as many such connections wait at once, for RESUME_GRACE_S at
-    most, as its identity has sessions waiting (`Admission.resume_grace`); the others are refused at once.
-    (session, resume) when its first message resumes one; else the refusal (or why the resume failed) is sent,
-    the socket closed (1013: try again later), and None returned."""
-    if (grace := hub.admission.resume_grace(clients)) is not None:
-        try:
-            with contextlib.suppress(TimeoutError, ValidationError, TypeError, KeyError):
-                async with asyncio.timeout(RESUME_GRACE_S):
-                    message = await ws.receive()
-                if isinstance(msg := CLIENT_MESSAGE.validate_json(message["text"]), Resume):
-                    try:
-                        return Session.claim(hub, msg, clients)
-                    except ProtocolError as err:
-                        refusal = err
-        finally:
-            grace.release()
-    with contextlib.suppress(WebSocketDisconnect, WebSocketDisconnected, OSError):
-        await ws.send_text(json.dumps(_error(refusal)))
-        await ws.close(1013, refusal.code)
     return None

@@ -82,16 +82,14 @@ StepFactory = Callable[..., Callable]  # factory(model, caches, batch, device) -
 SWITCH_INTERVAL_S = 0.0005
 CPU_STREAMS = 8  # default slots on a CPU: a step costs what its active slots cost, so idle slots are free
 GPU_STREAMS_CAP = 1024  # default cap on a GPU; memory would allow far more (`default_max_streams`)
-TICK_PHASES = ("events", "launch", "wait", "hand_out")
+TICK_PHASES = ("events", "launch", "wait", "hand_out")  # a tick's parts, the columns of `Engine.tick_phases`
 # A seeded stream's step runs with at least this many rows. ONNX Runtime's int8 MatMulNBits (the default CPU step)
 # takes another kernel for a one-row product than for two or more: a row's logits at batch 1 differ from the same
 # row's at batch 2-8 by up to ~5e-6, while from 2 rows on they are bit-identical whatever the other rows hold
 # (measured on the shipped step, batches 1/2/4/8). One idle row costs ~0.45 ms of CPU a step (2-core AMD EPYC),
 # paid only while a seeded stream is alone.
 EXACT_MIN_ROWS = 2
-ROW_SENSITIVE_STEPS = (
-    "onnxruntime-int8",
-)  # the steps that need it (eager PyTorch: the same at 1 row as at 2)  # a tick's parts, the columns of `Engine.tick_phases`
+ROW_SENSITIVE_STEPS = ("onnxruntime-int8",)  # the steps that need it (eager PyTorch: the same at 1 row as at 2)
 
 
 @dataclass
@@ -262,6 +260,7 @@ class Engine(Events, Prefill, ParkingPolicy, TickRunner):
         if self.text_reader is not None:
             stream.text.reader = self.text_reader
         stream.decode_alone = seeded  # bit-identical audio whatever else runs (see CodecWorker.decode)
+        stream.gain_db = preset.get("gain_db", 0.0)  # every voice at the same loudness (`tts.loudness.level`)
         stream.text.start_latency_s = self.start_latency.estimate()
         if not self.speculative or self.slots.stretch_max != PACE_STRETCH:  # the start hold counts as the engine
             stream.text.set_engine_lookahead(*engine_lookahead(self.cfg, self.speculative), self.slots.stretch_max)

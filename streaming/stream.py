@@ -21,6 +21,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from streaming.textstream import TextStream
+from tts.lexicon import Lexicon
+from tts.loudness import level
 from tts.text import SYMBOLS, check_characters
 
 
@@ -42,7 +44,8 @@ class EngineInbox(Protocol):
 
 
 # The way to a stream's first audio (`Stream.mark`): the server got the request; the engine opened the stream; it
-# got a slot; its first text; the engine got its first units (text thread round trip; a slot may come later); its first units
+# got a slot; its first text; the engine got its first units (text thread round trip; a slot may come later); its
+# first units
 # were encoded; the first tick that stepped it was launched; its first chunk was due (after the delay pattern);
 # the codec thread began that chunk's job; the chunk was delivered; the server read it; and sent it.
 TIMELINE = (
@@ -88,6 +91,7 @@ class Stream:
         self._waker: Callable[[], None] | None = None  # `poll`'s, called once when there may be more to read
         self._closed = False  # no audio comes after what is queued (finished or cancelled)
         self.queued_samples = 0
+        self.gain_db = 0.0  # its voice's loudness gain (`tts.loudness.level`), applied to every chunk delivered
         self.max_queued_samples = int(engine.max_queued * engine.sample_rate)
         self.resume_samples = self.max_queued_samples  # a paused stream resumes once the reader is down to this
         self.cancelled = self.finished = False
@@ -282,6 +286,8 @@ class Stream:
                 self.engine.start_latency.record(now - self.text.paced_release)
         self.last_audio_at = now
         self.samples += len(chunk)
+        if self.gain_db:
+            chunk = level(chunk, self.gain_db)
         with self._audio:
             if self.cancelled or self.moved:  # a chunk decoded as the reader left: it is not theirs any more
                 return
@@ -337,6 +343,8 @@ class Stream:
             "lookahead_words": self.text.lookahead_words,
             "text": object_state(self.text),
             "samples": self.samples,
+            "gain_db": self.gain_db,
+            "lexicon": None if self.text.lexicon is None else self.text.lexicon.state(),
             **timings,
         }
 
@@ -348,10 +356,12 @@ class Stream:
         )
         stream.decode_alone = state["decode_alone"]
         set_object_state(stream.text, state["text"])
+        stream.text.lexicon = Lexicon(*state["lexicon"]) if state.get("lexicon") else None
         stream._unscheduled, stream._timings = list(state["unscheduled"]), list(state["timings"])
         stream._schedules = copy.deepcopy(state["schedules"])
         for chunk in unread:
-            stream.deliver(chunk)
+            stream.deliver(chunk)  # already at its gain
+        stream.gain_db = state.get("gain_db", 0.0)
         stream.samples = state["samples"]  # counts the unread audio too
         stream.first_audio_at = stream.first_audio_at or (time.perf_counter() if state["samples"] else None)
         return stream

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from streaming.sentence_reader import read_sentence
 from streaming.slots import CHUNK_SCHEDULE, PACE_STRETCH, pace_factor
 from tts.codec import CodecConfig
+from tts.lexicon import Lexicon
 from tts.model import ModelConfig
 from tts.normalize import Token, complete_length, reads_by_next, sentence_end, split_sentences, tokenize
 from tts.text import MAX_TEXT_CHARS, SYMBOL_ID, TextError
@@ -47,7 +48,8 @@ _GAP = " ,;:"  # units between two words of a sentence
 # FLUENT (lookahead 0): words wait only for a next word that changes the words ("$5" million), not for one that
 # changes only their sounds ("the" apple: ðɪ; "on the": ɔnðə): such a word is read as before any word, and the gap
 # after the last complete word goes with it (`TextStream._gap_with_word`). Why: the engine spoke a unit only once
-# 11 more were there (text_lookahead 6 + ahead 4 + 1; 5 since speculative encoding), and with Harvard sentences' many "the"s and "on the"s, words
+# 11 more were there (text_lookahead 6 + ahead 4 + 1; 5 since speculative encoding), and with Harvard sentences' many
+# "the"s and "on the"s, words
 # waiting for their next made the text come in lumps (4, 7, 7, 5, 0, 0, 12 units a word for "The birch canoe slid
 # on the smooth"), which the start hold had to wait out and which still stalled. Before, only a stream's first 16
 # units read this way. Cost, 720 Harvard sentences (lookahead 0): units equal to the whole sentence's in 476 (609
@@ -142,8 +144,9 @@ def engine_lookahead(cfg: ModelConfig, speculative: bool = True) -> tuple[int, i
 class TextStream:
     # How a sentence is read: `read_sentence` here, or in a process of its own (`ProcessReader`, set per stream)
     reader: Callable[[list[Token], int, bool], tuple[list[str], list[int]]] = staticmethod(read_sentence)
-    TRANSIENT = ("reader",)  # not part of a stream's state (`streaming.stream.object_state`)
+    TRANSIENT = ("reader", "lexicon")  # not in `streaming.stream.object_state` (the lexicon: `Stream.export_state`)
     clock: Callable[[], float] = staticmethod(time.perf_counter)  # when text arrives (`_may_start`)
+    lexicon: Lexicon | None = None  # how its words are said (`tts.lexicon`; set before the first text)
 
     def __init__(
         self,
@@ -185,6 +188,7 @@ class TextStream:
         self._pieces = 0
         self._lock = threading.Lock()
         self.spoken_any = False
+        self._silent: list[int] = []  # units taken before any speech (`_once_speech`)
         self._timings = _WordTimings()
         # When (`clock`) the start went through its stages, the first time each happened (a stats-only timeline,
         # `bench.incremental --timeline`): "read" units first read, "enough" the units held first covered the
@@ -252,7 +256,19 @@ class TextStream:
             ids, closes = self._take()
             while not ids and self._held is not None and self._dirty:  # held: read on now, as a take that
                 ids, closes = self._take()  # returned nothing is not taken again before new text
+            return self._once_speech(ids, closes)
+
+    def _once_speech(self, ids: list[int], closes: bool) -> tuple[list[int], bool]:
+        """Units go on only once something among them is speech (a word or a pause): text that turns out to say
+        nothing ("...", "<b>-</b>") then reaches the engine as no units at all, which it refuses before any audio
+        (over HTTP a 400, not a 200 whose body breaks off). Example: "..." then "Hi." -> [] then "... Hi." 's units."""
+        if self.spoken_any and not self._silent:
             return ids, closes
+        self._silent += ids
+        if not self.spoken_any:
+            return [], closes
+        ids, self._silent = self._silent, []
+        return ids, closes
 
     def release_at(self) -> float | None:
         """When (`clock` seconds) the held first units go on if no more text comes before the next piece is due:
@@ -283,6 +299,8 @@ class TextStream:
         usable = usable or ready  # one token longer than TAKE_CHARS: all of it
         closes = final and usable == len(text)
         tokens = tokenize(text[:usable])
+        if self.lexicon:
+            tokens = self.lexicon.apply(tokens)
         spans = split_sentences(tokens, closes)
         later = not self.spoken_any and len(spans) > 1  # a first take reads the first sentence alone
         if later:
@@ -294,7 +312,8 @@ class TextStream:
             read_upto = sentence[-1].end if closed or self._done >= len(sentence) else sentence[self._done].start
             consumed = sentence[-1].end if closed else self._forget_spoken(sentence, consumed)
         self._unread = len(text) - read_upto if spans else len(text)  # text come but not read (`_may_start`)
-        self._text = "" if closes and not text[consumed:].strip() else text[consumed:]
+        # closed: every token was read, and what follows the last one says nothing (a closing tag, "</speak>")
+        self._text = "" if closes else text[consumed:]
         self._dirty = usable < ready or later  # the rest comes in the next takes
         self._final = final and not closes
         return self._start([SYMBOL_ID[u] for u in units], closes)
@@ -431,7 +450,12 @@ class TextStream:
                 self._done, self._partial = (last + 1, 0) if whole else (last, taken_words.count(last))
                 self._read_alone = self._done == len(tokens)  # read before any next word (`_swallowed`)
             self._timings.complete(self._done)
-        self.spoken_any = self.spoken_any or any(u.isalpha() for u in taken)
+        # a pause is something to say too: "<speak><break time='1s'/></speak>" is a second of silence, not an error
+        self.spoken_any = (
+            self.spoken_any
+            or any(u.isalpha() for u in taken)
+            or any(tokens[o].kind == "pause" and tokens[o].pause_ms > 0 for o in owners[start:cut] if o >= 0)
+        )
         return taken
 
     def _swallowed(self, tokens: list[Token], owners: list[int], ready: int) -> bool:

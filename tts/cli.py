@@ -75,28 +75,28 @@ def utterances(text: str, limit: int = UTTERANCE_CHARS) -> list[str]:
 
 
 # ---- audio out --------------------------------------------------------------------------------------
-def local_chunks(parts: list[str], voice: str | None, speed: float, seed: int | None) -> Iterator:
+def local_chunks(parts: list[str], voice: str | None, speed: float, seed: int | None, lexicon=None) -> Iterator:
     """Chunks of each utterance from the in-process engine, ``None`` after each utterance."""
     from tts.api import synthesize_stream
 
     for i, text in enumerate(parts):
-        yield from synthesize_stream(text, voice, speed, seed=None if seed is None else seed + i)
+        yield from synthesize_stream(text, voice, speed, seed=None if seed is None else seed + i, lexicon=lexicon)
         yield None
 
 
-async def _server_chunks(url: str, parts: list[str], voice: str | None, speed: float):
+async def _server_chunks(url: str, parts: list[str], voice: str | None, speed: float, lexicon=None):
     from tts.client import connect
 
     async with connect(url) as client:
         for text in parts:
-            async for chunk in client.speak(text, voice, speed):
+            async for chunk in client.speak(text, voice, speed, lexicon=lexicon):
                 yield chunk
             yield None
 
 
-def server_chunks(url: str, parts: list[str], voice: str | None, speed: float) -> Iterator:
+def server_chunks(url: str, parts: list[str], voice: str | None, speed: float, lexicon=None) -> Iterator:
     """The same from a running server over one WebSocket, driven one chunk at a time on a private loop."""
-    loop, chunks = asyncio.new_event_loop(), _server_chunks(url, parts, voice, speed)
+    loop, chunks = asyncio.new_event_loop(), _server_chunks(url, parts, voice, speed, lexicon)
     try:
         while True:
             try:
@@ -171,14 +171,21 @@ def cmd_say(args) -> int:
     fmt = format_for(args.output, args.format) if args.output else None
     if args.subtitles:
         subtitles.subtitle_format(args.subtitles)
+    if args.loudness is not None and (args.output is None or not -70 <= args.loudness <= 0):
+        raise InputError("--loudness is for files (-o), a loudness from -70 to 0 LUFS (e.g. -16)")
     if args.server and (args.subtitles or args.seed is not None):
         raise InputError("--subtitles and --seed work with local synthesis only (drop --server)")
+    lexicon = read_lexicon(args.lexicon)
     parts = speakable_parts(read_texts(args.text, args.input))
     source = (
-        server_chunks(args.server, parts, args.voice, args.speed)
+        server_chunks(args.server, parts, args.voice, args.speed, lexicon)
         if args.server
-        else local_chunks(parts, args.voice, args.speed, args.seed)
+        else local_chunks(parts, args.voice, args.speed, args.seed, lexicon)
     )
+    if args.loudness is not None:
+        from tts.loudness import normalized
+
+        source = normalized(source, SAMPLE_RATE, args.loudness)
     started = time.perf_counter()
     with contextlib.closing(source), open_sink(args.output, fmt) as write:
         samples, words = write_speech(source, parts, write, args.quiet)
@@ -192,6 +199,17 @@ def cmd_say(args) -> int:
             f"{where}: {samples / SAMPLE_RATE:.2f} s of audio in {time.perf_counter() - started:.2f} s", file=sys.stderr
         )
     return 0
+
+
+def read_lexicon(path: str | None) -> dict[str, str] | None:
+    """--lexicon FILE's entries, checked (a bad one fails here, naming it, before any audio)."""
+    if path is None:
+        return None
+    from tts.lexicon import Lexicon, read_entries
+
+    entries = read_entries(path)
+    Lexicon.load(path)
+    return entries
 
 
 # ---- other commands ---------------------------------------------------------------------------------
@@ -241,6 +259,7 @@ def cmd_serve(args) -> int:
     from serving.limits import Limits, limits_from
     from tts.api import get_engine
 
+    lexicon = read_lexicon(args.lexicon)
     if args.workers > 1:  # each worker loads its own engine (serving/workers.py): none here
         if args.wyoming_uri:
             raise InputError("--wyoming-uri is not served with --workers (run `tts wyoming` beside it)")
@@ -252,6 +271,7 @@ def cmd_serve(args) -> int:
             compile=not args.no_compile,
             workers=args.workers,
             max_streams=args.max_streams,
+            lexicon=lexicon,
             **limits_from(args),
         )
         return 0
@@ -268,6 +288,7 @@ def cmd_serve(args) -> int:
             engine=engine,
             api_keys=args.api_key,
             allow_origins=args.allow_origin,
+            lexicon=lexicon,
             **limits_from(args),
         )
     return 0
@@ -345,6 +366,12 @@ def serve_parser(sub) -> None:
         type=int,
         metavar="INT",
         help="utterances the engine speaks at once (its slots; default 8); more wait in the queue",
+    )
+    serve.add_argument(
+        "--lexicon",
+        metavar="FILE",
+        help="server-wide pronunciations: JSON or TSV of word -> /IPA/ or respelling; a request's own entries win "
+        "(docs/agents.md)",
     )
     serve.add_argument(
         "--api-key",
@@ -504,6 +531,18 @@ def parser() -> argparse.ArgumentParser:
     say.add_argument("--seed", type=int, help="repeatable speech: the same seed and text give the same audio")
     say.add_argument("--subtitles", metavar="FILE", help="also write subtitles from word timings (.srt or .vtt)")
     say.add_argument("--server", help="stream from a running server, e.g. ws://127.0.0.1:8000")
+    say.add_argument(
+        "--loudness",
+        type=float,
+        metavar="LUFS",
+        help="bring the file to this integrated loudness "
+        "(ITU-R BS.1770), true peak at most -1 dBTP, e.g. -16 (needs pip install \"tts[loudness]\")",
+    )
+    say.add_argument(
+        "--lexicon",
+        metavar="FILE",
+        help="pronunciations: JSON or TSV of word -> /IPA/ or respelling (docs/agents.md, tts/lexicon.py)",
+    )
     say.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
     say.set_defaults(run=cmd_say)
     voices = sub.add_parser("voices", help="list the voices")

@@ -207,10 +207,12 @@ class StreamClient:
         sample_rate: int | None = None,
         timings: bool = False,
         word_timings: bool = False,
+        lexicon: dict[str, str] | None = None,
     ) -> AsyncIterator[bytes]:
         """The utterance's binary frames in `fmt` (at `sample_rate`, default 24 kHz), as they arrive. `seed`: the
         same seed and request give the same audio. `timings` / `word_timings`: the server's timing events (phonemes
-        / words, in seconds) gather in `self.timings`. Leaving the loop early cancels the utterance: at once inside
+        / words, in seconds) gather in `self.timings`. `lexicon`: ``{"word": "/IPA/" or "respelling"}`` for this
+        utterance (`tts.lexicon`). Leaving the loop early cancels the utterance: at once inside
         `contextlib.aclosing(...)`, else when the generator is dropped (the next utterance on this connection
         waits for that)."""
         async with self._lock:
@@ -222,6 +224,7 @@ class StreamClient:
                 sample_rate=sample_rate,
                 timings=timings or None,
                 word_timings=word_timings or None,
+                lexicon=lexicon or None,
             )
             sender = asyncio.create_task(self._send_text(text))
             try:

@@ -6,7 +6,7 @@ spoken form, looking at its neighbours where English needs them ("$5 million", "
 num2words. Examples (``normalize``):
 
     2024-03-04 -> March fourth, twenty twenty-four      3:45pm -> three forty-five P.M.
-    1/2 cup -> one half cup                            555-123-4567 -> five five five, one two three, four five six seven
+    1/2 cup -> one half cup                           555-123-4567 -> five five five, one two three, four five six seven
     5kg -> five kilograms      72°F -> seventy-two degrees Fahrenheit      -3 -> minus three
     1990s -> nineteen nineties     2.0.1 -> two point zero point one     $5M -> five million dollars
     St. Mark St. -> saint Mark street     https://example.com/docs -> example dot com slash docs
@@ -16,7 +16,9 @@ Markup (the user's control; spaces inside ``[[...]]`` are ignored):
 
     [[h ə l ˈoʊ]]                              these phonemes (espeak IPA, as `tts.text.SYMBOLS`) as one word
     <phoneme ph="h ə l ˈoʊ">hello</phoneme>    SSML: the word "hello", spoken with these phonemes
-    <break time="500ms"/>  <break time="1s"/>  a pause (also ``<break/>``: a medium pause)
+    <break time="500ms"/>  <break time="1s"/>  a pause (also ``<break/>``: a medium pause; ``strength="weak"``)
+    <say-as interpret-as="characters">cat</say-as>, <sub alias="tomato">Zorblax</sub>, <p>, <s>, <prosody>:
+                                               `tts.ssml` says what they say; malformed ones are a TextError
     <speak>...</speak> and other tags          dropped; their text is read
 
 Sentences end at ``.``, ``!``, ``?`` or a blank line, not after a title ("Dr. Li"), a mid-sentence
@@ -29,13 +31,21 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tts.normalize_rules import Context, clean, first_rule, split_token
 from tts.normalize_tables import BEFORE_NUMBER, CURRENCY_CODES, MONTH_OF, NONFINAL, TITLES
+from tts.ssml import (
+    ELEMENTS,
+    NEEDS_CLOSING,
+    OPEN_ELEMENT,
+    SENTENCE_TAGS,
+    MarkupError,
+    element_words,
+    pause_ms,
+    prosody_rate,
+)
 from tts.symbols import SYMBOL_ID  # the unit inventory is the phonemiser's fact
-
-PAUSE_MS_DEFAULT = 500
 
 
 class TextError(ValueError):
@@ -53,14 +63,21 @@ class Token:
     phonemes: str = ""  # "phonemes": the units, spaces removed
     pause_ms: int = 0  # "pause"
     para_end: bool = False  # a blank line follows: the sentence ends here
+    said: str = ""  # "word": words said instead of its own (<say-as>, <sub>, a lexicon's respelling)
+    # "word" with phonemes: said with these units (a lexicon's entry), its text still the word as written
 
     @property
     def word(self) -> str:
-        """What the user wrote, for word timings (a <phoneme> element's word; "" for a pause)."""
-        if self.kind == "phonemes":
+        """What the user wrote, for word timings (an element's content; "" for a pause or [[...]])."""
+        if self.text.startswith("<"):
             inner = re.search(r">(.*)<", self.text, re.S)
             return inner.group(1).strip() if inner else ""
-        return "" if self.kind == "pause" else self.text
+        return "" if self.kind == "pause" or self.text.startswith("[[") else self.text
+
+    @property
+    def fixed(self) -> bool:
+        """A word whose spoken form markup or a lexicon fixed: the normaliser's rules do not read it."""
+        return self.kind == "word" and bool(self.said or self.phonemes)
 
 
 # ---- tokens ---------------------------------------------------------------------------------------
@@ -68,25 +85,14 @@ _MARKUP = re.compile(
     r"\[\[(?P<ipa>[^\[\]]*)\]\]"
     r"|<phoneme\b[^>]*?\bph\s*=\s*(?P<q>[\"'])(?P<ph>.*?)(?P=q)[^>]*>(?P<word>.*?)</phoneme\s*>"
     r"|<break\b(?P<attrs>[^>]*?)/?>"
-    r"|</?[A-Za-z][\w:-]*(?:\s[^<>]*)?/?>",
+    rf"|{ELEMENTS}"
+    r"|<(?P<end>/?)(?P<tag>[A-Za-z][\w:-]*)(?P<tag_attrs>(?:\s[^<>]*)?)/?>",
     re.S,
 )
-_OPEN_MARKUP = re.compile(r"\[\[(?![^\]]*\]\])|<(?=[A-Za-z/])[^>]*$|<phoneme\b(?![\s\S]*</phoneme\s*>)")
-
-
-def _pause_ms(attrs: str) -> int:
-    """``time="500ms"``/``"1.5s"`` -> milliseconds (at most 10 s); ``strength="strong"`` etc. as SSML says."""
-    time = re.search(r"time\s*=\s*[\"']\s*([\d.]+)\s*(ms|s)\s*[\"']", attrs)
-    if time:
-        try:
-            value = float(time.group(1)) * (1 if time.group(2) == "ms" else 1000)
-        except ValueError:
-            raise TextError(f"bad break time in <break{attrs}>") from None
-        return int(min(max(value, 0), 10_000))
-    strength = re.search(r"strength\s*=\s*[\"'](\w[\w-]*)[\"']", attrs)
-    return {"none": 0, "x-weak": 100, "weak": 250, "medium": 500, "strong": 750, "x-strong": 1000}.get(
-        strength.group(1) if strength else "medium", PAUSE_MS_DEFAULT
-    )
+_OPEN_MARKUP = re.compile(
+    r"\[\[(?![^\]]*\]\])|<(?=[A-Za-z/])[^>]*$|<phoneme\b(?![\s\S]*</phoneme\s*>)"
+    rf"|{OPEN_ELEMENT}"
+)
 
 
 def complete_length(text: str) -> int:
@@ -99,22 +105,47 @@ def complete_length(text: str) -> int:
 
 
 def tokenize(text: str) -> list[Token]:
-    """Whitespace-separated words and markup elements, with their offsets."""
+    """Whitespace-separated words and markup elements, with their offsets. Raises TextError for malformed
+    markup."""
+    try:
+        return _tokenize(text)
+    except MarkupError as err:
+        raise TextError(str(err)) from None
+
+
+def _tokenize(text: str) -> list[Token]:
     tokens: list[Token] = []
     position = 0
     for match in _MARKUP.finditer(text):
         tokens += _words(text, position, match.start())
+        whole, start, end = match.group(0), match.start(), match.end()
         if match.group("ipa") is not None or match.group("ph") is not None:
             ipa = match.group("ipa") if match.group("ipa") is not None else match.group("ph")
-            tokens.append(Token(match.group(0), match.start(), match.end(), "phonemes", _ipa(ipa)))
-        elif match.group(0).startswith("<break"):
-            tokens.append(
-                Token(
-                    match.group(0), match.start(), match.end(), "pause", pause_ms=_pause_ms(match.group("attrs") or "")
-                )
-            )
+            tokens.append(Token(whole, start, end, "phonemes", ipa_units(ipa)))
+        elif whole.startswith("<break"):
+            tokens.append(Token(whole, start, end, "pause", pause_ms=pause_ms(match.group("attrs") or "")))
+        elif match.group("el"):
+            said = element_words(match.group("el"), match.group("el_attrs"), match.group("el_inner"))
+            tokens.append(Token(whole, start, end, said=said))
+        else:
+            _tag(match, tokens)
         position = match.end()
     return tokens + _words(text, position, len(text))
+
+
+def _tag(match: re.Match, tokens: list[Token]) -> None:
+    """A tag without content of its own: ``</p>`` or ``<s>`` ends the sentence before it; ``<prosody>``'s
+    rate is checked; a lone ``<say-as>`` or ``</sub>`` is malformed; other tags say nothing."""
+    tag = match.group("tag").lower()
+    if tag in NEEDS_CLOSING:
+        raise MarkupError(
+            f"{match.group(0)} at offset {match.start()} has no "
+            f"{'start' if match.group('end') else 'end'} tag (or holds markup)"
+        )
+    if tag == "prosody" and not match.group("end"):
+        prosody_rate(match.group("tag_attrs"))
+    if tag in SENTENCE_TAGS and tokens and tokens[-1].kind == "word":
+        tokens[-1] = replace(tokens[-1], para_end=True)
 
 
 def _words(text: str, start: int, stop: int) -> list[Token]:
@@ -125,7 +156,7 @@ def _words(text: str, start: int, stop: int) -> list[Token]:
     ]
 
 
-def _ipa(phonemes: str) -> str:
+def ipa_units(phonemes: str) -> str:
     units = unicodedata.normalize("NFD", re.sub(r"\s+", "", phonemes))
     bad = sorted({u for u in units if u not in SYMBOL_ID or u in "_^$"})
     if bad or not units:
@@ -144,6 +175,8 @@ def sentence_end(tokens: list[Token], i: int) -> bool | None:
         return False
     if token.para_end:
         return True
+    if token.said:
+        return False  # an element's words end no sentence
     text = token.text.rstrip(_CLOSERS)
     if not text or text[-1] not in ".!?":
         return False
@@ -170,12 +203,16 @@ def reads_by_next(token: Token) -> bool:
     month ("March" 4), a title or abbreviation ("St." Mark or Main St.)."""
     core = split_token(clean(token.text))[1]
     key = core.rstrip(".").lower()
-    return token.kind == "word" and (
-        any(c.isdigit() for c in core)
-        or key in MONTH_OF
-        or key in TITLES
-        or key in BEFORE_NUMBER
-        or core.upper() in CURRENCY_CODES
+    return (
+        token.kind == "word"
+        and not token.fixed
+        and (
+            any(c.isdigit() for c in core)
+            or key in MONTH_OF
+            or key in TITLES
+            or key in BEFORE_NUMBER
+            or core.upper() in CURRENCY_CODES
+        )
     )
 
 
@@ -217,6 +254,11 @@ def speak(tokens: list[Token], closed: bool = True) -> list[str]:
         if tokens[i].kind != "word":
             i += 1
             continue
+        if tokens[i].fixed:  # markup's or a lexicon's words, and the word's own trailing marks
+            trail = _trail_words(ctx.trail[i], closed and i == len(tokens) - 1)
+            spoken[i] = f"{tokens[i].said}{trail}" if tokens[i].said else ""
+            i += 1
+            continue
         said = first_rule(ctx, i)
         for k, words in enumerate(said):
             trail = _trail_words(ctx.trail[i + k], closed and i + k == len(tokens) - 1)
@@ -242,9 +284,20 @@ def _end_mark(tokens: list[Token], spoken: list[str]) -> None:
     After trailing markup the phonemiser adds the mark (`tts.text.sentence_units`)."""
     mark = end_mark(tokens)
     last = next(
-        (k for k in range(len(spoken) - 1, -1, -1) if spoken[k].strip(",;:.!? ") or tokens[k].kind != "word"), None
+        (
+            k
+            for k in range(len(spoken) - 1, -1, -1)
+            if spoken[k].strip(",;:.!? ") or tokens[k].kind != "word" or tokens[k].phonemes
+        ),
+        None,
     )
-    if mark and last is not None and tokens[last].kind == "word" and not spoken[last].endswith((".", "!", "?")):
+    if (
+        mark
+        and last is not None
+        and tokens[last].kind == "word"
+        and not tokens[last].phonemes
+        and not spoken[last].endswith((".", "!", "?"))
+    ):
         spoken[last] = spoken[last].rstrip(",;:") + mark
         for k in range(last + 1, len(spoken)):
             spoken[k] = ""
@@ -263,7 +316,9 @@ def normalize(text: str) -> str:
     """What a reader says, as text: ``"Dr. Li paid $3.50 on 3/4/2021"`` ->
     ``"doctor Li paid three dollars and fifty cents on March fourth, twenty twenty-one"``.
     Markup is dropped (a <phoneme> element leaves its word)."""
-    return join_spoken(said if token.kind == "word" else token.word for token, said in spoken_words(text))
+    return join_spoken(
+        said if token.kind == "word" and not token.phonemes else token.word for token, said in spoken_words(text)
+    )
 
 
 def join_spoken(words) -> str:

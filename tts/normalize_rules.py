@@ -1,4 +1,4 @@
-"""The rules that read one token of a sentence aloud, looking at its neighbours, and the number words.
+"""The rules that read one token of a sentence aloud, looking at its neighbours (the number words: `tts.number_words`).
 
 Each rule is ``rule(ctx, i) -> spoken forms of tokens i, i+1, ... | None``; `first_rule` tries them in
 order (the order matters: a date before a range, a unit before a plain number). A rule that reads two
@@ -16,7 +16,6 @@ from tts.normalize_tables import (
     BEFORE_NUMBER,
     CURRENCIES,
     CURRENCY_CODES,
-    FRACTION_NAMES,
     MAGNITUDES,
     MONTH_OF,
     MONTHS,
@@ -32,9 +31,7 @@ from tts.normalize_tables import (
     URL_SYMBOLS,
     VULGAR_FRACTIONS,
 )
-
-LONGEST_NUMBER = 15  # digits; longer runs are read digit by digit (num2words overflows near 10**306)
-
+from tts.number_words import cardinal, counted_amount, digits, fraction, number, ordinal, year
 
 _LEAD = "\"'([{¿¡“‘«*_"
 _TRAIL = "\"')]}”’»*_,;:!?."
@@ -75,7 +72,10 @@ class Context:
 
     def __init__(self, tokens: list):
         self.tokens = tokens
-        parts = [split_token(clean(t.text)) if t.kind == "word" else ("", "", "") for t in tokens]
+        parts = [
+            split_token(clean(t.text)) if t.kind == "word" and not t.text.startswith("<") else ("", "", "")
+            for t in tokens
+        ]  # an element's words are its own (`tts.ssml`)
         self.raw = [t.text for t in tokens]
         self.core = [p[1] for p in parts]
         self.trail = [p[2] for p in parts]
@@ -137,77 +137,6 @@ def plain_word(core: str) -> bool:
         return False
     numeral = core[:-2] if core.endswith("'s") else core
     return not _ROMAN_DIGITS.issuperset(numeral) and core.replace("'", "").replace("-", "").isalpha()
-
-
-# ---- number words ---------------------------------------------------------------------------------
-def _num2words(number: int, **kwargs) -> str:
-    from num2words import num2words  # imported on use: training on the GPU needs only the unit table
-
-    return re.sub(r",| and\b", "", num2words(number, **kwargs))
-
-
-def digits(text: str, zero: str = "zero") -> str:
-    """ "4607" -> "four six zero seven" (``zero="oh"`` for phone numbers)."""
-    names = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-    return " ".join(zero if d == "0" else names[int(d)] for d in text if d.isdigit())
-
-
-def cardinal(number: int) -> str:
-    if number < 0:
-        return f"minus {cardinal(-number)}"
-    if len(str(number)) > LONGEST_NUMBER:
-        return digits(str(number))
-    return _num2words(number)
-
-
-def ordinal(number: int) -> str:
-    if len(str(number)) > LONGEST_NUMBER:
-        return digits(str(number))
-    return _num2words(number, to="ordinal")
-
-
-def year(number: int) -> str:
-    """1990 -> nineteen ninety, 2005 -> two thousand five, 1905 -> nineteen oh-five."""
-    return _num2words(number, to="year") if 1000 <= number <= 2099 else cardinal(number)
-
-
-_NUMBER = re.compile(r"(?P<sign>[-+]?)(?P<int>\d{1,3}(?:,\d{3})+|\d*)(?:\.(?P<frac>\d+))?")
-
-
-def number(text: str, years: bool = False) -> str | None:
-    """A written number, or None: "-1,234.50" -> minus one thousand two hundred thirty-four point five zero.
-    ``years``: a bare four-digit integer from 1000 to 2099 is read as a year."""
-    match = _NUMBER.fullmatch(text)
-    if not match or not (match.group("int") or match.group("frac")):
-        return None
-    sign = {"-": "minus ", "+": "plus "}[match.group("sign")] if match.group("sign") else ""
-    whole, frac = match.group("int").replace(",", ""), match.group("frac")
-    if not whole:
-        said = ""
-    elif len(whole) > 1 and whole.startswith("0"):
-        said = digits(whole)
-    elif years and not frac and "," not in match.group("int") and len(whole) == 4 and 1000 <= int(whole) <= 2099:
-        said = year(int(whole))
-    else:
-        said = cardinal(int(whole))
-    if frac:
-        said = f"{said} point {digits(frac)}".strip()
-    return sign + said
-
-
-def _amount(text: str) -> tuple[str, bool] | None:
-    """A number to count things with: (words, plural?). "1" -> ("one", False), "1.5" -> (..., True)."""
-    said = number(text)
-    if said is None:
-        return None
-    return said, text.lstrip("+-").replace(",", "") not in ("1", "1.0")
-
-
-def fraction(numerator: int, denominator: int) -> str | None:
-    if not (2 <= denominator <= 16 or denominator in (32, 64, 100, 1000)) or numerator > 10 * denominator:
-        return None
-    one, many = FRACTION_NAMES.get(denominator, (ordinal(denominator), ordinal(denominator) + "s"))
-    return f"{cardinal(numerator)} {one if numerator == 1 else many}"
 
 
 # ---- rules: each (ctx, i) -> spoken forms of tokens i, i+1, ... or None ----------------------------
@@ -376,11 +305,11 @@ def _with_unit(ctx: Context, i: int) -> list[str] | None:
     match = re.fullmatch(r"([-+]?\d[\d,]*(?:\.\d+)?)\s?(°[CFK]?|[A-Za-zµ°²/]+2?)", ctx.core[i])
     counted = ctx.at(i - 1).lower() not in ("a", "an")  # "a 512 GB drive": the unit names a kind, singular
     if match and match.group(2) in UNITS:
-        amount = _amount(match.group(1))
+        amount = counted_amount(match.group(1))
         if amount:
             one, many = UNITS[match.group(2)]
             return [f"{amount[0]} {many if amount[1] and counted else one}"]
-    amount = _amount(ctx.core[i]) if ctx.at(i + 1) in SPACED_UNITS else None
+    amount = counted_amount(ctx.core[i]) if ctx.at(i + 1) in SPACED_UNITS else None
     if amount and not ctx.trail[i]:
         one, many = UNITS[ctx.at(i + 1)]
         return [amount[0], many if amount[1] and counted else one]

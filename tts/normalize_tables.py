@@ -286,6 +286,16 @@ TOP_DOMAINS = {
     "it",
 }
 
+# Letter names, as <say-as interpret-as="characters"> spells a word (`tts.ssml`)
+LETTER_NAMES = dict(
+    zip(
+        "abcdefghijklmnopqrstuvwxyz",
+        (
+            "ay bee see dee ee eff gee aitch eye jay kay el em en oh pee cue ar ess tee you vee double-you ex why zee"
+        ).split(),
+    )
+)
+
 # Acronyms spelled letter by letter that espeak would read as words (it spells FBI, CEO, USA, API itself).
 SPELLED = {"NYC", "IO", "IOU", "UAE", "AWS", "ETA", "UPS", "EV", "PS", "ICU", "IPA", "AT"}
 

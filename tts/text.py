@@ -163,14 +163,14 @@ def sentence_units(tokens: list[Token], spoken: list[str], closed: bool) -> tupl
         owners.extend(more_owners)
 
     for index, (token, said) in enumerate(zip(tokens, spoken)):
-        if token.kind == "word":
+        if token.kind == "word" and not token.phonemes:
             if said:
                 run.append((index, said))
             continue
         if run:
             add(*_run_units(run))
             run = []
-        more = list(token.phonemes) if token.kind == "phonemes" else pause_units(token.pause_ms)
+        more = list(token.phonemes) if token.phonemes else pause_units(token.pause_ms)
         add(more, [index] * len(more))
     if run:
         add(*_run_units(run))

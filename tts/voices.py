@@ -73,7 +73,8 @@ def _rounded(mix: dict[int, float]) -> dict[int, float]:
 
 def blend_preset(voice: str, presets: dict[str, dict], temperature: float) -> dict:
     """The preset a stream speaks with: the named preset, or for a blend spec one made up of its voices'
-    (pace and temperature are their weighted means; ``temperature`` stands in for a voice without one), with
+    (pace, temperature and loudness gain_db are their weighted means; ``temperature`` stands in for a voice
+    without one), with
     ``mix`` (row -> weight) and ``name``, the spec normalised (voices in row order, weights to 4 decimals):
     "kumo:0.4+joe:0.6" and "joe:0.6+kumo:0.4" are both named "joe:0.6+kumo:0.4"; "joe:1" is "joe"."""
     mix = voice_mix(voice, presets)
@@ -87,6 +88,7 @@ def blend_preset(voice: str, presets: dict[str, dict], temperature: float) -> di
         **({"blend": name} if len(mix) > 1 else {}),
         "pace": round(sum(w * p.get("pace", 1.0) for p, w in parts), 4),
         "temperature": round(sum(w * p.get("temperature", temperature) for p, w in parts), 4),
+        "gain_db": round(sum(w * p.get("gain_db", 0.0) for p, w in parts), 2),
     }
     return {**mixed, **presets.get(voice, presets.get(name, {})), "mix": mix}
 
