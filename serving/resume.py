@@ -117,7 +117,8 @@ class SpentTokens:
     (16 bytes each: memory stays bounded however many sessions come and go)."""
 
     def __init__(self, keep: int = 10_000):
-        self.keep, self._tokens = keep, OrderedDict()
+        self.keep = keep
+        self._tokens: OrderedDict[str, None] = OrderedDict()
 
     def add(self, token: str) -> None:
         self._tokens[token] = None

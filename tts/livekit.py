@@ -101,7 +101,7 @@ class ChunkedStream(tts.ChunkedStream):
     """A whole text, spoken as one utterance."""
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
-        context = await self._tts.open()
+        context = await self._tts.open()  # type: ignore[attr-defined]
         output_emitter.initialize(
             request_id=context.context_id, sample_rate=context.sample_rate, num_channels=1, mime_type="audio/pcm"
         )
@@ -112,7 +112,7 @@ class SynthesizeStream(tts.SynthesizeStream):
     """Pushed text, spoken as it comes: one segment (the framework's flush ends it), one utterance."""
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
-        context = await self._tts.open()
+        context = await self._tts.open()  # type: ignore[attr-defined]
         output_emitter.initialize(
             request_id=context.context_id,
             sample_rate=context.sample_rate,

@@ -84,7 +84,7 @@ class _ContextsService(TTSService):
 
     async def flush_audio(self, context_id: str | None = None):
         """The reply's text has all come: the utterance ends (the rest is spoken, then ``done``)."""
-        context = self._speaking.get(context_id or self.get_active_audio_context_id())
+        context = self._speaking.get(context_id or self.get_active_audio_context_id() or "")
         if context is not None:
             try:
                 await context.end()
