@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tts.text import SPEAKABLE_CONTEXT, has_speakable
+from tts.text import SPEAKABLE_CONTEXT, TextError, has_speakable
 
 
 class SpeakableGate:
@@ -31,7 +31,11 @@ class SpeakableGate:
         if self.speakable:
             return
         self.text_seen = self.text_seen or bool(text.strip())
-        if has_speakable(self._tail + text):
+        try:
+            speakable = has_speakable(self._tail + text)
+        except TextError:  # markup cut in two by the pieces, or a tail cut mid-tag: the text stream itself
+            speakable = False  # reports markup that is truly malformed, as a typed error
+        if speakable:
             self.speakable = True
             self._open.set()
         self._tail = (self._tail + text)[-SPEAKABLE_CONTEXT:]

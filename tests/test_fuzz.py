@@ -742,10 +742,9 @@ class _LogTap:
 
 @pytest.fixture(scope="module")
 def wyoming_fuzzed():
-    from helpers import tiny_random
-
     from serving.limits import Limits
     from serving.wyoming import WyomingServer
+    from testkit import tiny_random
 
     engine = tiny_random(max_streams=3, max_open=8)
     tap = _LogTap()

@@ -445,7 +445,7 @@ def test_connections_over_the_cap_wait_for_a_resume_only_as_many_as_the_client_h
     """Issue 48 door 2: with one session waiting for its resume, every further connection from that address was
     held ~5 s (3,000 of them: 3,028 open files). Now one at a time waits; the rest are refused at once, and
     another address has nothing waiting, so it is refused at once too; the waiting session still resumes."""
-    from helpers import tiny_random
+    from testkit import tiny_random
 
     engine = tiny_random(max_streams=2, max_open=8)
     server = make_server(engine, resume_window_s=30, max_connections=2)
