@@ -3,6 +3,8 @@ teachers' audio cached on disk, and a decoder comparison on it.
 
     python -m bench.modern --voices joe            # speak (or find cached) every sentence of both splits
     python -m bench.modern --voices joe slt --split dev
+    python -m bench.modern --voices joe --split test --n 60 --decoders voices training/checkpoints/spectral \
+        --out bench/results/decoders_modern_joe.json   # the shipped decoder against a spectral decoder round
 
 Teacher audio is spoken once per voice and sentence (``training.corpus.speak_teacher``), put in the corpus's
 form (24 kHz, 0.1 s silence margins, -20 dBFS RMS: ``bench.quality.corpus_form``) and kept as 24-bit FLAC at
@@ -171,13 +173,49 @@ def compare_decoder(
     return report
 
 
+def load_decoder(folder: Path):
+    """The codec to judge: a codec folder (``voices``), or a spectral decoder round's folder
+    (``training/checkpoints/spectral``) on the shipped encoder and codebooks."""
+    from training.train_decoder import ROUND_FILE, codec_with_round
+    from tts.codec import load_codec
+    from tts.voices import VOICES_DIR
+
+    if (folder / f"{ROUND_FILE}.safetensors").exists():
+        return codec_with_round(VOICES_DIR, folder)
+    return load_codec(folder)
+
+
+def compare_decoders(folders: list[Path], voices: tuple[str, ...], split: str, n: int | None, cache: Path) -> dict:
+    """`compare_decoder` for each folder's decoder on the same sentences, without the per-sentence rows."""
+    report = {}
+    for folder in folders:
+        result = compare_decoder(load_decoder(folder).decode, voices, split, n, cache=cache)
+        report[str(folder)] = {v: {k: x for k, x in r.items() if k != "rows"} for v, r in result["voices"].items()}
+        print(json.dumps({str(folder): report[str(folder)]}), flush=True)
+    return {"split": split, "sentences": n, "decoders": report}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--voices", nargs="+", default=list(SHIPPED_TEACHERS))
     parser.add_argument("--split", choices=SPLITS, nargs="+", default=list(SPLITS))
     parser.add_argument("--scores", action="store_true", help="also score each teacher clip (DNSMOS, Whisper)")
     parser.add_argument("--cache", type=Path, default=CACHE)
+    parser.add_argument(
+        "--decoders",
+        nargs="+",
+        type=Path,
+        default=None,
+        help="instead: judge these decoders' round trips (codec or spectral-round folders)",
+    )
+    parser.add_argument("--n", type=int, default=None, help="with --decoders: the first N sentences of the split")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.decoders:
+        report = compare_decoders(args.decoders, tuple(args.voices), args.split[0], args.n, args.cache)
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=1))
+        return
     for voice in args.voices:
         for split in args.split:
             for sentence in sentences(split):
