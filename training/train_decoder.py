@@ -42,33 +42,17 @@ from training.losses import (
     generator_losses,
 )
 from training.train_codec import time_cosine
-from tts.codec import PART_BYTES, Codec, load_codec
+from tts.codec import Codec, load_codec, part_files, save_parts
 from tts.spectral_decoder import SPECTRAL_PRESETS, SpectralConfig
 
 ROUND_FILE = "spectral_decoder"  # a round's state: <ROUND_FILE>.safetensors, then -1, -2... (fp16, each < 15 MB)
 
 
 def save_round(decoder, folder: Path, meta: dict) -> None:
-    """The decoder's weights alone (fp16, split under ``PART_BYTES``) with its config: what the next round
+    """The decoder's weights alone (fp16, split under `tts.codec.PART_BYTES`) with its config: what the next round
     resumes from and what a candidate is judged by. The encoder and codebooks are the shipped codec's."""
-    from safetensors.torch import save_file
-
-    state = {k: v.detach().half().contiguous().cpu() for k, v in decoder.state_dict().items()}
     metadata = {"spectral": json.dumps(dataclasses.asdict(decoder.cfg)), **{k: str(v) for k, v in meta.items()}}
-    parts, size = [{}], 0
-    for key, value in state.items():
-        if size + value.nbytes > PART_BYTES and parts[-1]:
-            parts.append({})
-            size = 0
-        parts[-1][key], size = value, size + value.nbytes
-    for stale in folder.glob(f"{ROUND_FILE}*.safetensors"):
-        stale.unlink()
-    for i, part in enumerate(parts):
-        save_file(
-            part,
-            str(folder / (f"{ROUND_FILE}.safetensors" if i == 0 else f"{ROUND_FILE}-{i}.safetensors")),
-            metadata=metadata,
-        )
+    save_parts(decoder.state_dict(), folder, ROUND_FILE, metadata)
 
 
 def codec_with_round(codec_folder: Path, round_folder: Path, device: str = "cpu") -> Codec:
@@ -76,7 +60,7 @@ def codec_with_round(codec_folder: Path, round_folder: Path, device: str = "cpu"
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    files = sorted(round_folder.glob(f"{ROUND_FILE}*.safetensors"), key=lambda p: (len(p.stem), p.stem))
+    files = part_files(round_folder, ROUND_FILE)
     with safe_open(str(files[0]), "pt") as f:
         spectral = SpectralConfig(**json.loads(f.metadata()["spectral"]))
     frozen = load_codec(codec_folder, device)

@@ -272,42 +272,55 @@ CODEC_FILES = ("codec_encoder.safetensors", "codec_decoder.safetensors")  # then
 PART_BYTES = 15_000_000  # each file under 16 MiB, the most a GPU machine's call brings back
 
 
-def decoder_files(folder) -> list:
-    """The quantizer + decoder files of a saved codec, in order: codec_decoder.safetensors, then its parts -1, -2..."""
+def part_files(folder, stem: str) -> list:
+    """The files `save_parts` wrote for ``stem``, in order: <stem>.safetensors, then <stem>-1, <stem>-2, ..."""
     from pathlib import Path
 
-    parts = sorted(Path(folder).glob("codec_decoder-*.safetensors"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
-    return [Path(folder) / CODEC_FILES[1], *parts]
+    parts = sorted(Path(folder).glob(f"{stem}-*.safetensors"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    return [Path(folder) / f"{stem}.safetensors", *parts]
+
+
+def save_parts(state: dict, folder, stem: str, metadata: dict) -> None:
+    """``state`` as fp16 safetensors files of at most ``PART_BYTES`` each (tensors kept whole, in order):
+    <stem>.safetensors, then <stem>-1, ... Example: 14.4 + 2.0 MB of tensors -> two files. Parts of an
+    earlier, longer save are removed."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    parts, size = [{}], 0
+    for key, value in state.items():
+        value = value.detach().half().contiguous().cpu()
+        if size + value.nbytes > PART_BYTES and parts[-1]:
+            parts.append({})
+            size = 0
+        parts[-1][key], size = value, size + value.nbytes
+    for stale in part_files(folder, stem)[1:]:
+        stale.unlink()
+    for i, part in enumerate(parts):
+        save_file(
+            part,
+            str(Path(folder) / (f"{stem}.safetensors" if i == 0 else f"{stem}-{i}.safetensors")),
+            metadata=metadata,
+        )
+
+
+def decoder_files(folder) -> list:
+    """The quantizer + decoder files of a saved codec, in order: codec_decoder.safetensors, then its parts -1, -2..."""
+    return part_files(folder, CODEC_FILES[1].removesuffix(".safetensors"))
 
 
 def save_codec(codec: Codec, folder, meta: dict | None = None) -> None:
     """fp16 safetensors: the encoder in one file, the quantizer and decoder in as many as keep each under
     ``PART_BYTES`` (the SEANet decoder fits one; the spectral decoder takes two)."""
     import json
-    from pathlib import Path
 
-    from safetensors.torch import save_file
-
-    state = {k: v.detach().half().contiguous().cpu() for k, v in codec.state_dict().items()}
+    state = codec.state_dict()
     metadata = {"config": json.dumps(dataclasses.asdict(codec.cfg)), **(meta or {})}
-    save_file(
-        {k: v for k, v in state.items() if k.startswith("encoder.")},
-        str(Path(folder) / CODEC_FILES[0]),
-        metadata=metadata,
-    )
-    parts, size = [{}], 0
-    for k, v in state.items():
-        if k.startswith("encoder."):
-            continue
-        if size + v.nbytes > PART_BYTES and parts[-1]:
-            parts.append({})
-            size = 0
-        parts[-1][k], size = v, size + v.nbytes
-    for stale in decoder_files(folder)[1:]:
-        stale.unlink()
-    for i, part in enumerate(parts):
-        name = CODEC_FILES[1] if i == 0 else f"codec_decoder-{i}.safetensors"
-        save_file(part, str(Path(folder) / name), metadata=metadata)
+    encoder = {k: v for k, v in state.items() if k.startswith("encoder.")}
+    save_parts(encoder, folder, CODEC_FILES[0].removesuffix(".safetensors"), metadata)
+    rest = {k: v for k, v in state.items() if not k.startswith("encoder.")}
+    save_parts(rest, folder, CODEC_FILES[1].removesuffix(".safetensors"), metadata)
 
 
 def config_from_json(cfg: dict) -> CodecConfig:

@@ -179,6 +179,16 @@ class ContextPool:
         self._connections: list[_Connection] = []
         self._lock = asyncio.Lock()
 
+    @classmethod
+    def given(cls, pool: ContextPool | None, url: str | None, who: str, **options) -> tuple[ContextPool, bool]:
+        """``pool``, or a new pool on ``url`` with ``options``; and whether it is new (its caller then closes it).
+        Neither: ValueError naming ``who``, the service that needs one."""
+        if pool is not None:
+            return pool, False
+        if url is None:
+            raise ValueError(f"{who} needs the server's url (or a ContextPool)")
+        return cls(url, **options), True
+
     @property
     def connections(self) -> int:
         return sum(not c.closed for c in self._connections)

@@ -56,13 +56,14 @@ class TTS(tts.TTS):
         contexts_per_connection: int = 4,
         sample_rate: int = 24_000,
     ):
-        self._own_pool = pool is None
-        if pool is None:
-            if url is None:
-                raise ValueError("tts.livekit.TTS needs the server's url (or a ContextPool)")
-            pool = ContextPool(
-                url, api_key=api_key, contexts_per_connection=contexts_per_connection, sample_rate=sample_rate
-            )
+        pool, self._own_pool = ContextPool.given(
+            pool,
+            url,
+            "tts.livekit.TTS",
+            api_key=api_key,
+            contexts_per_connection=contexts_per_connection,
+            sample_rate=sample_rate,
+        )
         self.pool = pool
         super().__init__(
             capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=True),

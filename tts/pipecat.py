@@ -152,13 +152,14 @@ class TTSServerService(_ContextsService):
         sample_rate: int = 24_000,
         **kwargs,
     ):
-        self._own_pool = pool is None
-        if pool is None:
-            if url is None:
-                raise ValueError("TTSServerService needs the server's url (or a ContextPool)")
-            pool = ContextPool(
-                url, api_key=api_key, contexts_per_connection=contexts_per_connection, sample_rate=sample_rate
-            )
+        pool, self._own_pool = ContextPool.given(
+            pool,
+            url,
+            "TTSServerService",
+            api_key=api_key,
+            contexts_per_connection=contexts_per_connection,
+            sample_rate=sample_rate,
+        )
         super().__init__(pool, **kwargs)
 
     async def start(self, frame: StartFrame):
